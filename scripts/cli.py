@@ -1,0 +1,52 @@
+"""The ``wt`` command line: thin typer commands over the scripts' ``run`` functions.
+
+Each command imports its implementation lazily, so ``wt --help`` is instant and
+a command only pays for what it uses (Ray, torch, pyverbs, Mooncake).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a baseline beside us.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("transport")
+def bench_transport(
+    sizes: str = typer.Option(
+        "1M,4M,16M,64M,256M,1G", help="Comma-separated write sizes (K/M/G suffixes)."
+    ),
+    repeats: int = typer.Option(5, min=1, help="Timed writes per size (best is reported)."),
+    backends: str = typer.Option(
+        "memcpy,simnic,mooncake_tcp", help="Which of memcpy, simnic, mooncake_tcp to run."
+    ),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON."),
+) -> None:
+    """GB/s of memcpy, simnic and mooncake-tcp, side by side, 1 MiB to 1 GiB."""
+    from scripts.bench_transport import run
+
+    raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))
+
+
+@app.command("selftest")
+def selftest(
+    device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),
+    size: str = typer.Option("256M", help="Bytes to write in the loopback test."),
+    gid_index: int = typer.Option(0, help="GID index (RoCE needs one with an IP)."),
+) -> None:
+    """RDMA WRITE loopback on a real device: verify the bytes and report GB/s."""
+    from scripts.selftest import run
+
+    raise typer.Exit(run(device=device, size=size, gid_index=gid_index))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: system packages, a virtual environment in .venv,
+# torch (the local CPU wheel) first, then the project with its extras.
+# Safe to run again; each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+APT_PKGS="python3-pyverbs libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 ibverbs-providers"
+if command -v apt-get >/dev/null 2>&1; then
+  missing=$(for p in $APT_PKGS; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+  if [ -n "$missing" ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    echo "== apt: installing" $missing
+    $SUDO apt-get update -qq || true
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/pip"
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first: a plain torch requirement would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
+EXTRAS="dev"
+# Mooncake's wheel is x86_64/aarch64 Linux only; it is optional.
+if $PIP install -q mooncake-transfer-engine-non-cuda >/dev/null 2>&1; then EXTRAS="dev,mooncake"; fi
+$PIP install -q -e ".[$EXTRAS]"
+.venv/bin/python scripts/setup_pyverbs.py
+echo "== ready: .venv (extras: $EXTRAS)"
