@@ -106,9 +106,13 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.kind not in ("shard", "replicate", "partial"):
-            raise ValueError(f"placement kind must be shard, replicate or partial, not {self.kind!r}")
+            raise ValueError(
+                f"placement kind must be shard, replicate or partial, not {self.kind!r}"
+            )
         if (self.kind == "shard") != (self.dim is not None):
-            raise ValueError(f"placement {self.kind!r} with dim={self.dim!r}: only shard takes a dim")
+            raise ValueError(
+                f"placement {self.kind!r} with dim={self.dim!r}: only shard takes a dim"
+            )
 
     def __str__(self) -> str:
         return f"Shard({self.dim})" if self.kind == "shard" else self.kind.capitalize() + "()"

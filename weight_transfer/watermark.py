@@ -1,0 +1,90 @@
+"""An asyncio semaphore counted in bytes: the memory watermark of the pipeline.
+
+A task reserves the temporary bytes it will hold (gathered tensor, prepared
+buffer) before it enters the pipeline and releases them when it leaves::
+
+    wm = ByteWatermark(limit=2 << 30)
+    async with wm.reserve(nbytes):
+        ...  # at most `limit` bytes are reserved at any moment
+
+Admission is FIFO (a large task at the head is not starved by small ones that
+arrive later), and a single reservation larger than the limit is admitted once
+nothing else is held, so it runs alone instead of deadlocking. ``peak`` records
+the largest total ever held, for tests and reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class ByteWatermark:
+    """FIFO byte budget; see the module docstring."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"watermark limit must be positive, got {limit}")
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self.oversized = 0  # reservations admitted alone because they exceed the limit
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        if nbytes > self.limit:
+            return self.held == 0
+        return self.held + nbytes <= self.limit
+
+    def _grant(self, nbytes: int) -> None:
+        if nbytes > self.limit:
+            self.oversized += 1
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    async def acquire(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative number of bytes ({nbytes})")
+        if not self._waiters and self._fits(nbytes):
+            self._grant(nbytes)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(nbytes)  # granted just before the cancel landed
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, nbytes: int) -> None:
+        if nbytes > self.held:
+            raise RuntimeError(f"watermark release of {nbytes} B exceeds the {self.held} B held")
+        self.held -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            nbytes, fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if not self._fits(nbytes):
+                return
+            self._waiters.popleft()
+            self._grant(nbytes)
+            fut.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, nbytes: int) -> AsyncIterator[None]:
+        await self.acquire(nbytes)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
