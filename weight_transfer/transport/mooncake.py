@@ -1,0 +1,461 @@
+"""Mooncake TransferEngine as a transport: one engine is one NIC of one process.
+
+Usage (the optional ``mooncake`` extra must be installed)::
+
+    nic = make_transport("mooncake", owner="engine0/tp1", nic="mc0",
+                         protocol="tcp", hostname="127.0.0.1", device_name="")
+    desc = nic.register(tensor)                # target: publish desc (plain data)
+    writer.connect(nic.peer_info("trainer3"))  # writer, once at setup
+    await writer.write(src, desc, dst_offset)  # the target runs no Python code
+
+How it maps onto Mooncake (checked against mooncake-transfer-engine-non-cuda 0.3.13):
+
+1. ``initialize(hostname, "P2PHANDSHAKE", protocol, device_name)``: no metadata
+   server; each engine answers handshakes on its own RPC port and the session
+   id ``"host:port"`` (``PeerInfo.endpoint["session_id"]``) names it.
+2. ``register`` is ``register_memory``. ``connect`` probes the peer's handshake
+   port (``send_probe``); Mooncake opens the session at the first write.
+3. ``write`` cuts the source into chunks of ``chunk_bytes``, submits each with
+   ``transfer_submit_write`` on one daemon thread (a submit that opens a session
+   to a stalled peer blocks for about a minute, and Mooncake serializes submits
+   behind it anyway) and polls ``transfer_check_status`` from the event loop
+   (``transfer_sync_write`` would busy-wait a core). At most ``max_inflight``
+   chunks are in flight per event loop.
+4. A chunk not done after ``timeout_s + bytes / min_gbps`` fails with
+   :class:`PeerUnreachableError`. Mooncake may still read its source later, so
+   the batch and the source stay referenced until Mooncake reports an end
+   (after ``close``: for the life of the process).
+
+Protection. Mooncake has no remote keys: each region gets a random ``rkey`` for
+its descriptor, but the TCP protocol cannot enforce it (a forged rkey with a
+live address range writes). Enforced are: on the writer, the range against the
+descriptor (out of bounds: :class:`RemoteAccessError`, nothing sent); on the
+target's TCP server, that each chunk lies inside one buffer registered now
+(deregistered regions, forged lengths). A refused chunk is reported as
+:class:`RemoteAccessError` when a probe shows the peer alive, else as
+:class:`PeerUnreachableError`; other chunks of the same write may have landed.
+
+Protocols other than ``"tcp"`` (``"rdma"``) send only from registered memory:
+register the source (staging) buffers with the writer's NIC too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from weight_transfer.transport.base import (
+    PeerUnreachableError,
+    RemoteAccessError,
+    SourceBuffer,
+    TransportError,
+    check_write_range,
+    source_buffer,
+    target_buffer,
+)
+from weight_transfer.types import PeerInfo, RegionDesc
+
+logger = logging.getLogger(__name__)
+
+METADATA = "P2PHANDSHAKE"
+_SUBMIT_FAILED = frozenset({0, -1, 2**64 - 1})  # batch ids Mooncake returns on failure
+_DONE, _PENDING = 1, 0  # transfer_check_status: 1 done, 0 pending, -1 failed, -2 timed out
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
+_GRAVEYARD: list[Any] = []  # engines closed with transfers in flight, kept alive
+INSTALL_HINT = (
+    "install the `mooncake` extra: pip install 'weight-transfer[mooncake]' (its wheel "
+    "also needs libibverbs1, librdmacm1, libnuma1, liburing2 and libcurl4; see scripts/setup.sh)"
+)
+
+
+def load_engine_class() -> type:
+    """Mooncake's ``TransferEngine`` class, or a RuntimeError saying how to install it."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines flood stderr
+    try:
+        from mooncake.engine import TransferEngine
+    except (ImportError, OSError) as exc:
+        raise RuntimeError(f"Mooncake TransferEngine unavailable ({exc}); {INSTALL_HINT}") from exc
+    return TransferEngine
+
+
+def split_chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` pieces of at most ``chunk_bytes`` covering ``[0, nbytes)``."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
+
+
+def chunk_deadline_s(nbytes: int, timeout_s: float, min_gbps: float) -> float:
+    """Seconds a chunk may take: a fixed allowance plus its bytes at the slowest rate."""
+    return timeout_s + nbytes / (min_gbps * 1e9)
+
+
+def parse_session_id(session_id: Any, where: str) -> str:
+    """Check a ``"host:port"`` session id; ValueError naming ``where`` otherwise."""
+    host, sep, port = str(session_id).rpartition(":")
+    if not isinstance(session_id, str) or not sep or not host or not port.isdigit():
+        raise ValueError(f"{where}: session_id must be 'host:port', got {session_id!r}")
+    return session_id
+
+
+class CallThread:
+    """One daemon thread for engine calls that may block on a stalled peer.
+
+    Not an executor: a call stuck in Mooncake must not keep the interpreter
+    from exiting.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0  # calls queued or running
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._pending += 1
+        self._queue.put((fn, args, fut))
+        return fut
+
+    @property
+    def busy(self) -> bool:
+        return self._pending > 0
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args, fut = item
+            result, error = None, None
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as exc:
+                    error = exc
+            with self._lock:  # before waking the caller, so that it sees us idle
+                self._pending -= 1
+            if fut.cancelled():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One submitted piece of a write, for error messages."""
+
+    session: str
+    peer: str
+    src_addr: int
+    dst_addr: int
+    nbytes: int
+    what: str
+
+
+class MooncakeTransport:
+    """One Mooncake engine = one NIC of this process. See the module docstring."""
+
+    kind = "mooncake"
+
+    def __init__(
+        self, *, owner: str, nic: str = "mc0", protocol: str = "tcp",
+        hostname: str = "127.0.0.1", device_name: str = "", max_inflight: int = 8,
+        chunk_bytes: int = 64 << 20, timeout_s: float = 30.0, min_gbps: float = 0.1,
+        connect_timeout_s: float = 20.0,
+    ) -> None:
+        if not (owner and nic and protocol and hostname):
+            raise ValueError(f"owner, nic, protocol, hostname must be non-empty ({owner=}, {nic=})")
+        if min(max_inflight, chunk_bytes, timeout_s, min_gbps, connect_timeout_s) <= 0:
+            raise ValueError(
+                f"mooncake {owner}/{nic}: max_inflight={max_inflight}, chunk_bytes={chunk_bytes},"
+                f" timeout_s={timeout_s}, min_gbps={min_gbps}, connect_timeout_s="
+                f"{connect_timeout_s}: all must be positive"
+            )
+        self.owner, self.nic, self.protocol, self.hostname = owner, nic, protocol, hostname
+        self.max_inflight, self.chunk_bytes, self.timeout_s = max_inflight, chunk_bytes, timeout_s
+        self.min_gbps, self.connect_timeout_s = min_gbps, connect_timeout_s
+        engine = load_engine_class()()
+        rc = engine.initialize(hostname, METADATA, protocol, device_name)
+        if rc != 0:
+            raise TransportError(
+                f"mooncake {owner}/{nic}: initialize(hostname={hostname!r}, protocol={protocol!r},"
+                f" device_name={device_name!r}) returned {rc}"
+            )
+        self._engine = engine
+        self.session_id = f"{hostname}:{engine.get_rpc_port()}"
+        self._calls = CallThread(f"mooncake-{owner}-{nic}")
+        self._lock = threading.Lock()
+        self._regions: dict[int, tuple[RegionDesc, Any]] = {}  # addr -> (desc, keepalive)
+        self._peers: dict[tuple[str, str], str] = {}  # (owner, nic) -> session id
+        self._abandoned: list[tuple[int, Any]] = []  # (batch id, source it may still read)
+        self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> sem
+        self._closed = False
+        logger.info("mooncake %s/%s: %s engine at %s", owner, nic, protocol, self.session_id)
+
+    # ------------------------------------------------------------------ regions
+
+    def register(self, buf: Any) -> RegionDesc:
+        """Register ``buf`` with the engine; the rkey is ours only (see the module doc)."""
+        self._check_open()
+        tb = target_buffer(buf)
+        with self._lock:
+            for d, _ in self._regions.values():
+                if tb.addr < d.addr + d.length and d.addr < tb.addr + tb.nbytes:
+                    raise ValueError(
+                        f"mooncake {self.owner}/{self.nic}: memory [{tb.addr:#x}, +{tb.nbytes}) "
+                        f"overlaps {d.describe()}; Mooncake cannot register overlapping regions"
+                    )
+            rc = self._engine.register_memory(tb.addr, tb.nbytes)
+            if rc != 0:
+                raise TransportError(
+                    f"mooncake {self.owner}/{self.nic}: register_memory(addr={tb.addr:#x}, "
+                    f"length={tb.nbytes}) returned {rc}"
+                )
+            desc = RegionDesc(
+                owner=self.owner, nic=self.nic, addr=tb.addr, length=tb.nbytes,
+                rkey=_new_rkey({d.rkey for d, _ in self._regions.values()}),
+                transport=self.kind, node=self.hostname,
+            )
+            self._regions[tb.addr] = (desc, tb.keepalive)
+        logger.debug("mooncake %s/%s: registered %s", self.owner, self.nic, desc.describe())
+        return desc
+
+    def deregister(self, desc: RegionDesc) -> None:
+        """Unregister a region; the target's server then refuses writes into it."""
+        self._check_open()
+        with self._lock:
+            if self._regions.get(desc.addr, (None,))[0] != desc:
+                raise ValueError(
+                    f"mooncake {self.owner}/{self.nic}: {desc.describe()} is not registered here"
+                )
+            rc = self._engine.unregister_memory(desc.addr)
+            if rc != 0:
+                raise TransportError(
+                    f"mooncake {self.owner}/{self.nic}: unregister_memory of {desc.describe()} "
+                    f"returned {rc}"
+                )
+            del self._regions[desc.addr]
+
+    def regions(self) -> list[RegionDesc]:
+        """Descriptors of the regions registered now."""
+        with self._lock:
+            return [d for d, _ in self._regions.values()]
+
+    # ------------------------------------------------------------------ peers
+
+    def peer_info(self, remote_owner: str) -> PeerInfo:
+        """What ``remote_owner`` passes to ``connect`` to write into this NIC's regions."""
+        self._check_open()
+        return PeerInfo(
+            owner=self.owner, nic=self.nic, transport=self.kind,
+            endpoint={"session_id": self.session_id, "protocol": self.protocol},
+        )
+
+    def connect(self, peer: PeerInfo) -> None:
+        """Check that the peer answers on its handshake port, then record its session."""
+        self._check_open()
+        where = f"mooncake {self.owner}/{self.nic}: connect to {peer.owner}/{peer.nic}"
+        if peer.transport != self.kind:
+            raise ValueError(f"{where}: the peer info is for transport {peer.transport!r}")
+        session = parse_session_id(peer.endpoint.get("session_id"), where)
+        if peer.endpoint.get("protocol", self.protocol) != self.protocol:
+            raise ValueError(
+                f"{where}: peer speaks {peer.endpoint['protocol']!r}, this NIC {self.protocol!r}"
+            )
+        fut = self._calls.call(self._engine.send_probe, session)
+        try:
+            rc = fut.result(timeout=self.connect_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise PeerUnreachableError(
+                f"{where}: no answer from {session} within {self.connect_timeout_s:.0f}s"
+            ) from None
+        if rc != 0:
+            raise PeerUnreachableError(f"{where}: handshake probe of {session} failed (code {rc})")
+        with self._lock:
+            self._peers[(peer.owner, peer.nic)] = session
+        logger.info("%s: session %s", where, session)
+
+    def _session_for(self, dst: RegionDesc) -> str:
+        me = f"mooncake {self.owner}/{self.nic}"
+        if not isinstance(dst, RegionDesc):
+            raise ValueError(f"{me}: write destination must be a RegionDesc, not {type(dst)}")
+        if dst.transport != self.kind:
+            raise ValueError(f"{me}: {dst.describe()} belongs to transport {dst.transport!r}")
+        if dst.addr <= 0 or dst.length <= 0:
+            raise ValueError(f"{me}: bad descriptor {dst.describe()}")
+        with self._lock:
+            session = self._peers.get((dst.owner, dst.nic))
+        if session is None:
+            raise PeerUnreachableError(
+                f"{me}: not connected to {dst.owner}/{dst.nic} (the owner of "
+                f"{dst.describe()}); call connect(peer_info) first"
+            )
+        return session
+
+    # ------------------------------------------------------------------ writes
+
+    async def write(self, src: Any, dst: RegionDesc, dst_offset: int = 0) -> None:
+        """One-sided write of all of ``src`` into ``dst`` at ``dst_offset`` bytes."""
+        self._check_open()
+        session = self._session_for(dst)
+        sb = source_buffer(src)
+        check_write_range(dst, dst_offset, sb.nbytes)
+        if sb.nbytes == 0:
+            return
+        self._reap()
+        what = f"write of {sb.nbytes} B at offset {dst_offset} into {dst.describe()}"
+        if self.protocol != "tcp" and not self._registered_here(sb):
+            raise ValueError(
+                f"mooncake {self.owner}/{self.nic}: {what}: protocol {self.protocol!r} sends only "
+                f"from registered memory; register the source [{sb.addr:#x}, +{sb.nbytes}) first"
+            )
+        try:
+            async with asyncio.TaskGroup() as group:
+                for off, n in split_chunks(sb.nbytes, self.chunk_bytes):
+                    chunk = _Chunk(session, f"{dst.owner}/{dst.nic}", sb.addr + off,
+                                   dst.addr + dst_offset + off, n, what)
+                    group.create_task(self._write_chunk(chunk, sb.keepalive))
+        except BaseExceptionGroup as group_exc:
+            raise _first_error(group_exc) from None
+
+    async def _write_chunk(self, chunk: _Chunk, keepalive: Any) -> None:
+        where = f"mooncake {self.owner}/{self.nic}: {chunk.what} to {chunk.peer} at {chunk.session}"
+        async with self._semaphore():
+            deadline = time.monotonic() + chunk_deadline_s(chunk.nbytes, self.timeout_s,
+                                                           self.min_gbps)
+            fut = self._calls.call(self._engine.transfer_submit_write, chunk.session,
+                                   chunk.src_addr, chunk.dst_addr, chunk.nbytes)
+            try:
+                bid = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+            except BaseException as exc:
+                fut.add_done_callback(lambda f: self._adopt(f, keepalive))
+                if isinstance(exc, TimeoutError):
+                    raise PeerUnreachableError(
+                        f"{where}: submit blocked for {self.timeout_s:.0f}s (handshake stalled)"
+                    ) from None
+                raise
+            if bid in _SUBMIT_FAILED:
+                raise PeerUnreachableError(f"{where}: submit failed (the session did not open)")
+            try:
+                status = await self._poll(bid, deadline)
+            except BaseException:
+                self._abandon(bid, keepalive)
+                raise
+            if status is None:
+                self._abandon(bid, keepalive)
+                raise PeerUnreachableError(
+                    f"{where}: a chunk of {chunk.nbytes} B did not complete within "
+                    f"{chunk_deadline_s(chunk.nbytes, self.timeout_s, self.min_gbps):.1f}s"
+                )
+            if status != _DONE:
+                raise await self._classify_failure(chunk, status, where)
+
+    async def _poll(self, bid: int, deadline: float) -> int | None:
+        """Final status of a batch (1 done, <0 failed), or None past the deadline."""
+        delay = _POLL_MIN_S
+        while (status := self._engine.transfer_check_status(bid)) == _PENDING:
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return status
+
+    async def _classify_failure(self, chunk: _Chunk, status: int, where: str) -> TransportError:
+        """A failed chunk: refused by a live peer, or the peer is gone (no probe answer)."""
+        fut = self._calls.call(self._engine.send_probe, chunk.session)
+        try:
+            probe = await asyncio.wait_for(asyncio.wrap_future(fut), self.connect_timeout_s)
+        except TimeoutError:
+            probe = None
+        if probe == 0:
+            return RemoteAccessError(
+                f"{where}: refused (status {status}): bytes [{chunk.dst_addr:#x}, "
+                f"+{chunk.nbytes}) are not inside a region the target has registered now"
+            )
+        return PeerUnreachableError(
+            f"{where}: failed (status {status}) and the peer does not answer a probe ({probe})"
+        )
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if (sem := self._sems.get(loop)) is None:
+            sem = self._sems[loop] = asyncio.Semaphore(self.max_inflight)
+        return sem
+
+    def _registered_here(self, sb: SourceBuffer) -> bool:
+        with self._lock:
+            return any(d.addr <= sb.addr and sb.addr + sb.nbytes <= d.addr + d.length
+                       for d, _ in self._regions.values())
+
+    # ------------------------------------------------------------------ abandoned batches
+
+    def _abandon(self, bid: int, keepalive: Any) -> None:
+        with self._lock:
+            self._abandoned.append((bid, keepalive))
+
+    def _adopt(self, fut: concurrent.futures.Future, keepalive: Any) -> None:
+        """A submit that returned after its write gave up: track the batch it started."""
+        if not fut.cancelled() and fut.exception() is None and fut.result() not in _SUBMIT_FAILED:
+            self._abandon(fut.result(), keepalive)
+
+    def _reap(self) -> None:
+        """Forget abandoned batches Mooncake has ended (checking frees them)."""
+        with self._lock:
+            self._abandoned[:] = [
+                (bid, keep) for bid, keep in self._abandoned
+                if self._engine.transfer_check_status(bid) == _PENDING
+            ]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"mooncake {self.owner}/{self.nic} is closed")
+
+    def close(self) -> None:
+        """Unregister every region and release the engine; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reap()
+        with self._lock:
+            for addr in self._regions:
+                self._engine.unregister_memory(addr)
+            self._regions.clear()
+        self._calls.stop()
+        if self._abandoned or self._calls.busy:
+            logger.warning(
+                "mooncake %s/%s: closed with %d transfers in flight; keeping the engine and "
+                "their sources alive", self.owner, self.nic, len(self._abandoned),
+            )
+            _GRAVEYARD.append((self._engine, self._abandoned, self._calls))
+        self._engine = None
+
+
+def _new_rkey(live: set[int]) -> int:
+    """A random nonzero 32-bit key that no live region uses."""
+    while (key := secrets.randbits(32)) == 0 or key in live:
+        pass
+    return key
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf of the exception group a TaskGroup of chunks raised."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
