@@ -1,0 +1,324 @@
+"""simnic: a simulated RDMA NIC with RDMA semantics, for hosts without RDMA hardware.
+
+One :class:`SimNic` is one NIC of one process; a process may hold several.
+
+* ``register(buf)`` pre-faults the memory, picks a random 32-bit rkey and
+  publishes (addr, length, rkey, live) in the NIC's region table, a small
+  shared-memory file (see :mod:`._regtable`).
+* ``peer_info()`` publishes the pid, its start time (pid reuse is detected) and
+  the table's fd number; ``connect(peer)`` opens the peer's table through
+  ``/proc/<pid>/fd/<n>`` and a pidfd on the peer process. The peer runs no code.
+* ``await write(src, dst, offset)`` is a one-sided WRITE: in a worker thread, per
+  chunk of ``chunk_bytes``, it takes the shared lock on the target slot, checks
+  rkey, bounds and liveness, and copies with ``process_vm_writev`` straight into
+  the target's memory. Refused writes raise :class:`RemoteAccessError` or
+  :class:`PeerUnreachableError` naming the region and peer, and write nothing.
+* ``deregister(desc)`` revokes the region: once it returns, no write lands.
+* Link model: ``bandwidth_gbps`` caps the NIC (1 GB/s = 1e9 B/s), ``latency_us``
+  is added to every write, ``max_inflight`` bounds writes in flight (more
+  await), ``set_link(False)`` and ``fail_after_bytes(n)`` inject faults.
+
+Usage (target and writer may be different processes on one host)::
+
+    target = SimNic(owner="engine0", nic="nic0")
+    desc = target.register(weights)                   # send desc + peer info over
+    writer = SimNic(owner="trainer0", nic="nic1")
+    writer.connect(target.peer_info("trainer0"))
+    await writer.write(tensor, desc, dst_offset=4096)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from weight_transfer.transport import _vm
+from weight_transfer.transport._datapath import DataPath, Peer
+from weight_transfer.transport._link import LinkModel
+from weight_transfer.transport._regtable import RegionTable, RemoteTable
+from weight_transfer.transport.base import (
+    PeerUnreachableError,
+    TransportError,
+    check_write_range,
+    source_buffer,
+    target_buffer,
+)
+from weight_transfer.types import PeerInfo, RegionDesc
+
+logger = logging.getLogger(__name__)
+
+_ENDPOINT_KEYS = ("pid", "start_time", "table_fd", "table_nonce", "boot_id", "pid_ns")
+
+
+@dataclass(slots=True)
+class _Registered:
+    slot: int
+    desc: RegionDesc
+    keepalive: Any
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"SimNic: {name} must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def _check_args(owner: Any, nic: Any, bandwidth_gbps: Any, latency_us: Any) -> None:
+    for name, value in (("owner", owner), ("nic", nic)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"SimNic: {name} must be a non-empty string, not {value!r}")
+    if bandwidth_gbps is not None and (
+        isinstance(bandwidth_gbps, bool)
+        or not isinstance(bandwidth_gbps, int | float)
+        or not math.isfinite(bandwidth_gbps)
+        or bandwidth_gbps <= 0
+    ):
+        raise ValueError(f"SimNic: bandwidth_gbps must be None or > 0, not {bandwidth_gbps!r}")
+    if (
+        isinstance(latency_us, bool)
+        or not isinstance(latency_us, int | float)
+        or not math.isfinite(latency_us)
+        or latency_us < 0
+    ):
+        raise ValueError(f"SimNic: latency_us must be a number >= 0, not {latency_us!r}")
+
+
+class SimNic:
+    """A simulated RDMA NIC (implements :class:`~weight_transfer.transport.base.Transport`)."""
+
+    kind = "simnic"
+
+    def __init__(
+        self,
+        *,
+        owner: str,
+        nic: str = "nic0",
+        bandwidth_gbps: float | None = None,
+        latency_us: float = 0.0,
+        max_inflight: int = 4,
+        chunk_bytes: int = 8 << 20,
+        max_regions: int = 16384,
+        node: str = "",
+    ) -> None:
+        _check_args(owner, nic, bandwidth_gbps, latency_us)
+        self.owner, self.nic, self.node = owner, nic, node
+        self.bandwidth_gbps = bandwidth_gbps
+        self.latency_us = float(latency_us)
+        self.max_inflight = _positive_int("max_inflight", max_inflight, 1)
+        self.chunk_bytes = _positive_int("chunk_bytes", chunk_bytes, _vm.PAGE_SIZE)
+        _positive_int("max_regions", max_regions, 1)
+        self.label = f"NIC {owner}/{nic}"
+        if max_regions > 1 << 20:
+            raise ValueError(f"SimNic: max_regions must be at most 2**20, not {max_regions}")
+        self._table = RegionTable(f"{owner}-{nic}", max_regions)
+        self._link = LinkModel(bandwidth_gbps)
+        self._regions: dict[int, _Registered] = {}
+        self._peers: dict[tuple[str, str], Peer] = {}
+        self._retired: list[Peer] = []
+        self._mutex = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"simnic-{nic}")
+        self._sems: weakref.WeakKeyDictionary[Any, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the NIC closes
+        self._closed = False
+        self._path = DataPath(
+            label=self.label, link=self._link, chunk_bytes=self.chunk_bytes,
+            wake_fd=self._wake, is_closed=lambda: self._closed,
+        )
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this NIC delivered into remote memory."""
+        return self._link.bytes_written
+
+    @property
+    def writes(self) -> int:
+        """Writes this NIC completed successfully."""
+        return self._link.writes
+
+    @property
+    def inflight(self) -> int:
+        return self._link.inflight
+
+    @property
+    def peak_inflight(self) -> int:
+        """Most writes ever admitted at once (never above ``max_inflight``)."""
+        return self._link.peak_inflight
+
+    # ------------------------------------------------------------------ target side
+
+    def register(self, buf: Any) -> RegionDesc:
+        """Pre-fault ``buf`` and expose it to writers; returns its descriptor."""
+        self._check_open()
+        mem = target_buffer(buf)
+        _vm.prefault(mem.addr, mem.nbytes)
+        try:
+            slot, rkey = self._table.add(mem.addr, mem.nbytes)
+        except OverflowError as e:
+            raise TransportError(f"{self.label}: cannot register {mem.nbytes} B: {e}") from None
+        desc = RegionDesc(
+            owner=self.owner, nic=self.nic, addr=mem.addr, length=mem.nbytes, rkey=rkey,
+            transport=self.kind, node=self.node,
+        )
+        with self._mutex:
+            self._regions[rkey] = _Registered(slot=slot, desc=desc, keepalive=mem.keepalive)
+        logger.debug("%s registered %s", self.label, desc.describe())
+        return desc
+
+    def deregister(self, desc: RegionDesc) -> None:
+        """Revoke ``desc``: waits for chunks in flight into it; no later write lands."""
+        self._check_open()
+        with self._mutex:
+            reg = self._regions.get(desc.rkey)
+            if reg is None or reg.desc != desc:
+                raise ValueError(f"{desc.describe()} is not registered on {self.label}")
+            del self._regions[desc.rkey]
+        self._table.revoke(reg.slot)
+        logger.debug("%s deregistered %s", self.label, desc.describe())
+
+    def set_link(self, up: bool) -> None:
+        """Bring this NIC's link up or down; down, writes from and into it fail."""
+        self._link.up = bool(up)
+        if not self._closed:
+            self._table.set_link(bool(up))
+
+    def fail_after_bytes(self, nbytes: int | None) -> None:
+        """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
+        if nbytes is not None:
+            _positive_int("fail_after_bytes", nbytes, 0)
+        self._link.set_budget(nbytes)
+
+    def peer_info(self, remote_owner: str = "") -> PeerInfo:
+        """How to reach this NIC (the same for every ``remote_owner``)."""
+        self._check_open()
+        boot_id, pid_ns = _vm.host_identity()
+        pid = os.getpid()
+        endpoint = {
+            "pid": pid,
+            "start_time": _vm.proc_start_time(pid),
+            "table_fd": self._table.fd,
+            "table_nonce": self._table.nonce.hex(),
+            "boot_id": boot_id,
+            "pid_ns": pid_ns,
+        }
+        return PeerInfo(owner=self.owner, nic=self.nic, transport=self.kind, endpoint=endpoint)
+
+    # ------------------------------------------------------------------ writer side
+
+    def connect(self, peer: PeerInfo) -> None:
+        """Open ``peer``'s region table and process handle (idempotent per endpoint)."""
+        self._check_open()
+        if peer.transport != self.kind:
+            raise ValueError(f"{self.label} cannot connect to a {peer.transport!r} endpoint")
+        missing = [k for k in _ENDPOINT_KEYS if k not in peer.endpoint]
+        if missing:
+            raise ValueError(f"peer info of {peer.owner}/{peer.nic} lacks {missing}")
+        ep = peer.endpoint
+        label = f"peer {peer.owner}/{peer.nic} (pid {ep['pid']})"
+        if (ep["boot_id"], ep["pid_ns"]) != _vm.host_identity():
+            raise PeerUnreachableError(
+                f"{label} is on another host or pid namespace; simnic reaches only this one"
+            )
+        key = (peer.owner, peer.nic)
+        with self._mutex:
+            if key in self._peers and self._peers[key].endpoint == ep:
+                return
+        try:
+            proc = _vm.ProcessHandle.open(ep["pid"], start_time=ep["start_time"])
+        except ProcessLookupError as e:
+            raise PeerUnreachableError(f"cannot connect to {label}: {e}") from None
+        try:
+            table = RemoteTable(ep["pid"], ep["table_fd"], bytes.fromhex(ep["table_nonce"]))
+        except OSError as e:
+            proc.close()
+            raise PeerUnreachableError(f"cannot open the region table of {label}: {e}") from None
+        with self._mutex:
+            old = self._peers.get(key)
+            self._peers[key] = Peer(label=label, endpoint=dict(ep), proc=proc, table=table)
+            if old is not None:
+                self._retired.append(old)  # a write in flight may still use it
+        logger.info("%s connected to %s", self.label, label)
+
+    async def write(self, src: Any, dst: RegionDesc, dst_offset: int = 0) -> None:
+        """One-sided WRITE of all of ``src`` into ``dst`` at ``dst_offset`` bytes."""
+        self._check_open()
+        mem = source_buffer(src)
+        if dst.transport != self.kind:
+            raise ValueError(f"{dst.describe()} belongs to transport {dst.transport!r}")
+        if isinstance(dst_offset, bool) or not isinstance(dst_offset, int):
+            raise ValueError(f"dst_offset must be an int, not {dst_offset!r}")
+        check_write_range(dst, dst_offset, mem.nbytes)
+        peer = self._peer_for(dst)
+        async with self._semaphore():
+            self._link.enter()
+            ok = False
+            try:
+                if self.latency_us:
+                    await asyncio.sleep(self.latency_us / 1e6)
+                self._check_open()
+                abort = threading.Event()
+                job = self._executor.submit(self._path.transfer, peer, dst, dst_offset, mem, abort)
+                try:
+                    await asyncio.wrap_future(job)
+                except asyncio.CancelledError:
+                    abort.set()  # the worker stops before its next chunk
+                    raise
+                ok = True
+            finally:
+                self._link.leave(ok)
+
+    def close(self) -> None:
+        """Abort writes in flight, deregister everything, drop connections (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        os.eventfd_write(self._wake, 1)
+        self._executor.shutdown(wait=True)
+        with self._mutex:
+            regions, self._regions = list(self._regions.values()), {}
+            peers = [*self._peers.values(), *self._retired]
+            self._peers, self._retired = {}, []
+        for reg in regions:
+            self._table.revoke(reg.slot)
+        self._table.close()
+        for peer in peers:
+            peer.close()
+        os.close(self._wake)
+        logger.debug("%s closed", self.label)
+
+    def __enter__(self) -> SimNic:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.label} is closed")
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        sem = self._sems.get(loop)
+        if sem is None:
+            sem = self._sems[loop] = asyncio.Semaphore(self.max_inflight)
+        return sem
+
+    def _peer_for(self, dst: RegionDesc) -> Peer:
+        with self._mutex:
+            peer = self._peers.get((dst.owner, dst.nic))
+        if peer is None:
+            raise PeerUnreachableError(
+                f"{self.label} is not connected to peer {dst.owner}/{dst.nic}; call "
+                f"connect() with its peer info first (writing into {dst.describe()})"
+            )
+        return peer
