@@ -10,7 +10,8 @@ domain and a completion queue. Then, as for every transport:
    address the MR is addressed by: the virtual address, or for GPU memory the
    offset in the dma-buf (the MR's iova);
 2. both sides call ``peer_info(other_owner)`` (creates the QP dedicated to that
-   peer), exchange the results and ``connect`` (INIT -> RTR -> RTS);
+   peer), exchange the results and ``connect`` (INIT -> RTR -> RTS); either
+   order works, ``connect`` creates the QP too when it comes first;
 3. the writer awaits ``write(src, dst, offset)``: the bytes go as signaled
    ``IBV_WR_RDMA_WRITE`` work requests of at most ``chunk_bytes`` (and the
    port's max message size), with at most ``max_inflight`` outstanding per
@@ -30,6 +31,9 @@ peer raise PeerUnreachableError until both sides ``connect`` again (the same
 ``PeerInfo`` can be reused: connect resets the QP). Without pyverbs or without a
 device, construction raises ``RdmaUnavailableError`` (a RuntimeError) that says
 what to install or that simnic is the transport to use.
+
+``verbs`` (default: the pyverbs modules from ``rdma_verbs.import_pyverbs``) is
+the verbs provider; the unit tests pass an in-process model of a device.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from weight_transfer.transport.base import (
@@ -107,10 +112,10 @@ class RdmaTransport:
     def __init__(self, *, owner: str, nic: str | None = None, device: str | None = None,
                  port: int = 1, gid_index: int = 0, max_inflight: int = 16,
                  chunk_bytes: int = 16 << 20, node: str = "", timeout: int = 14,
-                 retry_cnt: int = 7) -> None:
+                 retry_cnt: int = 7, verbs: SimpleNamespace | None = None) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
-        self._pv = pv = import_pyverbs()
+        self._pv = pv = verbs if verbs is not None else import_pyverbs()
         self.device, self._ctx, self._port = open_device(pv, device, port, gid_index)
         try:
             if not 1 <= max_inflight <= self._port.max_qp_wr:
@@ -186,6 +191,10 @@ class RdmaTransport:
 
     def peer_info(self, remote_owner: str) -> PeerInfo:
         """Create (or return) the QP dedicated to ``remote_owner``; give the result to it."""
+        conn = self._conn(remote_owner)
+        return make_peer_info(owner=self.owner, nic=self.nic, endpoint=conn.local)
+
+    def _conn(self, remote_owner: str) -> _Conn:
         conn = self._conns.get(remote_owner)
         if conn is None:
             qp = create_rc_qp(self._pv, self._pd, self._cq, self.max_inflight)
@@ -193,18 +202,19 @@ class RdmaTransport:
                               psn=secrets.randbits(24), port=self.port, mtu=self._port.mtu,
                               peer=remote_owner)
             conn = self._conns[remote_owner] = _Conn(qp=qp, local=ep)
-        return make_peer_info(owner=self.owner, nic=self.nic, endpoint=conn.local)
+        return conn
 
     def connect(self, peer: PeerInfo) -> None:
-        """Bring the QP for ``peer.owner`` to RTS; again after an error, to recover."""
+        """Bring the QP for ``peer.owner`` to RTS; again after an error, to recover.
+
+        ``connect`` and ``peer_info`` may come in either order: both create the QP
+        dedicated to the peer when it does not exist yet.
+        """
         ep = parse_endpoint(peer)
         if ep.peer != self.owner:
             raise ValueError(f"PeerInfo from {peer.owner!r} was made for {ep.peer!r}, not for "
                              f"{self.owner!r}: ask {peer.owner!r} for peer_info({self.owner!r})")
-        conn = self._conns.get(peer.owner)
-        if conn is None:
-            raise ValueError(f"{self.owner}: no queue pair for {peer.owner!r}; call "
-                             f"peer_info({peer.owner!r}) first and give the result to that peer")
+        conn = self._conn(peer.owner)
         pv = self._pv
         if conn.remote == ep and conn.error is None and \
                 qp_state(pv, conn.qp) == pv.enums.IBV_QPS_RTS:
