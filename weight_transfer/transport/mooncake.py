@@ -436,14 +436,16 @@ class MooncakeTransport:
             for addr in self._regions:
                 self._engine.unregister_memory(addr)
             self._regions.clear()
-        self._calls.stop()
+        box, self._engine = [self._engine], None  # from here on, the box holds the engine
         if self._abandoned or self._calls.busy:
             logger.warning(
                 "mooncake %s/%s: closed with %d transfers in flight; keeping the engine and "
                 "their sources alive", self.owner, self.nic, len(self._abandoned),
             )
-            _GRAVEYARD.append((self._engine, self._abandoned, self._calls))
-        self._engine = None
+            _GRAVEYARD.append((box.pop(), self._abandoned, self._calls))
+        else:  # the engine's destructor waits ~1 s for a metadata thread: not on the caller
+            self._calls.call(box.clear)
+        self._calls.stop()
 
 
 def _new_rkey(live: set[int]) -> int:
