@@ -1,0 +1,31 @@
+"""Pure planning of weight transfers: no Ray, no torch.distributed.
+
+``compute_plan`` maps trainer parameters onto engine tensors and assigns every
+destination byte range to one source rank; ``simulate`` predicts how long the
+plan takes on a cluster::
+
+    from scheduling import compute_plan, load_cluster_config, simulate
+    cluster = load_cluster_config("configs/clusters/local_cpu.yaml")
+    plan = compute_plan(trainer_meta, engine_metas, cluster, model=cfg)
+    plan.validate()
+    result = simulate(plan, cluster)   # seconds, per-NIC busy time, lower bound
+
+Modules: cluster (YAML configs), metadata (metas from a model config), match
+(engine tensors -> pieces), assign (pure balancing steps), build and plan (the
+Plan), validate, serialize (msgpack), simulate (discrete-event model).
+"""
+
+from scheduling.cluster import ClusterConfig, load_cluster_config
+from scheduling.plan import Plan, TrainerGroup, TrainerPlan, compute_plan
+from scheduling.simulate import SimResult, simulate
+
+__all__ = [
+    "ClusterConfig",
+    "Plan",
+    "SimResult",
+    "TrainerGroup",
+    "TrainerPlan",
+    "compute_plan",
+    "load_cluster_config",
+    "simulate",
+]

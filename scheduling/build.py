@@ -1,0 +1,302 @@
+"""Build a :class:`~scheduling.plan.Plan` from trainer metadata, engine metadata and pieces.
+
+``build_plan`` is the pure core of ``compute_plan``: it takes the pieces of
+each distinct engine shard (replicas with the same shard share them) and
+
+1. groups the trainer meshes (:func:`scheduling.assign.mesh_groups`);
+2. splits pieces larger than the group's balance granularity;
+3. fixes each mesh's gather order (:func:`scheduling.assign.interleave_order`);
+4. expands pieces into tasks (one per engine rank holding the shard), in
+   gather order, and assigns each a source rank of its mesh
+   (:func:`scheduling.assign.assign_sources`);
+5. resolves each task's region and offset from the engine metadata;
+6. orders each trainer's tasks (:func:`scheduling.assign.spread_order`).
+
+Everything per task is numpy; Python loops run over distinct pieces, params
+and meshes only::
+
+    plan = build_plan(trainer_meta, engine_metas, {shard: pieces, ...})
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from scheduling.assign import assign_sources, interleave_order, mesh_groups, spread_order
+from scheduling.plan import Plan
+from scheduling.tables import Interner, engine_table, grow_lookup, piece_table
+from weight_transfer.types import EngineRankMeta, MeshDesc, ParamMeta, Piece, ShardSpec, TrainerMeta
+
+log = logging.getLogger(__name__)
+
+SplitFn = Callable[[Piece, int], list[Piece]]
+
+
+def _default_split(piece: Piece, max_bytes: int) -> list[Piece]:
+    from weight_transfer.layout import split_piece
+
+    return split_piece(piece, max_bytes)
+
+
+def _param_index(params: Sequence[ParamMeta]) -> dict[str, int]:
+    index: dict[str, int] = {}
+    for i, p in enumerate(params):
+        if p.name in index:
+            raise ValueError(f"trainer parameter {p.name!r} listed twice")
+        index[p.name] = i
+    return index
+
+
+def _scheduling_meshes(params: Sequence[ParamMeta]) -> tuple[list[MeshDesc], list[int]]:
+    """Meshes with the same rank set are one scheduling mesh (same collective peers)."""
+    by_set: dict[frozenset[int], int] = {}
+    by_obj: dict[int, int] = {}  # params usually share MeshDesc objects: skip re-hashing
+    meshes: list[MeshDesc] = []
+    param_mesh = []
+    for p in params:
+        m = by_obj.get(id(p.mesh))
+        if m is None:
+            key = frozenset(p.mesh.ranks)
+            if key not in by_set:
+                by_set[key] = len(meshes)
+                meshes.append(p.mesh)
+            m = by_obj[id(p.mesh)] = by_set[key]
+        param_mesh.append(m)
+    return meshes, param_mesh
+
+
+def _trainer_nics(meta: TrainerMeta, meshes: Sequence[MeshDesc]) -> tuple[list[str], np.ndarray]:
+    ranks = sorted(meta.ranks, key=lambda r: r.rank)
+    if [r.rank for r in ranks] != list(range(len(ranks))):
+        raise ValueError(f"trainer ranks must be 0..{len(ranks) - 1} once each")
+    nics: dict[str, int] = {}
+    rank_nic = np.array([nics.setdefault(r.nic, len(nics)) for r in ranks], dtype=np.int64)
+    for m in meshes:
+        bad = [r for r in m.ranks if not 0 <= r < len(ranks)]
+        if bad:
+            raise ValueError(f"mesh {m.ranks} names trainer ranks {bad} with no RankInfo")
+    return list(nics), rank_nic
+
+
+def _shards(
+    engines: Sequence[EngineRankMeta], pieces_by_shard: Mapping[ShardSpec, Sequence[Piece]]
+) -> tuple[list[ShardSpec], list[list[int]]]:
+    """Distinct shards (first appearance) and the engine indices holding each."""
+    shards: dict[ShardSpec, list[int]] = {}
+    for e, meta in enumerate(engines):
+        shards.setdefault(meta.shard, []).append(e)
+    missing = [s for s in shards if s not in pieces_by_shard]
+    if missing:
+        raise ValueError(f"no pieces given for engine shards {missing}")
+    return list(shards), list(shards.values())
+
+
+def _granularity(
+    bytes_per_group: np.ndarray, nics_per_group: np.ndarray, per_nic: int, lo: int, hi: int
+) -> np.ndarray:
+    target = bytes_per_group / np.maximum(nics_per_group, 1) / max(per_nic, 1)
+    return np.clip(target, lo, hi).astype(np.int64)
+
+
+def _split_pieces(
+    pieces: Sequence[Piece], group_of: Callable[[Piece], int], gran: np.ndarray, split: SplitFn
+) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        limit = int(gran[group_of(p)])
+        out.extend(split(p, limit) if p.nbytes > limit else (p,))
+    return out
+
+
+def _gather_order(
+    groups: list[list[int]],
+    param_mesh: np.ndarray,
+    sig: np.ndarray,
+    pbytes: np.ndarray,
+    used: np.ndarray,
+) -> list[tuple[int, ...]]:
+    """Per group: params of each mesh (group's mesh order) in interleaved gather order."""
+    order: list[tuple[int, ...]] = []
+    for members in groups:
+        seq: list[int] = []
+        for m in members:
+            sel = np.flatnonzero((param_mesh == m) & used)
+            seq.extend(sel[interleave_order(sig[sel], pbytes[sel])].tolist())
+        order.append(tuple(seq))
+    return order
+
+
+def _expand(piece_order: np.ndarray, piece_shard: np.ndarray, shard_engines: list[list[int]]):
+    """Tasks (piece, engine) for each piece in order, one per engine holding its shard."""
+    counts_by_shard = np.array([len(e) for e in shard_engines], dtype=np.int64)
+    flat = np.array([e for es in shard_engines for e in es], dtype=np.int64)
+    ptr = np.concatenate(([0], np.cumsum(counts_by_shard)))
+    counts = counts_by_shard[piece_shard[piece_order]]
+    task_piece = np.repeat(piece_order, counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(len(task_piece), dtype=np.int64) - first
+    task_dst = flat[np.repeat(ptr[piece_shard[piece_order]], counts) + within]
+    return task_piece, task_dst
+
+
+def build_plan(
+    trainer_meta: TrainerMeta,
+    engines: Sequence[EngineRankMeta],
+    pieces_by_shard: Mapping[ShardSpec, Sequence[Piece]],
+    *,
+    pieces_per_nic: int = 32,
+    min_piece_bytes: int = 1 << 20,
+    max_piece_bytes: int = 256 << 20,
+    split: SplitFn | None = None,
+) -> Plan:
+    """See the module docstring. Deterministic in its inputs."""
+    t0 = time.perf_counter()
+    split = split or _default_split
+    params = trainer_meta.params
+    engines = tuple(engines)
+    param_index = _param_index(params)
+    meshes, param_mesh_list = _scheduling_meshes(params)
+    param_mesh = np.asarray(param_mesh_list, dtype=np.int64)
+    groups = mesh_groups([m.ranks for m in meshes])
+    mesh_group = np.empty(len(meshes), dtype=np.int64)
+    for g, members in enumerate(groups):
+        mesh_group[members] = g
+    send_nics, rank_nic = _trainer_nics(trainer_meta, meshes)
+    shards, shard_engines = _shards(engines, pieces_by_shard)
+    copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
+
+    def group_of(p: Piece) -> int:
+        return int(mesh_group[param_mesh[param_index[p.src_param]]])
+
+    # balance granularity per group: bytes per sending NIC / pieces_per_nic
+    names, dtypes = Interner(), Interner()
+    raw = [piece_table(pieces_by_shard[s], param_index, names, dtypes) for s in shards]
+    gbytes = np.zeros(len(groups))
+    for t, c in zip(raw, copies, strict=True):
+        gbytes += np.bincount(
+            mesh_group[param_mesh[t.param]], weights=t.nbytes * c, minlength=len(groups)
+        )
+    gnics = np.array(
+        [len(np.unique(rank_nic[[r for m in ms for r in meshes[m].ranks]])) for ms in groups]
+    )
+    gran = _granularity(gbytes, gnics, pieces_per_nic, min_piece_bytes, max_piece_bytes)
+    per_shard = [_split_pieces(pieces_by_shard[s], group_of, gran, split) for s in shards]
+    pieces = tuple(p for ps in per_shard for p in ps)
+    piece_shard = np.repeat(np.arange(len(shards)), [len(ps) for ps in per_shard])
+    pt = piece_table(pieces, param_index, names, dtypes)
+    t1 = time.perf_counter()
+
+    # gather order: params grouped by the set of shards they go to, interleaved by bytes
+    has = np.zeros((len(params), len(shards)), dtype=bool)
+    has[pt.param, piece_shard] = True
+    _, sig = np.unique(has, axis=0, return_inverse=True)
+    pbytes = np.bincount(pt.param, weights=pt.nbytes * copies[piece_shard], minlength=len(params))
+    group_params = _gather_order(groups, param_mesh, sig.ravel(), pbytes, has.any(axis=1))
+    gpos = np.full(len(params), -1, dtype=np.int64)
+    flat_order = [p for seq in group_params for p in seq]
+    gpos[flat_order] = np.arange(len(flat_order))
+    piece_order = np.lexsort((np.arange(len(pieces)), gpos[pt.param]))
+    task_piece, task_dst = _expand(piece_order, piece_shard, shard_engines)
+    t2 = time.perf_counter()
+
+    et = engine_table(engines, names, dtypes)
+    recv_nic_ids: dict[str, int] = {}
+    engine_nic = np.array([recv_nic_ids.setdefault(e.nic, len(recv_nic_ids)) for e in engines])
+    task_src, rotation = _assign(
+        task_piece, pt, param_mesh, mesh_group, meshes, rank_nic, len(recv_nic_ids)
+    )
+    task_row = grow_lookup(et, len(names))[task_dst, pt.name[task_piece]]
+    _check_rows(task_row, task_piece, task_dst, pieces, engines)
+    task_region = et.region[task_row]
+    task_offset = et.offset[task_row] + pt.offset[task_piece]
+    t3 = time.perf_counter()
+
+    order = _final_order(task_src, gpos[pt.param[task_piece]], engine_nic[task_dst], rotation,
+                         len(recv_nic_ids))
+    task_src = task_src[order]
+    plan = Plan(
+        params=tuple(params),
+        trainer_ranks=tuple(sorted(trainer_meta.ranks, key=lambda r: r.rank)),
+        engines=engines,
+        pieces=pieces,
+        regions=et.regions,
+        send_nics=tuple(send_nics),
+        recv_nics=tuple(recv_nic_ids),
+        meshes=tuple(meshes),
+        mesh_group=tuple(int(g) for g in mesh_group),
+        param_mesh=tuple(param_mesh_list),
+        group_params=tuple(group_params),
+        task_piece=task_piece[order].astype(np.int32),
+        task_src=task_src.astype(np.int32),
+        task_dst=task_dst[order].astype(np.int32),
+        task_region=task_region[order].astype(np.int32),
+        task_offset=task_offset[order],
+        task_group=mesh_group[param_mesh[pt.param[task_piece[order]]]].astype(np.int16),
+        trainer_ptr=np.searchsorted(task_src, np.arange(len(rank_nic) + 1)),
+    )
+    log.info(
+        "plan: %d tasks, %d pieces, %d groups; pieces %.2fs, order %.2fs, assign %.2fs, "
+        "sort %.2fs", plan.num_tasks, len(pieces), len(groups), t1 - t0, t2 - t1, t3 - t2,
+        time.perf_counter() - t3,
+    )
+    return plan
+
+
+def _assign(task_piece, pt, param_mesh, mesh_group, meshes, rank_nic, n_recv_nics):
+    """Source rank and spread rotation of every task; tasks come in gather order."""
+    n = len(task_piece)
+    task_mesh = param_mesh[pt.param[task_piece]]
+    nbytes = pt.nbytes[task_piece]
+    src = np.empty(n, dtype=np.int64)
+    rotation = np.empty(n, dtype=np.int64)
+    bounds = np.concatenate(([0], np.flatnonzero(np.diff(task_mesh)) + 1, [n]))
+    nic_load = np.zeros(int(rank_nic.max()) + 1, dtype=np.int64)
+    rank_load = np.zeros(len(rank_nic), dtype=np.int64)
+    group = -1
+    for a, b in itertools.pairwise(bounds):
+        if a == b:
+            continue
+        m = int(task_mesh[a])
+        if mesh_group[m] != group:  # each group is balanced on its own (barrier between)
+            group = int(mesh_group[m])
+            nic_load[:] = 0
+            rank_load[:] = 0
+        ranks = meshes[m].ranks
+        src[a:b] = assign_sources(nbytes[a:b], ranks, rank_nic, nic_load, rank_load)
+        pos = np.zeros(len(rank_nic), dtype=np.int64)
+        pos[list(ranks)] = np.arange(len(ranks))
+        rotation[a:b] = pos[src[a:b]] * n_recv_nics // len(ranks)
+    return src, rotation
+
+
+def _check_rows(task_row, task_piece, task_dst, pieces, engines) -> None:
+    bad = np.flatnonzero(task_row < 0)
+    if len(bad) == 0:
+        return
+    lines = sorted(
+        {
+            f"{engines[task_dst[i]].replica} rank {engines[task_dst[i]].rank}: "
+            f"{pieces[task_piece[i]].dst_tensor}"
+            for i in bad[:1000]
+        }
+    )
+    raise ValueError(
+        f"{len(bad)} piece(s) write engine tensors the engine does not expose: "
+        + "; ".join(lines[:20])
+    )
+
+
+def _final_order(src, gpos, dst_nic, rotation, n_dst_nics) -> np.ndarray:
+    if len(src) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if src.max() < (1 << 23) and gpos.max() < (1 << 24) and n_dst_nics <= (1 << 16):
+        # one int64 key sorts several times faster than a 4-key lexsort
+        rotated = (dst_nic.astype(np.int64) - rotation) % n_dst_nics
+        key = (src.astype(np.int64) << 40) | (gpos << 16) | rotated
+        return np.argsort(key, kind="stable")
+    return spread_order(src, gpos, dst_nic, rotation, n_dst_nics)

@@ -1,0 +1,277 @@
+"""Cluster descriptions: trainer and inference GPUs, their NICs and the trainer meshes.
+
+A cluster YAML (``configs/clusters/*.yaml``) says how many trainer nodes and
+GPUs there are, which NIC each GPU sends through and how fast it is, how the
+trainer lays its parameters out (dense FSDP over every rank; experts spread
+over ``expert_parallel`` disjoint meshes), and how many inference replicas
+there are, each with its TP/EP degrees, nodes and NICs::
+
+    cfg = load_cluster_config("configs/clusters/local_cpu.yaml")
+    cfg.trainer_world, cfg.rank_info(3), cfg.expert_meshes()
+    cfg.engine_rank(replica=1, local=0)   # -> (node, nic, ShardSpec)
+
+Files are validated at the boundary: unknown keys, wrong types and
+inconsistent counts raise ``ValueError`` naming the file and the field.
+Nothing here needs torch or Ray.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from weight_transfer.types import MeshDesc, Placement, RankInfo, ShardSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _default_gpu_nic(gpus: int, nics: int) -> tuple[int, ...]:
+    # GPUs are spread evenly: with 8 GPUs and 4 NICs, GPUs 0-1 use NIC 0, 2-3 NIC 1 ...
+    return tuple(g * nics // gpus for g in range(gpus))
+
+
+def _check_gpu_nic(gpu_nic: tuple[int, ...] | None, gpus: int, nics: int) -> None:
+    if gpu_nic is None:
+        return
+    if len(gpu_nic) != gpus:
+        raise ValueError(f"gpu_nic has {len(gpu_nic)} entries but a node has {gpus} GPUs")
+    bad = [n for n in gpu_nic if not 0 <= n < nics]
+    if bad:
+        raise ValueError(f"gpu_nic names NICs {bad} outside [0, {nics})")
+
+
+class TrainerCluster(_Strict):
+    """Training side: ``nodes`` x ``gpus_per_node`` ranks, rank = node * gpus_per_node + gpu."""
+
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    nics_per_node: int = Field(ge=1)
+    nic_gbps: float = Field(gt=0, description="line rate of one NIC in Gb/s")
+    gpu_nic: tuple[int, ...] | None = Field(
+        default=None, description="NIC index used by each local GPU (default: spread evenly)"
+    )
+    expert_parallel: int = Field(
+        default=1, ge=1, description="experts are spread over this many disjoint meshes"
+    )
+    expert_mesh_layout: Literal["strided", "contiguous"] = Field(
+        default="strided",
+        description="strided: mesh k = ranks r with r % ep == k (EP innermost, as torchtitan); "
+        "contiguous: mesh k = a contiguous block of world/ep ranks",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerCluster:
+        _check_gpu_nic(self.gpu_nic, self.gpus_per_node, self.nics_per_node)
+        world = self.nodes * self.gpus_per_node
+        if world % self.expert_parallel:
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} does not divide the {world} trainer ranks"
+            )
+        return self
+
+
+class InferenceCluster(_Strict):
+    """Inference side: ``replicas`` engines of ``gpus_per_replica`` GPUs (TP x EP)."""
+
+    replicas: int = Field(ge=1)
+    gpus_per_replica: int = Field(ge=1)
+    tensor_parallel: int = Field(ge=1)
+    expert_parallel: int = Field(default=1, ge=1)
+    nodes_per_replica: int = Field(default=1, ge=1)
+    nics_per_node: int = Field(ge=1)
+    nic_gbps: float = Field(gt=0, description="line rate of one NIC in Gb/s")
+    gpu_nic: tuple[int, ...] | None = None
+    fp8: bool = Field(default=False, description="engines hold FP8 block-quantized weights")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus_per_replica // self.nodes_per_replica
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceCluster:
+        if self.tensor_parallel != self.gpus_per_replica:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} must equal gpus_per_replica="
+                f"{self.gpus_per_replica} (one TP rank per GPU)"
+            )
+        if self.gpus_per_replica % self.expert_parallel:
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} does not divide gpus_per_replica="
+                f"{self.gpus_per_replica}"
+            )
+        if self.gpus_per_replica % self.nodes_per_replica:
+            raise ValueError(
+                f"nodes_per_replica={self.nodes_per_replica} does not divide gpus_per_replica="
+                f"{self.gpus_per_replica}"
+            )
+        _check_gpu_nic(self.gpu_nic, self.gpus_per_node, self.nics_per_node)
+        return self
+
+
+class SimConfig(_Strict):
+    """Knobs of the discrete-event model in :mod:`scheduling.simulate`."""
+
+    max_inflight: int = Field(default=8, ge=1, description="writes in flight per trainer rank")
+    write_latency_us: float = Field(default=0.0, ge=0, description="fixed cost of one write")
+
+
+class ClusterConfig(_Strict):
+    """A whole cluster; see the module docstring. Build with :func:`load_cluster_config`."""
+
+    name: str
+    description: str = ""
+    trainer: TrainerCluster
+    inference: InferenceCluster
+    sim: SimConfig = SimConfig()
+
+    # ------------------------------------------------------------------ trainer side
+
+    @property
+    def trainer_world(self) -> int:
+        return self.trainer.nodes * self.trainer.gpus_per_node
+
+    def trainer_nics(self) -> list[str]:
+        """Names of every trainer NIC, index = node * nics_per_node + nic."""
+        t = self.trainer
+        return [f"tnode{n}/nic{j}" for n in range(t.nodes) for j in range(t.nics_per_node)]
+
+    def trainer_nic_index(self, rank: int) -> int:
+        t = self.trainer
+        if not 0 <= rank < self.trainer_world:
+            raise ValueError(f"trainer rank {rank} outside [0, {self.trainer_world})")
+        node, gpu = divmod(rank, t.gpus_per_node)
+        gpu_nic = t.gpu_nic or _default_gpu_nic(t.gpus_per_node, t.nics_per_node)
+        return node * t.nics_per_node + gpu_nic[gpu]
+
+    def rank_info(self, rank: int) -> RankInfo:
+        nic = self.trainer_nics()[self.trainer_nic_index(rank)]
+        return RankInfo(rank=rank, node=nic.split("/")[0], nic=nic)
+
+    def rank_infos(self) -> tuple[RankInfo, ...]:
+        return tuple(self.rank_info(r) for r in range(self.trainer_world))
+
+    def dense_mesh(self) -> MeshDesc:
+        """FSDP over every trainer rank."""
+        world = self.trainer_world
+        return MeshDesc(ranks=tuple(range(world)), shape=(world,), dim_names=("dp_shard",))
+
+    def expert_meshes(self) -> list[MeshDesc]:
+        """The ``expert_parallel`` disjoint meshes; mesh k holds experts of EP rank k."""
+        ep, world = self.trainer.expert_parallel, self.trainer_world
+        size = world // ep
+        meshes = []
+        for k in range(ep):
+            if self.trainer.expert_mesh_layout == "strided":
+                ranks = tuple(range(k, world, ep))
+            else:
+                ranks = tuple(range(k * size, (k + 1) * size))
+            meshes.append(MeshDesc(ranks=ranks, shape=(size,), dim_names=("dp_shard_in_ep",)))
+        return meshes
+
+    def stacked_expert_mesh(self) -> tuple[MeshDesc, tuple[Placement, ...]]:
+        """Mesh and placements of experts stacked in one 3-D parameter (EP x FSDP)."""
+        ep, world = self.trainer.expert_parallel, self.trainer_world
+        if self.trainer.expert_mesh_layout == "strided":
+            ranks = tuple(r for k in range(ep) for r in range(k, world, ep))
+        else:
+            ranks = tuple(range(world))
+        mesh = MeshDesc(ranks=ranks, shape=(ep, world // ep), dim_names=("ep", "dp_shard_in_ep"))
+        return mesh, (Placement(kind="shard", dim=0), Placement(kind="shard", dim=1))
+
+    def expert_mesh_index(self, expert: int, num_experts: int) -> int:
+        """Which expert mesh owns ``expert`` (contiguous blocks of experts per EP rank)."""
+        ep = self.trainer.expert_parallel
+        if num_experts % ep:
+            raise ValueError(
+                f"cluster {self.name!r}: trainer expert_parallel={ep} does not divide "
+                f"the model's {num_experts} experts"
+            )
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"expert {expert} outside [0, {num_experts})")
+        return expert // (num_experts // ep)
+
+    # ------------------------------------------------------------------ inference side
+
+    @property
+    def engine_world(self) -> int:
+        return self.inference.replicas * self.inference.gpus_per_replica
+
+    def engine_nics(self) -> list[str]:
+        """Names of every inference NIC, index = node * nics_per_node + nic."""
+        i = self.inference
+        nodes = i.replicas * i.nodes_per_replica
+        return [f"inode{n}/nic{j}" for n in range(nodes) for j in range(i.nics_per_node)]
+
+    def replica_name(self, replica: int) -> str:
+        return f"engine{replica}"
+
+    def shard_of(self, local: int) -> ShardSpec:
+        i = self.inference
+        per_ep = i.gpus_per_replica // i.expert_parallel
+        return ShardSpec(
+            tp_rank=local,
+            tp_size=i.tensor_parallel,
+            ep_rank=local // per_ep,
+            ep_size=i.expert_parallel,
+        )
+
+    def engine_rank(self, replica: int, local: int) -> tuple[str, str, ShardSpec]:
+        """(node, nic, shard) of local rank ``local`` of replica ``replica``."""
+        i = self.inference
+        if not (0 <= replica < i.replicas and 0 <= local < i.gpus_per_replica):
+            raise ValueError(
+                f"engine rank (replica={replica}, local={local}) outside "
+                f"{i.replicas} replicas x {i.gpus_per_replica} GPUs"
+            )
+        node_in_replica, gpu = divmod(local, i.gpus_per_node)
+        node = replica * i.nodes_per_replica + node_in_replica
+        gpu_nic = i.gpu_nic or _default_gpu_nic(i.gpus_per_node, i.nics_per_node)
+        nic = f"inode{node}/nic{gpu_nic[gpu]}"
+        return f"inode{node}", nic, self.shard_of(local)
+
+    # ------------------------------------------------------------------ bandwidth
+
+    @property
+    def send_bytes_per_s(self) -> float:
+        return self.trainer.nic_gbps * 1e9 / 8
+
+    @property
+    def recv_bytes_per_s(self) -> float:
+        return self.inference.nic_gbps * 1e9 / 8
+
+
+def _format_errors(path: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"{path}: field {loc}: {e['msg']}")
+    return "invalid cluster config:\n  " + "\n  ".join(lines)
+
+
+def cluster_from_dict(data: object, *, source: str = "<dict>") -> ClusterConfig:
+    """Validate a parsed mapping; errors name ``source`` and the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a cluster config must be a mapping, not {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(_format_errors(source, err)) from None
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read cluster config {path}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML: {err}") from None
+    return cluster_from_dict(data, source=str(path))

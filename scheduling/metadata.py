@@ -1,0 +1,127 @@
+"""Metadata for planning at scale without weights: from a model config and a cluster.
+
+Live runs gather :class:`TrainerMeta` from the trainers' modules and
+:class:`EngineRankMeta` from the engines' registered memory; both arrive in the
+same types. To plan a 1T-parameter model on a laptop, these functions build
+them from an architecture description instead::
+
+    cfg = load_model_config("configs/models/kimi_k2.yaml")
+    cluster = load_cluster_config("configs/clusters/perplexity_kimi_k2.yaml")
+    trainer_meta = trainer_meta_from_config(cfg, cluster)
+    engine_metas = engine_metas_from_config(cfg, cluster)
+
+Trainer side: dense parameters are FSDP-sharded (``Shard(0)``) over every
+rank; a per-expert parameter lives on the expert mesh that owns its expert;
+stacked 3-D expert parameters live on the 2-D (EP x FSDP) mesh over every rank.
+Engine side: each rank's tensors (from ``engine_tensor_specs``) are laid out
+one after the other, 256-byte aligned, in one synthetic region per rank with a
+deterministic fake address and rkey.
+"""
+
+from __future__ import annotations
+
+from scheduling.cluster import ClusterConfig
+from scheduling.match import layout_specs
+from weight_transfer.models import ModelConfig, trainer_param_specs
+from weight_transfer.types import (
+    EngineRankMeta,
+    EngineTensorMeta,
+    MeshDesc,
+    ParamMeta,
+    Placement,
+    RegionDesc,
+    ShardSpec,
+    TrainerMeta,
+    dtype_size,
+    numel,
+)
+
+ALIGN = 256
+_FAKE_BASE = 0x7F00_0000_0000
+_SHARD0 = (Placement(kind="shard", dim=0),)
+
+
+def _is_stacked_expert(name: str, shape: tuple[int, ...]) -> bool:
+    return ".experts." in name and len(shape) == 3
+
+
+def trainer_meta_from_config(
+    cfg: ModelConfig, cluster: ClusterConfig, *, expert_naming: str = "per_expert"
+) -> TrainerMeta:
+    """Trainer parameters of ``cfg`` placed on the cluster's meshes (see module docstring)."""
+    dense = cluster.dense_mesh()
+    experts = cluster.expert_meshes()
+    stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
+    params = []
+    for spec in trainer_param_specs(cfg, expert_naming=expert_naming):
+        mesh: MeshDesc = dense
+        placements = _SHARD0
+        if spec.expert is not None:
+            mesh = experts[cluster.expert_mesh_index(spec.expert, cfg.n_experts)]
+        elif _is_stacked_expert(spec.name, spec.shape):
+            mesh, placements = stacked_mesh, stacked_placements
+        params.append(
+            ParamMeta(
+                name=spec.name,
+                shape=spec.shape,
+                dtype=spec.dtype,
+                mesh=mesh,
+                placements=placements,
+            )
+        )
+    return TrainerMeta(params=tuple(params), ranks=cluster.rank_infos())
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fake_region(*, owner: str, nic: str, node: str, index: int, length: int) -> RegionDesc:
+    """A deterministic stand-in for a registered region (planning needs no memory)."""
+    return RegionDesc(
+        owner=owner,
+        nic=nic,
+        addr=_FAKE_BASE + (index << 40),
+        length=length,
+        rkey=(index * 2654435761 + 0x5EED) & 0xFFFFFFFF,
+        transport="planning",
+        node=node,
+    )
+
+
+def engine_metas_from_config(
+    cfg: ModelConfig, cluster: ClusterConfig, *, fp8: bool | None = None
+) -> list[EngineRankMeta]:
+    """Every inference rank of the cluster with its tensors in one synthetic region."""
+    fp8 = cluster.inference.fp8 if fp8 is None else fp8
+    layouts: dict[ShardSpec, tuple[list[tuple[str, tuple[int, ...], str, int]], int]] = {}
+    out = []
+    inf = cluster.inference
+    for replica in range(inf.replicas):
+        for local in range(inf.gpus_per_replica):
+            node, nic, shard = cluster.engine_rank(replica, local)
+            if shard not in layouts:
+                rows, offset = [], 0
+                for s in layout_specs(cfg, shard, fp8=fp8):
+                    rows.append((s.name, s.shape, s.dtype, offset))
+                    offset = _align(offset + numel(s.shape) * dtype_size(s.dtype))
+                layouts[shard] = (rows, max(offset, ALIGN))
+            rows, length = layouts[shard]
+            name = cluster.replica_name(replica)
+            region = fake_region(
+                owner=f"{name}/tp{local}",
+                nic=nic,
+                node=node,
+                index=replica * inf.gpus_per_replica + local,
+                length=length,
+            )
+            tensors = tuple(
+                EngineTensorMeta(name=n, shape=shape, dtype=dt, region=region, offset=off)
+                for n, shape, dt, off in rows
+            )
+            out.append(
+                EngineRankMeta(
+                    replica=name, rank=local, node=node, nic=nic, shard=shard, tensors=tensors
+                )
+            )
+    return out

@@ -1,0 +1,227 @@
+"""The static transfer plan: who writes which bytes where, in which order.
+
+``compute_plan`` turns gathered metadata into a :class:`Plan`, once::
+
+    plan = compute_plan(trainer_meta, engine_metas, cluster, model=cfg)
+    plan.validate()                      # every destination byte written exactly once
+    tp = plan.trainer_plan(rank)         # what trainer ``rank`` receives (see serialize)
+    plan.send_bytes(), plan.recv_bytes() # bytes per mesh group and NIC
+
+A plan is flat: unique :class:`Piece` objects (shared by all replicas of a
+shard), unique regions, and one row per task in numpy columns, ordered by
+(source rank, mesh group, gather position, destination spread). Mesh groups
+run in order with a barrier between them; meshes of one group run in parallel.
+Every rank of a mesh gathers (``full_tensor()``) the mesh's parameters in the
+order of ``group_params`` and writes the tasks it was assigned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from weight_transfer.types import (
+    EngineRankMeta,
+    MeshDesc,
+    ParamMeta,
+    Piece,
+    RankInfo,
+    RegionDesc,
+    TrainerMeta,
+    WriteTask,
+)
+
+if TYPE_CHECKING:
+    from scheduling.cluster import ClusterConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerGroup:
+    """One mesh group as one trainer rank sees it.
+
+    ``mesh`` is the rank's mesh in this group (``None`` if it has none: it only
+    joins the barrier); ``params`` the names it gathers, in order; ``tasks``
+    its writes, in order.
+    """
+
+    group: int
+    mesh: MeshDesc | None
+    params: tuple[str, ...]
+    tasks: tuple[WriteTask, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerPlan:
+    """Everything one trainer rank needs to run its part of a transfer."""
+
+    rank: int
+    groups: tuple[TrainerGroup, ...]
+
+    @property
+    def tasks(self) -> list[WriteTask]:
+        return [t for g in self.groups for t in g.tasks]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Plan:
+    """A computed plan; task columns are numpy arrays (see the module docstring)."""
+
+    params: tuple[ParamMeta, ...]
+    trainer_ranks: tuple[RankInfo, ...]
+    engines: tuple[EngineRankMeta, ...]
+    pieces: tuple[Piece, ...]
+    regions: tuple[RegionDesc, ...]
+    send_nics: tuple[str, ...]
+    recv_nics: tuple[str, ...]
+    meshes: tuple[MeshDesc, ...]
+    mesh_group: tuple[int, ...]
+    param_mesh: tuple[int, ...]  # scheduling mesh of each param
+    group_params: tuple[tuple[int, ...], ...]  # gather order of each group (param indices)
+    task_piece: np.ndarray
+    task_src: np.ndarray
+    task_dst: np.ndarray
+    task_region: np.ndarray
+    task_offset: np.ndarray
+    task_group: np.ndarray
+    trainer_ptr: np.ndarray  # tasks of rank r: rows trainer_ptr[r]:trainer_ptr[r + 1]
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_piece)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_params)
+
+    def task_nbytes(self) -> np.ndarray:
+        sizes = np.fromiter((p.nbytes for p in self.pieces), np.int64, count=len(self.pieces))
+        return sizes[self.task_piece]
+
+    @property
+    def bytes_total(self) -> int:
+        return int(self.task_nbytes().sum())
+
+    def send_nic_of_task(self) -> np.ndarray:
+        nic_idx = {n: i for i, n in enumerate(self.send_nics)}
+        rank_nic = np.array([nic_idx[r.nic] for r in self.trainer_ranks], dtype=np.int64)
+        return rank_nic[self.task_src]
+
+    def recv_nic_of_task(self) -> np.ndarray:
+        nic_idx = {n: i for i, n in enumerate(self.recv_nics)}
+        engine_nic = np.array([nic_idx[e.nic] for e in self.engines], dtype=np.int64)
+        return engine_nic[self.task_dst]
+
+    def _per_nic(self, nic_of_task: np.ndarray, n_nics: int) -> np.ndarray:
+        key = self.task_group.astype(np.int64) * n_nics + nic_of_task
+        counts = np.bincount(key, weights=self.task_nbytes(), minlength=self.num_groups * n_nics)
+        return counts.astype(np.int64).reshape(self.num_groups, n_nics)
+
+    def send_bytes(self) -> np.ndarray:
+        """Bytes sent per (mesh group, trainer NIC)."""
+        return self._per_nic(self.send_nic_of_task(), len(self.send_nics))
+
+    def recv_bytes(self) -> np.ndarray:
+        """Bytes received per (mesh group, engine NIC)."""
+        return self._per_nic(self.recv_nic_of_task(), len(self.recv_nics))
+
+    # ------------------------------------------------------------------ per trainer
+
+    def task(self, row: int) -> WriteTask:
+        """Task row ``row`` as a :class:`WriteTask` (``task_id`` is the row)."""
+        engine = self.engines[int(self.task_dst[row])]
+        return WriteTask(
+            task_id=row,
+            mesh_group=int(self.task_group[row]),
+            src_rank=int(self.task_src[row]),
+            piece=self.pieces[int(self.task_piece[row])],
+            dst_replica=engine.replica,
+            dst_rank=engine.rank,
+            region=self.regions[int(self.task_region[row])],
+            region_offset=int(self.task_offset[row]),
+        )
+
+    def tasks_for(self, rank: int) -> list[WriteTask]:
+        """Ordered tasks of trainer ``rank`` (all groups)."""
+        self._check_rank(rank)
+        return [self.task(i) for i in range(self.trainer_ptr[rank], self.trainer_ptr[rank + 1])]
+
+    def trainer_plan(self, rank: int) -> TrainerPlan:
+        """What trainer ``rank`` receives: per group, its mesh, gather order and tasks."""
+        tasks = self.tasks_for(rank)
+        groups = []
+        for g, order in enumerate(self.group_params):
+            mesh_ids = [m for m in range(len(self.meshes)) if self.mesh_group[m] == g]
+            mine = [m for m in mesh_ids if rank in self.meshes[m].ranks]
+            mesh = self.meshes[mine[0]] if mine else None
+            params = tuple(
+                self.params[p].name for p in order if mine and self.param_mesh[p] == mine[0]
+            )
+            groups.append(
+                TrainerGroup(
+                    group=g,
+                    mesh=mesh,
+                    params=params,
+                    tasks=tuple(t for t in tasks if t.mesh_group == g),
+                )
+            )
+        return TrainerPlan(rank=rank, groups=tuple(groups))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < len(self.trainer_ptr) - 1:
+            raise ValueError(f"trainer rank {rank} outside [0, {len(self.trainer_ptr) - 1})")
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Raise ValueError if any destination byte is not written exactly once, etc."""
+        from scheduling.validate import validate_plan
+
+        validate_plan(self)
+
+
+def compute_plan(
+    trainer_meta: TrainerMeta,
+    engine_metas: Iterable[EngineRankMeta],
+    cluster: ClusterConfig,
+    *,
+    model: object,
+    fp8: bool | None = None,
+    expert_naming: str = "per_expert",
+    ignore: Iterable[str] = (),
+    pieces_per_nic: int = 32,
+    min_piece_bytes: int = 1 << 20,
+    max_piece_bytes: int = 256 << 20,
+) -> Plan:
+    """Match engine tensors to trainer parameters and build the plan. Pure, deterministic.
+
+    ``model`` is the :class:`~weight_transfer.models.ModelConfig`; ``fp8``
+    defaults to the cluster's ``inference.fp8``. Pieces larger than the
+    balance granularity (a group's bytes per sending NIC / ``pieces_per_nic``,
+    clamped to [``min_piece_bytes``, ``max_piece_bytes``]) are split first.
+    """
+    from scheduling.build import build_plan
+    from scheduling.match import match_engines
+
+    engines = tuple(engine_metas)
+    fp8 = cluster.inference.fp8 if fp8 is None else fp8
+    pieces = match_engines(
+        model,
+        trainer_meta,
+        engines,
+        fp8=fp8,
+        expert_naming=expert_naming,
+        ignore=tuple(ignore),
+    )
+    return build_plan(
+        trainer_meta,
+        engines,
+        pieces,
+        pieces_per_nic=pieces_per_nic,
+        min_piece_bytes=min_piece_bytes,
+        max_piece_bytes=max_piece_bytes,
+    )

@@ -1,0 +1,160 @@
+"""Flat tables of plan inputs: engine tensors and pieces as numpy columns.
+
+A plan at Kimi-K2 scale has about a million tasks; looking names up in Python
+dicts per task would dominate planning. These helpers intern names and dtypes
+to integers once and turn engine tensors and pieces into columns, so that the
+builder (:mod:`scheduling.build`) and the checker (:mod:`scheduling.validate`)
+work with vectorized numpy::
+
+    names, dtypes = Interner(), Interner()
+    et = engine_table(engines, names, dtypes)      # rows = every tensor of every rank
+    pt = piece_table(pieces, param_index, names, dtypes)
+    rows = et.lookup[engine_idx, pt.name[piece_idx]]   # tensor row, -1 if absent
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from weight_transfer.types import EngineRankMeta, Piece, RegionDesc, dtype_size
+
+
+class Interner:
+    """Strings to dense integer ids, in order of first appearance."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.values: list[str] = []
+
+    def __call__(self, value: str) -> int:
+        i = self.ids.get(value)
+        if i is None:
+            i = self.ids[value] = len(self.values)
+            self.values.append(value)
+        return i
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class EngineTable:
+    """Every tensor of every engine rank as one row; ``lookup[engine, name]`` -> row or -1."""
+
+    regions: tuple[RegionDesc, ...]
+    engine: np.ndarray
+    name: np.ndarray
+    region: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    dtype: np.ndarray
+    lookup: np.ndarray
+
+
+def engine_table(
+    engines: Sequence[EngineRankMeta], names: Interner, dtypes: Interner
+) -> EngineTable:
+    """Flatten engine metas; duplicate tensor names on one rank are a ValueError."""
+    region_ids: dict[RegionDesc, int] = {}
+    name_ids: dict[tuple[str, ...], np.ndarray] = {}  # ranks of one shard share names
+    cols: list[list[np.ndarray]] = [[] for _ in range(6)]
+    for e, meta in enumerate(engines):
+        tensors = meta.tensors
+        key = tuple(map(_NAME, tensors))
+        ids = name_ids.get(key)
+        if ids is None:
+            if len(set(key)) != len(key):
+                dup = sorted({n for n in key if key.count(n) > 1})
+                raise ValueError(
+                    f"engine {meta.replica} rank {meta.rank}: tensors listed twice: {dup}"
+                )
+            ids = name_ids[key] = np.fromiter(map(names, key), np.int64, count=len(key))
+        regions = list(map(_REGION, tensors))
+        region = [region_ids.setdefault(r, len(region_ids)) for r in dict.fromkeys(regions)]
+        if len(region) == 1:
+            region_col = np.full(len(key), region[0], dtype=np.int64)
+        else:
+            region_col = np.fromiter((region_ids[r] for r in regions), np.int64, len(key))
+        dtype_ids = np.fromiter(map(dtypes, map(_DTYPE, tensors)), np.int64, count=len(key))
+        sizes = np.array([dtype_size(d) for d in dtypes.values], dtype=np.int64)[dtype_ids]
+        numels = np.fromiter(map(math.prod, map(_SHAPE, tensors)), np.int64, count=len(key))
+        for col, v in zip(cols, (
+            np.full(len(key), e, dtype=np.int64),
+            ids,
+            region_col,
+            np.fromiter(map(_OFFSET, tensors), np.int64, count=len(key)),
+            sizes * numels,
+            dtype_ids,
+        ), strict=True):
+            col.append(v)
+    empty = np.zeros(0, dtype=np.int64)
+    engine, name, region, offset, nbytes, dtype = (
+        np.concatenate(c) if c else empty for c in cols
+    )
+    lookup = np.full((len(engines), max(len(names), 1)), -1, dtype=np.int64)
+    lookup[engine, name] = np.arange(len(engine))
+    return EngineTable(
+        regions=tuple(region_ids),
+        engine=engine,
+        name=name,
+        region=region,
+        offset=offset,
+        nbytes=nbytes,
+        dtype=dtype,
+        lookup=lookup,
+    )
+
+
+_NAME = operator.attrgetter("name")
+_SHAPE = operator.attrgetter("shape")
+_OFFSET = operator.attrgetter("offset")
+_REGION = operator.attrgetter("region")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def grow_lookup(table: EngineTable, n_names: int) -> np.ndarray:
+    """``table.lookup`` widened to ``n_names`` columns (names interned after the table)."""
+    have = table.lookup.shape[1]
+    if n_names <= have:
+        return table.lookup
+    pad = np.full((table.lookup.shape[0], n_names - have), -1, dtype=np.int64)
+    return np.concatenate([table.lookup, pad], axis=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PieceTable:
+    """Columns of a piece list: source param index, destination name id, offset, bytes."""
+
+    param: np.ndarray
+    name: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    dtype: np.ndarray
+
+
+def piece_table(
+    pieces: Sequence[Piece], param_index: Mapping[str, int], names: Interner, dtypes: Interner
+) -> PieceTable:
+    """Columns of ``pieces``; a source parameter the trainer lacks is a ValueError."""
+    n = len(pieces)
+    missing = sorted({p.src_param for p in pieces if p.src_param not in param_index})
+    if missing:
+        shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
+        raise ValueError(
+            f"{len(missing)} source parameter(s) of engine pieces are not trainer "
+            f"parameters: {shown}"
+        )
+    return PieceTable(
+        param=np.fromiter((param_index[p.src_param] for p in pieces), np.int64, count=n),
+        name=np.fromiter((names(p.dst_tensor) for p in pieces), np.int64, count=n),
+        offset=np.fromiter((p.dst_offset for p in pieces), np.int64, count=n),
+        nbytes=np.fromiter((p.nbytes for p in pieces), np.int64, count=n),
+        dtype=np.fromiter((dtypes(p.dst_dtype) for p in pieces), np.int64, count=n),
+    )

@@ -1,0 +1,175 @@
+"""Check a plan: every destination byte written exactly once, and nothing else.
+
+``validate_plan(plan)`` (also ``plan.validate()``) recomputes everything from
+the plan's own data (engine metadata, pieces, task columns) and raises one
+``ValueError`` listing up to 20 violations, each naming the engine replica,
+rank, tensor and byte range (or the piece and parameter):
+
+* pieces: source rectangle inside the trainer parameter, byte size that the
+  transform and destination dtype imply, destination dtype of the transform;
+* tasks: the engine rank exposes the tensor, dtypes agree, the write lands at
+  the tensor's offset in its region and inside the region, the source rank
+  belongs to the parameter's mesh and the task sits in that mesh's group;
+* coverage: per engine tensor, the written ranges tile [0, nbytes) exactly -
+  no gap, no overlap; tensors of one region do not overlap each other.
+
+Per-task checks are vectorized; per-piece checks loop over distinct pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scheduling.tables import Interner, engine_table, grow_lookup, piece_table
+from weight_transfer.types import Piece, Transform, dtype_size
+
+if TYPE_CHECKING:
+    from scheduling.plan import Plan
+
+MAX_SHOWN = 20
+FP8_BLOCK = 128
+
+
+def expected_piece_nbytes(piece: Piece) -> int:
+    """Bytes that ``piece.transform`` of its source rectangle produces."""
+    shape = piece.src_shape
+    if piece.transform == Transform.FP8_SCALE:
+        if len(shape) < 2:
+            raise ValueError(f"piece {piece.dst_tensor}: FP8 scales need a 2-D source, {shape}")
+        blocks = math.ceil(shape[-2] / FP8_BLOCK) * math.ceil(shape[-1] / FP8_BLOCK)
+        return math.prod(shape[:-2]) * blocks * dtype_size(piece.dst_dtype)
+    return math.prod(shape) * dtype_size(piece.dst_dtype)
+
+
+_TRANSFORM_DTYPES = {Transform.FP8_WEIGHT: ("float8_e4m3fn",), Transform.FP8_SCALE: ("float32",)}
+
+
+def _piece_problems(plan: Plan) -> list[str]:
+    out: list[str] = []
+    index = {p.name: i for i, p in enumerate(plan.params)}
+    for k, piece in enumerate(plan.pieces):
+        where = f"piece {k} ({piece.dst_tensor} @ {piece.dst_offset}, from {piece.src_param})"
+        param = plan.params[index[piece.src_param]] if piece.src_param in index else None
+        if param is None:
+            out.append(f"{where}: no trainer parameter {piece.src_param!r}")
+            continue
+        sl = piece.src_slice
+        if len(sl) != len(param.shape) or any(
+            not 0 <= a < b <= d for (a, b), d in zip(sl, param.shape, strict=False)
+        ):
+            out.append(f"{where}: source slice {sl} is not inside shape {param.shape}")
+            continue
+        allowed = _TRANSFORM_DTYPES.get(piece.transform)
+        if allowed and piece.dst_dtype not in allowed:
+            out.append(f"{where}: {piece.transform} writes {allowed[0]}, not {piece.dst_dtype}")
+        want = expected_piece_nbytes(piece)
+        if want != piece.nbytes:
+            out.append(f"{where}: {piece.nbytes} B but its slice and dtype make {want} B")
+        if len(out) >= MAX_SHOWN:
+            break
+    return out
+
+
+def _where(plan: Plan, names: Interner, engine: int, name: int) -> str:
+    e = plan.engines[engine]
+    return f"{e.replica} rank {e.rank} tensor {names.values[name]}"
+
+
+def _task_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
+    out: list[str] = []
+    tp = plan.task_piece
+    nb = pt.nbytes[tp]
+
+    def report(mask: np.ndarray, what) -> None:
+        for i in np.flatnonzero(mask)[: MAX_SHOWN - len(out)]:
+            out.append(what(int(i)))
+
+    missing = rows < 0
+    report(missing, lambda i: f"{_where(plan, names, plan.task_dst[i], pt.name[tp[i]])}: "
+           "the engine rank does not expose this tensor")
+    r = np.where(missing, 0, rows)
+    ok = ~missing
+    report(ok & (et.dtype[r] != pt.dtype[tp]),
+           lambda i: f"{_where(plan, names, plan.task_dst[i], pt.name[tp[i]])}: dtype of the "
+           f"piece ({plan.pieces[tp[i]].dst_dtype}) differs from the tensor's")
+    lengths = np.array([g.length for g in plan.regions], dtype=np.int64)
+    outside = (plan.task_offset < 0) | (plan.task_offset + nb > lengths[plan.task_region])
+    report(outside, lambda i: f"{_where(plan, names, plan.task_dst[i], pt.name[tp[i]])}: write "
+           f"[{plan.task_offset[i]}, {plan.task_offset[i] + nb[i]}) outside "
+           f"{plan.regions[plan.task_region[i]].describe()}")
+    misplaced = ok & ((plan.task_region != et.region[r])
+                      | (plan.task_offset != et.offset[r] + pt.offset[tp]))
+    report(misplaced, lambda i: f"{_where(plan, names, plan.task_dst[i], pt.name[tp[i]])}: task "
+           f"{i} writes region offset {plan.task_offset[i]}, the tensor's bytes "
+           f"[{pt.offset[tp[i]]}, {pt.offset[tp[i]] + nb[i]}) live at "
+           f"{et.offset[r[i]] + pt.offset[tp[i]]}")
+    member = np.zeros((len(plan.meshes), len(plan.trainer_ranks)), dtype=bool)
+    for m, mesh in enumerate(plan.meshes):
+        member[m, list(mesh.ranks)] = True
+    mesh = np.asarray(plan.param_mesh)[pt.param[tp]]
+    report(~member[mesh, plan.task_src], lambda i: f"task {i}: source rank {plan.task_src[i]} is "
+           f"not in the mesh of {plan.pieces[tp[i]].src_param}")
+    report(np.asarray(plan.mesh_group)[mesh] != plan.task_group,
+           lambda i: f"task {i}: in mesh group {plan.task_group[i]}, its mesh is in group "
+           f"{plan.mesh_group[mesh[i]]}")
+    if np.any(np.diff(plan.task_src) < 0) or len(plan.trainer_ptr) != len(plan.trainer_ranks) + 1:
+        out.append("task rows are not ordered by source rank as trainer_ptr says")
+    return out
+
+
+def _coverage_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
+    out: list[str] = []
+    ok = rows >= 0
+    row, start = rows[ok], pt.offset[plan.task_piece[ok]]
+    end = start + pt.nbytes[plan.task_piece[ok]]
+    order = np.lexsort((start, row))
+    row, start, end = row[order], start[order], end[order]
+    prev_end = np.concatenate(([0], end[:-1]))
+    first = np.concatenate(([True], row[1:] != row[:-1]))
+    prev_end[first] = 0
+    last = np.concatenate((row[1:] != row[:-1], [True]))
+
+    def name(t: int) -> str:
+        return _where(plan, names, int(et.engine[t]), int(et.name[t]))
+
+    for i in np.flatnonzero(start != prev_end)[:MAX_SHOWN]:
+        lo, hi = sorted((int(prev_end[i]), int(start[i])))
+        kind = "not written" if start[i] > prev_end[i] else "written more than once"
+        out.append(f"{name(row[i])}: bytes [{lo}, {hi}) {kind}")
+    tail = last & (end != et.nbytes[row])
+    for i in np.flatnonzero(tail)[: MAX_SHOWN - len(out)]:
+        n = int(et.nbytes[row[i]])
+        kind = "not written" if end[i] < n else "written past the tensor's end"
+        out.append(f"{name(row[i])}: bytes [{min(n, end[i])}, {max(n, end[i])}) {kind}")
+    unwritten = np.setdiff1d(np.arange(len(et.engine)), row)
+    for t in unwritten[: MAX_SHOWN - len(out)]:
+        out.append(f"{name(t)}: bytes [0, {et.nbytes[t]}) not written (no task)")
+    by_region = np.lexsort((et.offset, et.region))
+    reg, off, size = et.region[by_region], et.offset[by_region], et.nbytes[by_region]
+    clash = np.flatnonzero((reg[1:] == reg[:-1]) & (off[1:] < off[:-1] + size[:-1]))
+    for i in clash[: MAX_SHOWN - len(out)]:
+        out.append(f"{name(by_region[i + 1])} overlaps {name(by_region[i])} in "
+                   f"{plan.regions[reg[i]].describe()}")
+    return out
+
+
+def validate_plan(plan: Plan) -> None:
+    """Raise ValueError listing violations (see the module docstring); return None if sound."""
+    problems = _piece_problems(plan)
+    names, dtypes = Interner(), Interner()
+    index = {p.name: i for i, p in enumerate(plan.params)}
+    if not problems:
+        pt = piece_table(plan.pieces, index, names, dtypes)
+        et = engine_table(plan.engines, names, dtypes)
+        rows = grow_lookup(et, len(names))[plan.task_dst, pt.name[plan.task_piece]]
+        problems = _task_problems(plan, et, pt, names, rows)
+        problems += _coverage_problems(plan, et, pt, names, rows)
+    if problems:
+        shown = problems[:MAX_SHOWN]
+        more = "" if len(problems) <= MAX_SHOWN else "\n  ..."
+        raise ValueError(
+            f"plan is invalid ({len(shown)} problem(s) shown):\n  " + "\n  ".join(shown) + more
+        )
