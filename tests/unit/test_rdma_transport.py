@@ -325,6 +325,8 @@ def test_local_checks_before_anything_is_posted(fabric):
         asyncio.run(w.write(rand(1), dataclasses.replace(desc, transport="simnic"), 0))
     with pytest.raises(ValueError, match="is not registered on target"):
         t.deregister(dataclasses.replace(desc, rkey=1))
+    with pytest.raises(ValueError, match=r"owner=elsewhere.*is not registered on target"):
+        t.deregister(dataclasses.replace(desc, owner="elsewhere"))
     with pytest.raises(ValueError, match="read-only"):
         t.register(np.frombuffer(b"abc", dtype=np.uint8))
     asyncio.run(w.write(b"", desc, 100))  # empty writes are a no-op

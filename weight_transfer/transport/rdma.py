@@ -153,7 +153,7 @@ class RdmaTransport:
 
     def deregister(self, desc: RegionDesc) -> None:
         """Close the MR: later writes to ``desc`` fail with a remote access error."""
-        reg = self._regs.pop((desc.addr, desc.rkey), None)
+        reg = None if desc.owner != self.owner else self._regs.pop((desc.addr, desc.rkey), None)
         if reg is None:
             raise ValueError(f"{desc.describe()} is not registered on {self.owner}/{self.nic}")
         self._local.remove(reg.local)

@@ -184,17 +184,7 @@ def build_qp_attrs(
     adds a GRH when the peer has a GID. ``timeout`` 14 is 4.096 us * 2**14 = 67 ms
     per try, ``retry_cnt`` 7 tries: a dead peer fails a write in about 0.5 s.
     """
-    who = f"peer {local.peer!r}"
-    if roce and (is_zero_gid(remote.gid) or is_zero_gid(local.gid)):
-        raise ValueError(
-            f"RoCE needs a GID on both sides: {who} published {remote.gid}, this side "
-            f"{local.gid} (gid_index {gid_index}); pick a gid_index that carries an IP address"
-        )
-    if not roce and remote.lid == 0:
-        raise ValueError(f"{who} has LID 0 on port {remote.port}: its InfiniBand port has no "
-                         "LID (is a subnet manager running?)")
-    if not 0 <= gid_index <= 255:
-        raise ValueError(f"gid_index {gid_index} must be in [0, 255]")
+    _check_routable(local, remote, gid_index=gid_index, roce=roce)
     is_global = 0 if is_zero_gid(remote.gid) else 1
     return QpConnectAttrs(
         port_num=local.port,
@@ -218,3 +208,18 @@ def build_qp_attrs(
         traffic_class=0,
         sl=0,
     )
+
+
+def _check_routable(local: RdmaEndpoint, remote: RdmaEndpoint, *, gid_index: int,
+                    roce: bool) -> None:
+    who = f"peer {local.peer!r}"
+    if roce and (is_zero_gid(remote.gid) or is_zero_gid(local.gid)):
+        raise ValueError(
+            f"RoCE needs a GID on both sides: {who} published {remote.gid}, this side "
+            f"{local.gid} (gid_index {gid_index}); pick a gid_index that carries an IP address"
+        )
+    if not roce and remote.lid == 0:
+        raise ValueError(f"{who} has LID 0 on port {remote.port}: its InfiniBand port has no "
+                         "LID (is a subnet manager running?)")
+    if not 0 <= gid_index <= 255:
+        raise ValueError(f"gid_index {gid_index} must be in [0, 255]")
