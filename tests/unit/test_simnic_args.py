@@ -31,6 +31,7 @@ from weight_transfer.transport.simnic import SimNic
         ({"max_inflight": 2.0}, "max_inflight"),
         ({"chunk_bytes": 100}, "chunk_bytes"),
         ({"max_regions": 0}, "max_regions"),
+        ({"inline_bytes": -1}, "inline_bytes"),
         ({"max_regions": 3}, "max_regions"),
         ({"max_regions": 1 << 21}, "max_regions"),
     ],

@@ -181,7 +181,7 @@ def test_a_write_within_the_budget_succeeds(pair):
 
 @pytest.mark.parametrize("limit", [1, 2, 3])
 def test_max_inflight_bounds_writes_in_flight(pair, limit):
-    _, writer, buf, desc = pair(max_inflight=limit, chunk_bytes=4096)
+    _, writer, buf, desc = pair(max_inflight=limit, chunk_bytes=4096, inline_bytes=0)
     rng = np.random.default_rng(limit)
     parts = [rng.integers(0, 256, 50_000, dtype=np.uint8) for _ in range(8)]
 
@@ -193,6 +193,17 @@ def test_max_inflight_bounds_writes_in_flight(pair, limit):
     assert writer.peak_inflight == limit
     assert (writer.inflight, writer.writes, writer.bytes_written) == (0, 8, 400_000)
     assert buf[:400_000].tobytes() == b"".join(p.tobytes() for p in parts)
+
+
+def test_small_writes_run_inline_and_stay_bounded(pair):
+    _, writer, buf, desc = pair(max_inflight=3)  # 100 B writes take the inline path
+
+    async def main():
+        await asyncio.gather(*(writer.write(bytes([i]) * 100, desc, 100 * i) for i in range(50)))
+
+    asyncio.run(main())
+    assert all((buf[100 * i : 100 * i + 100] == i).all() for i in range(50))
+    assert 1 <= writer.peak_inflight <= 3 and writer.writes == 50
 
 
 def test_bandwidth_cap_slows_a_write_down(pair):
