@@ -186,6 +186,7 @@ class MooncakeTransport:
                 f"{connect_timeout_s}: all must be positive"
             )
         self.owner, self.nic, self.protocol, self.hostname = owner, nic, protocol, hostname
+        self._me = f"mooncake {owner}/{nic}"  # how messages name this NIC
         self.max_inflight, self.chunk_bytes, self.timeout_s = max_inflight, chunk_bytes, timeout_s
         self.min_gbps, self.connect_timeout_s = min_gbps, connect_timeout_s
         engine = load_engine_class()()
@@ -216,14 +217,13 @@ class MooncakeTransport:
             for d, _ in self._regions.values():
                 if tb.addr < d.addr + d.length and d.addr < tb.addr + tb.nbytes:
                     raise ValueError(
-                        f"mooncake {self.owner}/{self.nic}: memory [{tb.addr:#x}, +{tb.nbytes}) "
-                        f"overlaps {d.describe()}; Mooncake cannot register overlapping regions"
+                        f"{self._me}: memory [{tb.addr:#x}, +{tb.nbytes}) overlaps "
+                        f"{d.describe()}; Mooncake cannot register overlapping regions"
                     )
             rc = self._engine.register_memory(tb.addr, tb.nbytes)
             if rc != 0:
                 raise TransportError(
-                    f"mooncake {self.owner}/{self.nic}: register_memory(addr={tb.addr:#x}, "
-                    f"length={tb.nbytes}) returned {rc}"
+                    f"{self._me}: register_memory(addr={tb.addr:#x}, length={tb.nbytes}) -> {rc}"
                 )
             desc = RegionDesc(
                 owner=self.owner, nic=self.nic, addr=tb.addr, length=tb.nbytes,
@@ -239,15 +239,10 @@ class MooncakeTransport:
         self._check_open()
         with self._lock:
             if self._regions.get(desc.addr, (None,))[0] != desc:
-                raise ValueError(
-                    f"mooncake {self.owner}/{self.nic}: {desc.describe()} is not registered here"
-                )
+                raise ValueError(f"{self._me}: {desc.describe()} is not registered here")
             rc = self._engine.unregister_memory(desc.addr)
             if rc != 0:
-                raise TransportError(
-                    f"mooncake {self.owner}/{self.nic}: unregister_memory of {desc.describe()} "
-                    f"returned {rc}"
-                )
+                raise TransportError(f"{self._me}: unregister_memory({desc.describe()}) -> {rc}")
             del self._regions[desc.addr]
 
     def regions(self) -> list[RegionDesc]:
@@ -268,7 +263,7 @@ class MooncakeTransport:
     def connect(self, peer: PeerInfo) -> None:
         """Check that the peer answers on its handshake port, then record its session."""
         self._check_open()
-        where = f"mooncake {self.owner}/{self.nic}: connect to {peer.owner}/{peer.nic}"
+        where = f"{self._me}: connect to {peer.owner}/{peer.nic}"
         if peer.transport != self.kind:
             raise ValueError(f"{where}: the peer info is for transport {peer.transport!r}")
         session = parse_session_id(peer.endpoint.get("session_id"), where)
@@ -290,7 +285,7 @@ class MooncakeTransport:
         logger.info("%s: session %s", where, session)
 
     def _session_for(self, dst: RegionDesc) -> str:
-        me = f"mooncake {self.owner}/{self.nic}"
+        me = self._me
         if not isinstance(dst, RegionDesc):
             raise ValueError(f"{me}: write destination must be a RegionDesc, not {type(dst)}")
         if dst.transport != self.kind:
@@ -320,8 +315,8 @@ class MooncakeTransport:
         what = f"write of {sb.nbytes} B at offset {dst_offset} into {dst.describe()}"
         if self.protocol != "tcp" and not self._registered_here(sb):
             raise ValueError(
-                f"mooncake {self.owner}/{self.nic}: {what}: protocol {self.protocol!r} sends only "
-                f"from registered memory; register the source [{sb.addr:#x}, +{sb.nbytes}) first"
+                f"{self._me}: {what}: protocol {self.protocol!r} sends only from registered "
+                f"memory; register the source [{sb.addr:#x}, +{sb.nbytes}) first"
             )
         try:
             async with asyncio.TaskGroup() as group:
@@ -333,7 +328,7 @@ class MooncakeTransport:
             raise _first_error(group_exc) from None
 
     async def _write_chunk(self, chunk: _Chunk, keepalive: Any) -> None:
-        where = f"mooncake {self.owner}/{self.nic}: {chunk.what} to {chunk.peer} at {chunk.session}"
+        where = f"{self._me}: {chunk.what} to {chunk.peer} at {chunk.session}"
         async with self._semaphore():
             deadline = time.monotonic() + chunk_deadline_s(chunk.nbytes, self.timeout_s,
                                                            self.min_gbps)
@@ -424,7 +419,7 @@ class MooncakeTransport:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TransportError(f"mooncake {self.owner}/{self.nic} is closed")
+            raise TransportError(f"{self._me} is closed")
 
     def close(self) -> None:
         """Unregister every region and release the engine; safe to call twice."""
