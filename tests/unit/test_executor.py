@@ -1,0 +1,138 @@
+"""TrainerStep: a real plan replayed through the stage pipeline into simnic regions.
+
+Parameters here are plain full tensors (``full_tensor`` is the identity); the
+multi-process FSDP2 test in tests/integration covers DTensor gathers.
+"""
+
+import asyncio
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduling import compute_plan, load_cluster_config
+from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+from weight_transfer.engines.hf_load import load_engine_shard
+from weight_transfer.executor import TrainerStep, check_trainer_plan
+from weight_transfer.models import load_model_config, random_state_dict
+from weight_transfer.prepare import as_bytes
+from weight_transfer.transport.simnic import SimNic
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+class Setup:
+    """Engine buffers registered on one simnic target; a plan over their real regions."""
+
+    def __init__(self, model: str, *, fp8: bool, bandwidth_gbps=None):
+        self.cfg = load_model_config(CONFIGS / "models" / f"{model}.yaml")
+        self.cluster = load_cluster_config(CONFIGS / "clusters" / "local_cpu.yaml")
+        self.state = random_state_dict(self.cfg, seed=3)
+        self.trainer_meta = trainer_meta_from_config(self.cfg, self.cluster)
+        self.targets = {}  # one simulated NIC per engine NIC of the cluster, all in this process
+        self.buffers = {}
+        engines = []
+        for e in engine_metas_from_config(self.cfg, self.cluster, fp8=fp8):
+            fake = e.tensors[0].region
+            buf = torch.zeros(fake.length, dtype=torch.uint8)
+            target = self.targets.setdefault(fake.nic, SimNic(owner="engines", nic=fake.nic))
+            real = target.register(buf)
+            self.buffers[(e.replica, e.rank)] = buf
+            tensors = tuple(dataclasses.replace(t, region=real) for t in e.tensors)
+            engines.append(dataclasses.replace(e, tensors=tensors))
+        self.engines = engines
+        self.plan = compute_plan(self.trainer_meta, engines, self.cluster, model=self.cfg, fp8=fp8)
+        self.writer = SimNic(owner="trainers", nic="trainer-nic", bandwidth_gbps=bandwidth_gbps)
+        for target in self.targets.values():
+            self.writer.connect(target.peer_info("trainers"))
+
+    def step(self, rank, **kw):
+        return TrainerStep(
+            plan=self.plan.trainer_plan(rank),
+            params=self.trainer_meta.params,
+            get_param=self.state.__getitem__,
+            transport=self.writer,
+            **kw,
+        )
+
+    def engine_bytes(self, e):
+        buf = self.buffers[(e.replica, e.rank)]
+        return {t.name: buf[t.offset : t.offset + t.nbytes] for t in e.tensors}
+
+    def close(self):
+        self.writer.close()
+        for target in self.targets.values():
+            target.close()
+
+
+@pytest.mark.parametrize("model,fp8", [("tiny_llama", False), ("tiny_moe", False),
+                                       ("tiny_moe", True)])
+def test_every_engine_byte_equals_reference(model, fp8):
+    s = Setup(model, fp8=fp8)
+    try:
+        async def run_all():
+            return [await s.step(r.rank, watermark_bytes=4 << 20).run(version=1)
+                    for r in s.trainer_meta.ranks]
+
+        reports = asyncio.run(run_all())
+        assert sum(r.bytes_written for r in reports) == s.plan.bytes_total
+        for e in s.engines:
+            want = load_engine_shard(s.cfg, s.state, e.shard, fp8=fp8)
+            got = s.engine_bytes(e)
+            assert set(got) == set(want)
+            for name, ref in want.items():
+                assert torch.equal(got[name], as_bytes(ref)), (e.replica, e.rank, name)
+    finally:
+        s.close()
+
+
+def test_watermark_peak_bounded_and_oversized_params_still_run():
+    s = Setup("tiny_moe", fp8=False)
+    try:
+        biggest = max(p.nbytes for p in s.trainer_meta.params)
+        limit = biggest // 2  # smaller than the embedding: it must run alone, not deadlock
+        reports = [asyncio.run(asyncio.wait_for(s.step(r.rank, watermark_bytes=limit).run(1), 60))
+                   for r in s.trainer_meta.ranks]
+        for rep in reports:
+            assert rep.params_gathered > 0
+        # A rank's peak exceeds the limit only by an item admitted alone.
+        assert any(rep.watermark_peak > limit for rep in reports)
+        roomy = asyncio.run(s.step(0, watermark_bytes=1 << 30).run(2))
+        assert roomy.watermark_peak <= 1 << 30
+    finally:
+        s.close()
+
+
+def test_capped_writes_overlap_with_later_prepares():
+    s = Setup("tiny_llama", fp8=False, bandwidth_gbps=0.02)
+    try:
+        rep = asyncio.run(s.step(0, watermark_bytes=64 << 20).run(version=1))
+        spans = {(sp.key, sp.stage): sp for sp in rep.spans}
+        order = [sp.key for sp in rep.spans if sp.stage == "prepare"]
+        overlapped = [
+            a for a, b in itertools.pairwise(order)
+            if (a, "write") in spans and spans[(b, "prepare")].start < spans[(a, "write")].end
+        ]
+        assert overlapped, "no prepare ran while an earlier write was in flight"
+        serial = asyncio.run(s.step(0, serial=True).run(version=2))
+        sp2 = sorted(serial.spans, key=lambda x: x.start)
+        for a, b in itertools.pairwise(sp2):
+            assert b.start >= a.end - 1e-9  # serial mode: nothing overlaps
+    finally:
+        s.close()
+
+
+def test_plan_that_does_not_match_metadata_is_rejected():
+    s = Setup("tiny_llama", fp8=False)
+    try:
+        tp = s.plan.trainer_plan(0)
+        with pytest.raises(ValueError, match="unknown parameters"):
+            check_trainer_plan(tp, s.trainer_meta.params[1:])
+        other = s.plan.trainer_plan(1)
+        bad = dataclasses.replace(tp, groups=other.groups)
+        with pytest.raises(ValueError, match="belongs to rank 1"):
+            check_trainer_plan(bad, s.trainer_meta.params)
+    finally:
+        s.close()

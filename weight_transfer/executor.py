@@ -1,0 +1,248 @@
+"""What one trainer rank runs at every step: its tasks through the stage pipeline.
+
+The unit that flows through the pipeline is one *parameter*, not one task,
+because ``full_tensor()`` is a collective: every rank of a parameter's mesh
+must gather it, in the same order, whether or not it writes any of it. The
+rank's part of the plan (``scheduling.plan.TrainerPlan``: per mesh group, the
+parameters to gather in the mesh's order and the rank's write tasks) is
+replayed as it is, for each mesh group in order:
+
+1. the group's parameters are taken in the plan's gather order;
+2. each parameter reserves its temporary bytes (gathered tensor + prepared
+   pieces) from the watermark, then passes the stages
+   ``h2d`` (local shard to the compute device, when FSDP keeps it on the host),
+   ``prepare`` (``full_tensor()`` once, then every piece this rank writes from
+   it: fusion parts, TP/EP slices, FP8 quantization),
+   ``write`` (one-sided WRITEs of those pieces, concurrently);
+3. after the group's last parameter, a barrier over all trainer ranks.
+
+Usage (the Ray actor is a thin shell around this)::
+
+    step = TrainerStep(plan=plan.trainer_plan(r), params=trainer_meta.params,
+                       get_param=model_params.__getitem__, transport=nic,
+                       barrier=barrier, watermark_bytes=2 << 30)
+    report = await step.run(version=7)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
+from weight_transfer.prepare import as_bytes, prepare_pieces
+from weight_transfer.types import ParamMeta, WriteTask
+from weight_transfer.watermark import ByteWatermark
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ParamWork:
+    """One parameter moving through the stages on this rank."""
+
+    meta: ParamMeta
+    tasks: list[WriteTask]
+    local: Any = None  # local shard (Tensor or DTensor)
+    prepared: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupWork:
+    """One mesh group on this rank: parameters in gather order, tasks by parameter."""
+
+    group: int
+    params: tuple[ParamMeta, ...]
+    tasks: dict[str, list[WriteTask]]
+
+
+def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork]:
+    """Validate a rank's plan against the parameter metadata; group its tasks by parameter.
+
+    ``plan`` has ``rank`` and ``groups``, each with ``group``, ``params`` (names,
+    gather order) and ``tasks`` (``WriteTask``), as ``scheduling.plan.TrainerPlan``.
+    """
+    metas = {p.name: p for p in params}
+    out = []
+    for g in plan.groups:
+        missing = [n for n in g.params if n not in metas]
+        if missing:
+            raise ValueError(f"rank {plan.rank} group {g.group}: unknown parameters {missing[:10]}")
+        tasks: dict[str, list[WriteTask]] = collections.defaultdict(list)
+        for t in g.tasks:
+            if t.src_rank != plan.rank or t.mesh_group != g.group:
+                raise ValueError(
+                    f"rank {plan.rank} group {g.group}: task {t.task_id} belongs to rank "
+                    f"{t.src_rank} group {t.mesh_group}"
+                )
+            tasks[t.piece.src_param].append(t)
+        stray = sorted(set(tasks) - set(g.params))
+        if stray:
+            raise ValueError(
+                f"rank {plan.rank} group {g.group}: tasks read parameters the rank never "
+                f"gathers: {stray[:10]}"
+            )
+        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    rank: int
+    version: int
+    seconds: float
+    bytes_written: int
+    writes: int
+    params_gathered: int
+    barrier_seconds: float
+    watermark_peak: int
+    spans: tuple[Span, ...]
+
+
+class TrainerStep:
+    """One rank's part of a weight update; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        plan: Any,
+        params: Sequence[ParamMeta],
+        get_param: Callable[[str], Any],
+        transport: Any,
+        barrier: Any = None,
+        watermark_bytes: int = 1 << 30,
+        device: torch.device | str | None = None,
+        write_concurrency: int = 4,
+        serial: bool = False,
+    ) -> None:
+        self.rank = plan.rank
+        self.groups = check_trainer_plan(plan, params)
+        self.get_param = get_param
+        self.transport = transport
+        self.barrier = barrier
+        self.watermark_bytes = watermark_bytes
+        self.device = torch.device(device) if device is not None else None
+        self.write_concurrency = write_concurrency
+        self.serial = serial
+        self.device_memory = bool(getattr(transport, "device_memory", False))
+        # One thread for gathers: collectives must be issued in order, one at a time.
+        self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
+
+    def _items(self, group: GroupWork) -> list[PipelineItem]:
+        items = []
+        for meta in group.params:
+            tasks = group.tasks.get(meta.name, [])
+            out_bytes = sum(t.nbytes for t in tasks)
+            items.append(
+                PipelineItem(
+                    key=meta.name,
+                    reserve_bytes=meta.nbytes + out_bytes,
+                    payload=ParamWork(meta=meta, tasks=tasks),
+                    nbytes=out_bytes,
+                )
+            )
+        return items
+
+    async def _h2d(self, work: ParamWork) -> ParamWork:
+        local = self.get_param(work.meta.name)
+        if self.device is not None and self.device.type == "cuda":
+            local = await asyncio.to_thread(to_device, local, self.device)
+        work.local = local
+        return work
+
+    def _gather_and_prepare(self, work: ParamWork) -> ParamWork:
+        full = full_tensor(work.local)
+        if tuple(full.shape) != work.meta.shape:
+            raise ValueError(
+                f"rank {self.rank}: parameter {work.meta.name!r} gathered as "
+                f"{tuple(full.shape)}, metadata says {work.meta.shape}"
+            )
+        work.prepared = prepare_pieces(full, [t.piece for t in work.tasks])
+        if full.is_cuda:
+            torch.cuda.current_stream(full.device).synchronize()
+        work.local = None
+        return work
+
+    async def _prepare(self, work: ParamWork) -> ParamWork:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
+
+    async def _write(self, work: ParamWork) -> ParamWork:
+        writes = [
+            self.transport.write(self._source(buf), t.region, t.region_offset)
+            for buf, t in zip(work.prepared, work.tasks, strict=True)
+        ]
+        await asyncio.gather(*writes)
+        work.prepared = []
+        return work
+
+    def _source(self, buf: torch.Tensor) -> torch.Tensor:
+        """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
+        if buf.is_cuda and not self.device_memory:
+            buf = buf.cpu()
+        return as_bytes(buf)
+
+    def _stages(self) -> list[Stage]:
+        return [
+            Stage("h2d", self._h2d),
+            Stage("prepare", self._prepare),
+            Stage("write", self._write, concurrency=1 if self.serial else self.write_concurrency),
+        ]
+
+    async def run(self, version: int) -> StepReport:
+        start = time.perf_counter()
+        # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
+        wm = ByteWatermark(1 if self.serial else self.watermark_bytes)
+        spans: list[Span] = []
+        barrier_s = 0.0
+        for group in self.groups:
+            pipe = Pipeline(self._stages(), watermark=wm)
+            await pipe.run(self._items(group))
+            spans.extend(pipe.spans)
+            if self.barrier is not None:
+                barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
+        tasks = [t for g in self.groups for ts in g.tasks.values() for t in ts]
+        return StepReport(
+            rank=self.rank,
+            version=version,
+            seconds=time.perf_counter() - start,
+            bytes_written=sum(t.nbytes for t in tasks),
+            writes=len(tasks),
+            params_gathered=sum(len(g.params) for g in self.groups),
+            barrier_seconds=barrier_s,
+            watermark_peak=wm.peak,
+            spans=tuple(spans),
+        )
+
+    def close(self) -> None:
+        self._gather_pool.shutdown(wait=False)
+
+
+def full_tensor(local: Any) -> torch.Tensor:
+    """The whole parameter: ``DTensor.full_tensor()`` (a collective) or the tensor itself."""
+    gather = getattr(local, "full_tensor", None)
+    return gather() if gather is not None else local
+
+
+def to_device(local: Any, device: torch.device) -> Any:
+    """Host-to-device copy of a local shard (pinned memory makes it asynchronous)."""
+    to_local = getattr(local, "to_local", None)
+    if to_local is None:
+        return local.to(device, non_blocking=True)
+    from torch.distributed.tensor import DTensor
+
+    shard = to_local().to(device, non_blocking=True)
+    return DTensor.from_local(
+        shard, local.device_mesh, local.placements, run_check=False,
+        shape=local.shape, stride=local.stride(),
+    )
+
+
