@@ -2,7 +2,8 @@
 
 Run ``wt bench transport`` or, directly,
 ``python scripts/bench_transport.py --sizes 1M,64M,1G --repeats 5 --json out.json``.
-For every size it reports the best of ``repeats`` timed copies of that size:
+For every size it reports the best of ``repeats`` timed copies of that size (the
+backends take turns, so a busy machine slows them alike):
 
 * ``memcpy``: ``ctypes.memmove`` between two pre-faulted buffers of this process,
   on one thread: the ceiling of a one-copy transfer on this machine;
@@ -24,9 +25,7 @@ import argparse
 import asyncio
 import ctypes
 import json
-import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,6 @@ from weight_transfer.transport.harness import RemoteTarget
 
 BACKENDS = ("memcpy", "simnic", "mooncake_tcp")
 REQUIRED = ("memcpy", "simnic")  # an optional backend that fails is reported, not fatal
-Tick = Callable[[], None]
 Results = dict[int, float]
 
 
@@ -53,64 +51,101 @@ def parse_backends(text: str) -> list[str]:
     return names
 
 
-def bench_memcpy(sizes: list[int], repeats: int, src: int, tick: Tick) -> Results:
-    mapping, _, dst = alloc_buffer(max(sizes), fill=0)
-    out = {}
-    try:
-        for size in sizes:
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                ctypes.memmove(dst, src, size)
-                best = min(best, time.perf_counter() - start)
-                tick()
-            out[size] = size / best / 1e9
-    finally:
-        mapping.close()
-    return out
+class MemcpyBench:
+    """``ctypes.memmove`` between two pre-faulted buffers of this process."""
+
+    def __init__(self, nbytes: int, src: int) -> None:
+        self.src = src
+        self.mapping, _, self.dst = alloc_buffer(nbytes, fill=0)
+
+    def once(self, size: int) -> float:
+        start = time.perf_counter()
+        ctypes.memmove(self.dst, self.src, size)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
-async def _time_writes(nic: Any, target: RemoteTarget, sizes: list[int], repeats: int,
-                       src: int, tick: Tick) -> Results:
-    await nic.write((src, min(sizes)), target.region, 0)  # warm-up: threads, sessions
-    out = {}
-    for size in sizes:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            await nic.write((src, size), target.region, 0)
-            best = min(best, time.perf_counter() - start)
-            tick()
-        out[size] = size / best / 1e9
-    return out
+class NicBench:
+    """WRITEs from this process into a region of a RemoteTarget child, one backend."""
 
-
-def bench_simnic(sizes: list[int], repeats: int, src: int, tick: Tick) -> Results:
-    with RemoteTarget("simnic", nbytes=max(sizes), guard_bytes=0, owner="bench-target",
-                      transport_opts={"nic": "sim-t"}) as target:
-        nic = make_transport("simnic", owner="bench-writer", nic="sim-w")
+    def __init__(self, kind: str, nbytes: int, src: int, opts: dict[str, Any],
+                 symmetric: bool = False) -> None:
+        self.src = src
+        self.loop = asyncio.new_event_loop()
+        self.nic: Any = None
+        self.target: RemoteTarget | None = None
         try:
-            nic.connect(target.peer_info)
-            return asyncio.run(_time_writes(nic, target, sizes, repeats, src, tick))
-        finally:
-            nic.close()
+            self.nic = make_transport(kind, owner="bench-writer", nic=f"{kind}-w", **opts)
+            self.target = RemoteTarget(kind, nbytes=nbytes, guard_bytes=0, owner="bench-target",
+                                       peer_owner="bench-writer",
+                                       transport_opts={"nic": f"{kind}-t", **opts})
+            self.target.start()
+            self.nic.connect(self.target.peer_info)
+            if symmetric:
+                self.target.connect(self.nic.peer_info("bench-target"))
+            self.once(4096)  # warm-up: worker threads, sessions
+        except BaseException:
+            self.close()
+            raise
+
+    async def _timed(self, size: int) -> float:
+        start = time.perf_counter()
+        await self.nic.write((self.src, size), self.target.region, 0)
+        return time.perf_counter() - start
+
+    def once(self, size: int) -> float:
+        return self.loop.run_until_complete(self._timed(size))
+
+    def close(self) -> None:
+        if self.nic is not None:
+            self.nic.close()
+        if self.target is not None:
+            self.target.close()
+        self.loop.close()
 
 
-def bench_mooncake_tcp(sizes: list[int], repeats: int, src: int, tick: Tick) -> Results:
-    opts = {"protocol": "tcp", "hostname": "127.0.0.1"}
-    nic = make_transport("mooncake", owner="bench-writer", nic="mc-w", **opts)
+def make_bench(name: str, nbytes: int, src: int) -> MemcpyBench | NicBench:
+    if name == "memcpy":
+        return MemcpyBench(nbytes, src)
+    if name == "simnic":
+        return NicBench("simnic", nbytes, src, {})
+    return NicBench("mooncake", nbytes, src, {"protocol": "tcp", "hostname": "127.0.0.1"},
+                    symmetric=True)
+
+
+def measure(names: list[str], sizes: list[int], repeats: int, src: int, progress: Progress,
+            ) -> tuple[dict[str, Results], dict[str, str]]:
+    """Best seconds per size for every backend that works, interleaved so that load
+    on a shared machine hits all backends alike; and why the others did not run."""
+    results: dict[str, Results] = {name: {} for name in names}
+    unavailable: dict[str, str] = {}
+    benches: dict[str, MemcpyBench | NicBench] = {}
     try:
-        with RemoteTarget("mooncake", nbytes=max(sizes), guard_bytes=0, owner="bench-target",
-                          peer_owner="bench-writer",
-                          transport_opts={"nic": "mc-t", **opts}) as target:
-            nic.connect(target.peer_info)
-            target.connect(nic.peer_info("bench-target"))
-            return asyncio.run(_time_writes(nic, target, sizes, repeats, src, tick))
+        for name in names:
+            try:
+                benches[name] = make_bench(name, max(sizes), src)
+            except Exception as e:
+                unavailable[name] = f"unavailable: {type(e).__name__}: {e}"
+        task = progress.add_task("measuring", total=len(sizes) * repeats)
+        for size in sizes:
+            progress.update(task, description=f"{format_size(size):>8}")
+            best = dict.fromkeys(benches, float("inf"))
+            for _ in range(repeats):
+                for name, bench in list(benches.items()):
+                    try:
+                        best[name] = min(best[name], bench.once(size))
+                    except Exception as e:
+                        unavailable[name] = f"failed at {format_size(size)}: {e}"
+                        benches.pop(name).close()
+                progress.advance(task)
+            for name in benches:
+                results[name][size] = size / best[name] / 1e9
     finally:
-        nic.close()
-
-
-BENCHES = {"memcpy": bench_memcpy, "simnic": bench_simnic, "mooncake_tcp": bench_mooncake_tcp}
+        for bench in benches.values():
+            bench.close()
+    return results, unavailable
 
 
 def render(results: dict[str, Results], unavailable: dict[str, str], sizes: list[int]) -> Table:
@@ -143,22 +178,12 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
         console.print(f"[red]bench transport: {e}")
         return 2
     mapping, _, src = alloc_buffer(max(size_list), fill=0x5A)
-    results: dict[str, Results] = {}
-    unavailable: dict[str, str] = {}
-    failed = False
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        for name in names:
-            task = progress.add_task(name, total=len(size_list) * repeats)
-            try:
-                results[name] = BENCHES[name](size_list, repeats, src,
-                                              lambda t=task: progress.advance(t))
-            except Exception as e:
-                logging.getLogger(__name__).debug("%s failed", name, exc_info=True)
-                results[name] = {}
-                unavailable[name] = f"unavailable: {type(e).__name__}: {e}"
-                failed |= name in REQUIRED
-    mapping.close()
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            results, unavailable = measure(names, size_list, repeats, src, progress)
+    finally:
+        mapping.close()
     console.print(render(results, unavailable, size_list))
     for name, why in unavailable.items():
         console.print(f"[yellow]{name}: {why}")
@@ -167,7 +192,7 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
         doc["unavailable"] = unavailable
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {json_path}")
-    return 1 if failed else 0
+    return 1 if any(name in unavailable for name in REQUIRED) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
