@@ -5,7 +5,8 @@ each distinct engine shard (replicas with the same shard share them) and
 
 1. groups the trainer meshes (:func:`scheduling.assign.mesh_groups`);
 2. splits pieces larger than the group's balance granularity;
-3. fixes each mesh's gather order (:func:`scheduling.assign.interleave_order`);
+3. fixes each mesh's gather order (:func:`scheduling.assign.interleave_order`,
+   or the trainer metadata's order with ``gather_order="canonical"``);
 4. expands pieces into tasks (one per engine rank holding the shard), in
    gather order, and assigns each a source rank of its mesh
    (:func:`scheduling.assign.assign_sources`);
@@ -35,6 +36,9 @@ from weight_transfer.types import EngineRankMeta, MeshDesc, ParamMeta, Piece, Sh
 log = logging.getLogger(__name__)
 
 SplitFn = Callable[[Piece, int], list[Piece]]
+# interleaved: params of different destination shards alternate (see assign.interleave_order);
+# canonical: the order of the trainer metadata.
+GATHER_ORDERS = ("interleaved", "canonical")
 
 
 def _default_split(piece: Piece, max_bytes: int) -> list[Piece]:
@@ -119,14 +123,17 @@ def _gather_order(
     sig: np.ndarray,
     pbytes: np.ndarray,
     used: np.ndarray,
+    interleave: bool,
 ) -> list[tuple[int, ...]]:
-    """Per group: params of each mesh (group's mesh order) in interleaved gather order."""
+    """Per group: params of each mesh (group's mesh order) in gather order."""
     order: list[tuple[int, ...]] = []
     for members in groups:
         seq: list[int] = []
         for m in members:
             sel = np.flatnonzero((param_mesh == m) & used)
-            seq.extend(sel[interleave_order(sig[sel], pbytes[sel])].tolist())
+            if interleave:
+                sel = sel[interleave_order(sig[sel], pbytes[sel])]
+            seq.extend(sel.tolist())
         order.append(tuple(seq))
     return order
 
@@ -153,6 +160,7 @@ def build_plan(
     min_piece_bytes: int = 1 << 20,
     max_piece_bytes: int = 256 << 20,
     split: SplitFn | None = None,
+    gather_order: str = "interleaved",
 ) -> Plan:
     """See the module docstring. Deterministic in its inputs."""
     t0 = time.perf_counter()
@@ -196,7 +204,11 @@ def build_plan(
     has[pt.param, piece_shard] = True
     _, sig = np.unique(has, axis=0, return_inverse=True)
     pbytes = np.bincount(pt.param, weights=pt.nbytes * copies[piece_shard], minlength=len(params))
-    group_params = _gather_order(groups, param_mesh, sig.ravel(), pbytes, has.any(axis=1))
+    if gather_order not in GATHER_ORDERS:
+        raise ValueError(f"gather_order must be one of {GATHER_ORDERS}, not {gather_order!r}")
+    group_params = _gather_order(
+        groups, param_mesh, sig.ravel(), pbytes, has.any(axis=1), gather_order == "interleaved"
+    )
     gpos = np.full(len(params), -1, dtype=np.int64)
     flat_order = [p for seq in group_params for p in seq]
     gpos[flat_order] = np.arange(len(flat_order))

@@ -129,6 +129,16 @@ class Plan:
         """Bytes received per (mesh group, engine NIC)."""
         return self._per_nic(self.recv_nic_of_task(), len(self.recv_nics))
 
+    @property
+    def param_group(self) -> dict[str, int]:
+        """Mesh group of every planned parameter, by trainer name."""
+        return {self.params[p].name: g for g, order in enumerate(self.group_params) for p in order}
+
+    def gather_order(self, rank: int) -> dict[int, list[str]]:
+        """Per group, the parameters ``rank`` gathers, in the order every rank of its
+        mesh must use (``full_tensor()`` is a collective)."""
+        return {g.group: list(g.params) for g in self.trainer_plan(rank).groups}
+
     # ------------------------------------------------------------------ per trainer
 
     def task(self, row: int) -> WriteTask:
@@ -196,6 +206,7 @@ def compute_plan(
     pieces_per_nic: int = 32,
     min_piece_bytes: int = 1 << 20,
     max_piece_bytes: int = 256 << 20,
+    gather_order: str = "interleaved",
 ) -> Plan:
     """Match engine tensors to trainer parameters and build the plan. Pure, deterministic.
 
@@ -203,6 +214,8 @@ def compute_plan(
     defaults to the cluster's ``inference.fp8``. Pieces larger than the
     balance granularity (a group's bytes per sending NIC / ``pieces_per_nic``,
     clamped to [``min_piece_bytes``, ``max_piece_bytes``]) are split first.
+    ``gather_order`` is ``"interleaved"`` (destinations alternate, the default)
+    or ``"canonical"`` (the trainer metadata's order).
     """
     from scheduling.build import build_plan
     from scheduling.match import match_engines
@@ -224,4 +237,5 @@ def compute_plan(
         pieces_per_nic=pieces_per_nic,
         min_piece_bytes=min_piece_bytes,
         max_piece_bytes=max_piece_bytes,
+        gather_order=gather_order,
     )
