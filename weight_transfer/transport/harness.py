@@ -207,6 +207,8 @@ class RemoteTarget:
         self.close()
 
     def start(self) -> None:
+        if self._proc is not None:
+            raise RemoteTargetError(f"target {self.owner} is already started")
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         release_r, self._release_w = ctx.Pipe(duplex=False)
