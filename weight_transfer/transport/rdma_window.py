@@ -83,12 +83,15 @@ class CompletionWindow(Generic[T]):
         by the caller as soon as this returns.
         """
         posted: list[tuple[T, asyncio.Future[Completion]]] = []
+        failed: list[asyncio.Future[Completion]] = []  # filled by done-callbacks
         try:
             for item in items:
-                if any(_failed(fut) for _, fut in posted):
+                if failed:
                     break
                 await self._acquire()
-                posted.append((item, self._post_one(item, post)))
+                fut = self._post_one(item, post)
+                fut.add_done_callback(lambda f: _failed(f) and failed.append(f))
+                posted.append((item, fut))
         finally:
             await self._drain([fut for _, fut in posted])
         for item, fut in posted:
@@ -192,4 +195,4 @@ class CompletionWindow(Generic[T]):
 
 
 def _failed(fut: asyncio.Future[Completion]) -> bool:
-    return fut.done() and (fut.exception() is not None or fut.result().status != SUCCESS)
+    return fut.exception() is not None or fut.result().status != SUCCESS
