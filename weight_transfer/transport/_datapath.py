@@ -132,12 +132,16 @@ class DataPath:
 
     def _sleep_until(self, peer: Peer, deadline: float, where: str) -> None:
         delay = deadline - time.monotonic()
-        if delay <= 0:
-            return
-        if peer.proc.wait_exit(delay, self.wake_fd):
-            raise PeerUnreachableError(f"{peer.label} exited during the write into {where}")
-        if self.is_closed():
-            raise TransportError(f"{self.label} closed during the write into {where}")
+        if delay > 0.002:
+            # poll() counts whole milliseconds: wait in it until ~1 ms before the deadline,
+            # waking at once if the peer dies or this NIC closes; then sleep precisely.
+            if peer.proc.wait_exit(delay - 0.001, self.wake_fd):
+                raise PeerUnreachableError(f"{peer.label} exited during the write into {where}")
+            if self.is_closed():
+                raise TransportError(f"{self.label} closed during the write into {where}")
+        rest = deadline - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
 
 
 def _check_slot(view: SlotView, dst: RegionDesc, where: str) -> None:

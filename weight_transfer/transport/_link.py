@@ -5,8 +5,8 @@ worker threads, so everything here is guarded by one lock):
 
 * ``reserve(n)`` books the next ``n / bandwidth`` seconds of the link and returns
   when that slot starts and ends; a chunk is copied at the start and counts as
-  delivered at the end, so the NIC never moves more than its cap, whatever the
-  number of writes in flight.
+  delivered at the end, so the NIC never moves more than its cap (plus a burst
+  of 1 ms worth of bytes), whatever the number of writes in flight.
 * ``take(n)`` grants up to ``n`` bytes of the fault budget set by
   ``fail_after_bytes``: once it is used up, the write that hit it fails.
 * ``delivered(n)`` counts bytes that landed.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+BURST_S = 0.001
 
 
 class LinkModel:
@@ -36,7 +38,9 @@ class LinkModel:
         if self._bytes_per_s is None:
             return now, now
         with self._mutex:
-            start = max(now, self._next_free)
+            # Up to BURST_S of credit: a chunk that overslept its slot does not push
+            # every later slot back, so the long-run rate is the cap, not less.
+            start = max(now - BURST_S, self._next_free)
             self._next_free = start + nbytes / self._bytes_per_s
             return start, self._next_free
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import mmap
 import os
 import select
@@ -171,10 +172,7 @@ class ProcessHandle:
 
     def alive(self) -> bool:
         """False once the process has exited (a zombie counts as exited)."""
-        if self._pidfd < 0:
-            return False
-        readable, _, _ = select.select([self._pidfd], [], [], 0)
-        return not readable
+        return not self.wait_exit(0.0)
 
     def wait_exit(self, timeout: float, wake_fd: int | None = None) -> bool:
         """Sleep up to ``timeout`` s; True as soon as the process exits.
@@ -183,9 +181,12 @@ class ProcessHandle:
         """
         if self._pidfd < 0:
             return True
-        fds = [self._pidfd] if wake_fd is None else [self._pidfd, wake_fd]
-        readable, _, _ = select.select(fds, [], [], max(timeout, 0.0))
-        return self._pidfd in readable
+        poller = select.poll()  # not select(): fd numbers may exceed FD_SETSIZE
+        poller.register(self._pidfd, select.POLLIN)
+        if wake_fd is not None:
+            poller.register(wake_fd, select.POLLIN)
+        events = poller.poll(max(0, math.ceil(timeout * 1000)))
+        return any(fd == self._pidfd for fd, _ in events)
 
     def close(self) -> None:
         if self._pidfd >= 0:
