@@ -83,15 +83,17 @@ class CompletionWindow(Generic[T]):
         by the caller as soon as this returns.
         """
         posted: list[tuple[T, asyncio.Future[Completion]]] = []
-        failed: list[asyncio.Future[Completion]] = []  # filled by done-callbacks
+        checked = 0  # posted[:checked] completed successfully (RC completes in order)
         try:
             for item in items:
-                if failed:
-                    break
+                while checked < len(posted) and posted[checked][1].done():
+                    if _failed(posted[checked][1]):
+                        break
+                    checked += 1
+                if checked < len(posted) and posted[checked][1].done():
+                    break  # a failure: post nothing more
                 await self._acquire()
-                fut = self._post_one(item, post)
-                fut.add_done_callback(lambda f: _failed(f) and failed.append(f))
-                posted.append((item, fut))
+                posted.append((item, self._post_one(item, post)))
         finally:
             await self._drain([fut for _, fut in posted])
         for item, fut in posted:
