@@ -236,7 +236,7 @@ def test_latency_is_added_to_every_write(pair):
 
     start = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - start >= 0.1
+    assert time.monotonic() - start >= 0.09  # 5 x 20 ms, with room for timer rounding
     assert writer.writes == 5
 
 
