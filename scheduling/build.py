@@ -30,7 +30,13 @@ import numpy as np
 
 from scheduling.assign import assign_sources, interleave_order, mesh_groups, spread_order
 from scheduling.plan import Plan
-from scheduling.tables import Interner, engine_table, grow_lookup, piece_table
+from scheduling.tables import (
+    Interner,
+    PieceTable,
+    engine_table,
+    grow_lookup,
+    piece_table,
+)
 from weight_transfer.types import EngineRankMeta, MeshDesc, ParamMeta, Piece, ShardSpec, TrainerMeta
 
 log = logging.getLogger(__name__)
@@ -108,13 +114,37 @@ def _granularity(
 
 
 def _split_pieces(
-    pieces: Sequence[Piece], group_of: Callable[[Piece], int], gran: np.ndarray, split: SplitFn
-) -> list[Piece]:
+    pieces: Sequence[Piece], limit: np.ndarray, split: SplitFn
+) -> tuple[list[Piece], list[Piece], np.ndarray]:
+    """(all pieces after splitting, the new ones, origin: raw index or -1 for new ones)."""
     out: list[Piece] = []
-    for p in pieces:
-        limit = int(gran[group_of(p)])
-        out.extend(split(p, limit) if p.nbytes > limit else (p,))
-    return out
+    new: list[Piece] = []
+    origin: list[int] = []
+    big = np.flatnonzero(np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)) > limit)
+    last = 0
+    for i in big.tolist():
+        parts = split(pieces[i], int(limit[i]))
+        out.extend(pieces[last:i])
+        origin.extend(range(last, i))
+        out.extend(parts)
+        new.extend(parts)
+        origin.extend([-1] * len(parts))
+        last = i + 1
+    out.extend(pieces[last:])
+    origin.extend(range(last, len(pieces)))
+    return out, new, np.asarray(origin, dtype=np.int64)
+
+
+def _merge_tables(raw: PieceTable, new: PieceTable, origin: np.ndarray) -> PieceTable:
+    """Columns of the split list: raw rows where unchanged, new rows in order elsewhere."""
+    fresh = origin < 0
+    cols = {}
+    for f in ("param", "name", "offset", "nbytes", "dtype"):
+        col = np.empty(len(origin), dtype=np.int64)
+        col[~fresh] = getattr(raw, f)[origin[~fresh]]
+        col[fresh] = getattr(new, f)
+        cols[f] = col
+    return PieceTable(**cols)
 
 
 def _gather_order(
@@ -178,9 +208,6 @@ def build_plan(
     shards, shard_engines = _shards(engines, pieces_by_shard)
     copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
 
-    def group_of(p: Piece) -> int:
-        return int(mesh_group[param_mesh[param_index[p.src_param]]])
-
     # balance granularity per group: bytes per sending NIC / pieces_per_nic
     names, dtypes = Interner(), Interner()
     raw = [piece_table(pieces_by_shard[s], param_index, names, dtypes) for s in shards]
@@ -193,16 +220,26 @@ def build_plan(
         [len(np.unique(rank_nic[[r for m in ms for r in meshes[m].ranks]])) for ms in groups]
     )
     gran = _granularity(gbytes, gnics, pieces_per_nic, min_piece_bytes, max_piece_bytes)
-    per_shard = [_split_pieces(pieces_by_shard[s], group_of, gran, split) for s in shards]
+    per_shard, tables = [], []
+    for s, t in zip(shards, raw, strict=True):
+        limit = gran[mesh_group[param_mesh[t.param]]]
+        out, new, origin = _split_pieces(pieces_by_shard[s], limit, split)
+        per_shard.append(out)
+        tables.append(_merge_tables(t, piece_table(new, param_index, names, dtypes), origin))
     pieces = tuple(p for ps in per_shard for p in ps)
     piece_shard = np.repeat(np.arange(len(shards)), [len(ps) for ps in per_shard])
-    pt = piece_table(pieces, param_index, names, dtypes)
+    pt = PieceTable(**{f: np.concatenate([getattr(t, f) for t in tables])
+                       for f in ("param", "name", "offset", "nbytes", "dtype")})
     t1 = time.perf_counter()
 
     # gather order: params grouped by the set of shards they go to, interleaved by bytes
     has = np.zeros((len(params), len(shards)), dtype=bool)
     has[pt.param, piece_shard] = True
-    _, sig = np.unique(has, axis=0, return_inverse=True)
+    if len(shards) <= 62:  # one integer per param: much faster than unique rows
+        weights = np.left_shift(np.int64(1), np.arange(len(shards), dtype=np.int64))
+        sig = has.astype(np.int64) @ weights
+    else:
+        _, sig = np.unique(has, axis=0, return_inverse=True)
     pbytes = np.bincount(pt.param, weights=pt.nbytes * copies[piece_shard], minlength=len(params))
     if gather_order not in GATHER_ORDERS:
         raise ValueError(f"gather_order must be one of {GATHER_ORDERS}, not {gather_order!r}")

@@ -44,6 +44,41 @@ def selftest(
     raise typer.Exit(run(device=device, size=size, gid_index=gid_index))
 
 
+@app.command("plan")
+def plan(
+    model: Path = typer.Option(..., help="Model YAML (configs/models/*.yaml)."),
+    cluster: Path = typer.Option(..., help="Cluster YAML (configs/clusters/*.yaml)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the summary as JSON."),
+    expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
+    gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
+    validate: bool = typer.Option(True, help="Check every destination byte is written once."),
+) -> None:
+    """Plan a model on a cluster from configs alone: tasks, bytes per NIC, bound, time."""
+    from scripts.plan_cmd import run_plan
+
+    raise typer.Exit(run_plan(model=model, cluster=cluster, json_path=json_path,
+                              expert_naming=expert_naming, gather_order=gather_order,
+                              validate=validate))
+
+
+@app.command("simulate")
+def simulate(
+    model: Path = typer.Option(..., help="Model YAML (configs/models/*.yaml)."),
+    cluster: Path = typer.Option(..., help="Cluster YAML (configs/clusters/*.yaml)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the result as JSON."),
+    expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
+    gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
+    inflight: int | None = typer.Option(None, help="Writes in flight per rank (default: cluster)."),
+    resolution: float = typer.Option(1e-5, help="Event window, fraction of a group's bound."),
+) -> None:
+    """Predict the transfer time of the plan (discrete-event model) beside the NIC bound."""
+    from scripts.plan_cmd import run_simulate
+
+    raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
+                                  expert_naming=expert_naming, gather_order=gather_order,
+                                  inflight=inflight, resolution=resolution))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,192 @@
+"""``wt plan`` and ``wt simulate``: plan a model on a cluster from configs alone, and report.
+
+``wt plan --model M.yaml --cluster C.yaml [--json out.json]`` builds trainer
+and engine metadata from the configs (no weights), computes and validates the
+plan, and prints tensors, tasks, bytes, bytes per NIC (send and receive),
+imbalance, the NIC lower bound, time to plan and peak memory.
+
+``wt simulate`` does the same, then runs the discrete-event model and prints
+the predicted seconds beside the lower bound.
+
+JSON keys (both): ``tasks``, ``bytes_total``, ``nic_imbalance`` (max/mean
+bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
+``plan_seconds`` (metadata + plan, wall clock), and more; ``simulate`` adds
+``predicted_s``, ``barrier_lower_bound_s``, ``efficiency``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    plan: Any
+    cluster: Any
+    model: Any
+    timings: dict[str, float]
+
+
+def _gb(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
+          validate: bool) -> Planned:
+    """Load configs, build metadata, compute (and validate) the plan, timing each step."""
+    from scheduling import compute_plan, load_cluster_config
+    from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+    from weight_transfer.models import load_model_config
+
+    cfg = load_model_config(model)
+    cl = load_cluster_config(cluster)
+    t0, c0 = time.perf_counter(), time.process_time()
+    tm = trainer_meta_from_config(cfg, cl, expert_naming=expert_naming)
+    em = engine_metas_from_config(cfg, cl)
+    t1 = time.perf_counter()
+    plan = compute_plan(tm, em, cl, model=cfg, expert_naming=expert_naming,
+                        gather_order=gather_order)
+    t2, c2 = time.perf_counter(), time.process_time()
+    timings = {"metadata_seconds": t1 - t0, "compute_seconds": t2 - t1,
+               "plan_seconds": t2 - t0, "plan_cpu_seconds": c2 - c0}
+    if validate:
+        plan.validate()
+        timings["validate_seconds"] = time.perf_counter() - t2
+    return Planned(plan=plan, cluster=cl, model=cfg, timings=timings)
+
+
+def summary(p: Planned) -> dict[str, Any]:
+    """The numbers both commands print and write."""
+    from scheduling.simulate import lower_bounds
+
+    plan = p.plan
+    send, recv = plan.send_bytes(), plan.recv_bytes()
+    send_tot, recv_tot = send.sum(axis=0), recv.sum(axis=0)
+
+    def imbalance(x: np.ndarray) -> float:
+        return float(x.max() / x.mean()) if x.size and x.mean() > 0 else 1.0
+
+    total_lb, group_lb = lower_bounds(plan, p.cluster)
+    return {
+        "model": p.model.name or p.model.architecture,
+        "cluster": p.cluster.name,
+        "trainer_params": len(plan.params),
+        "tensors": sum(len(e.tensors) for e in plan.engines),
+        "pieces": len(plan.pieces),
+        "tasks": plan.num_tasks,
+        "groups": plan.num_groups,
+        "bytes_total": plan.bytes_total,
+        "send_bytes_per_nic": {"min": int(send_tot.min()), "mean": float(send_tot.mean()),
+                               "max": int(send_tot.max())},
+        "recv_bytes_per_nic": {"min": int(recv_tot.min()), "mean": float(recv_tot.mean()),
+                               "max": int(recv_tot.max())},
+        "send_imbalance": imbalance(send_tot),
+        "recv_imbalance": imbalance(recv_tot),
+        "nic_imbalance": max(imbalance(send_tot), imbalance(recv_tot)),
+        "group_send_imbalance": [imbalance(row) for row in send],
+        "lower_bound_s": total_lb,
+        "barrier_lower_bound_s": float(group_lb.sum()),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **p.timings,
+    }
+
+
+def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
+    t = Table(title=f"plan: {s['model']} on {s['cluster']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("trainer params / engine tensors", f"{s['trainer_params']:,} / {s['tensors']:,}"),
+        ("pieces / tasks / mesh groups", f"{s['pieces']:,} / {s['tasks']:,} / {s['groups']}"),
+        ("bytes total", _gb(s["bytes_total"])),
+    ]
+    for side in ("send", "recv"):
+        b = s[f"{side}_bytes_per_nic"]
+        rows.append((f"{side} bytes per NIC min / mean / max",
+                     f"{_gb(b['min'])} / {_gb(b['mean'])} / {_gb(b['max'])}"))
+        rows.append((f"{side} imbalance max/mean", f"{s[f'{side}_imbalance']:.4f}"))
+    rows += [
+        ("NIC lower bound", f"{s['lower_bound_s']:.4f} s"),
+        ("with barriers between groups", f"{s['barrier_lower_bound_s']:.4f} s"),
+        ("time to plan (metadata + plan)",
+         f"{s['plan_seconds']:.2f} s ({s['metadata_seconds']:.2f} + {s['compute_seconds']:.2f})"),
+    ]
+    if "validate_seconds" in s:
+        rows.append(("validate", f"{s['validate_seconds']:.2f} s"))
+    rows.append(("peak memory (RSS)", f"{s['peak_rss_bytes'] / 2**30:.2f} GiB"))
+    for row in (*rows, *extra):
+        t.add_row(*row)
+    return t
+
+
+def _write_json(path: Path | None, data: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        console.print(f"wrote {path}")
+
+
+def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
+             gather_order: str, validate: bool) -> int:
+    try:
+        p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
+                  validate=validate)
+    except ValueError as err:
+        console.print(f"[red]cannot plan:[/red] {err}")
+        return 2
+    s = summary(p)
+    console.print(_table(s))
+    _write_json(json_path, s)
+    return 0
+
+
+def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
+                 gather_order: str, inflight: int | None, resolution: float) -> int:
+    from scheduling import simulate
+
+    try:
+        p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
+                  validate=False)
+    except ValueError as err:
+        console.print(f"[red]cannot plan:[/red] {err}")
+        return 2
+    t0 = time.perf_counter()
+    r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution)
+    s = summary(p)
+    busy = np.array(list(r.per_nic_busy_seconds.values()))
+    s.update({
+        "predicted_s": r.seconds,
+        "efficiency": r.efficiency,
+        "group_seconds": list(r.group_seconds),
+        "group_lower_bounds_s": list(r.group_lower_bounds),
+        "nic_busy_s": {"min": float(busy.min()), "mean": float(busy.mean()),
+                       "max": float(busy.max())},
+        "events": r.events,
+        "max_inflight": inflight or p.cluster.sim.max_inflight,
+        "gather_order": gather_order,
+        "simulate_seconds": time.perf_counter() - t0,
+    })
+    extra = [
+        ("predicted transfer", f"[bold]{r.seconds:.4f} s[/bold]"),
+        ("lower bound / predicted", f"{r.efficiency:.3f}"),
+        ("per group (predicted / bound)", ", ".join(
+            f"{a:.4f}/{b:.4f}" for a, b in zip(r.group_seconds, r.group_lower_bounds,
+                                               strict=True))),
+        ("simulation", f"{r.events:,} events in {s['simulate_seconds']:.1f} s"),
+    ]
+    console.print(_table(s, extra))
+    _write_json(json_path, s)
+    return 0
