@@ -172,11 +172,28 @@ class ModelConfig(BaseModel):
             return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
         return False
 
+    def __eq__(self, other: object) -> bool:
+        """Equal when the fields are (the memo is not part of the value)."""
+        if not isinstance(other, ModelConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash(self.model_dump_json())  # rope_scaling is a dict: hash its JSON
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickle without the memo: a config sent to another process stays small."""
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {"_cache": {}}}
+
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Memoize ``build()`` on this (immutable) config."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        cache = self._cache
+        if cache.get("__owner__") is not self:  # model_copy shares the dict: start afresh
+            cache = self._cache = {"__owner__": self}
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -1,6 +1,7 @@
 """Model configs: YAML validation, exact HF names and shapes, parameter counts, speed."""
 
 import math
+import pickle
 import time
 from pathlib import Path
 
@@ -169,3 +170,15 @@ def test_random_state_dict_is_seeded_and_complete():
 def test_random_state_dict_refuses_big_models():
     with pytest.raises(ValueError, match="tiny configs"):
         random_state_dict(cfg("llama3_70b"), seed=0)
+
+
+def test_memo_is_neither_shared_by_copies_nor_pickled():
+    c = cfg("tiny_llama")
+    assert len(trainer_param_specs(c)) == 21
+    wider = c.model_copy(update={"num_hidden_layers": 3})
+    assert len(trainer_param_specs(wider)) == 30
+    assert len(trainer_param_specs(c)) == 21
+    clone = pickle.loads(pickle.dumps(c))
+    assert clone == c and hash(clone) == hash(c) and len(pickle.dumps(c)) < 2000
+    assert wider != c
+    assert len(trainer_param_specs(clone)) == 21
