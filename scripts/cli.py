@@ -32,6 +32,21 @@ def bench_transport(
     raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))
 
 
+@bench_app.command("pipeline")
+def bench_pipeline(
+    model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
+    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    fp8: bool = typer.Option(True, help="FP8 engines (quantize while writing)."),
+    nic_gbps: float = typer.Option(0.1, help="Trainer NIC cap in GB/s (see the docstring)."),
+    watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON."),
+) -> None:
+    """The same plan run serially and pipelined, with the speedup."""
+    from scripts.bench_pipeline import run
+
+    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),
