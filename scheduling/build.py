@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -181,6 +182,75 @@ def _expand(piece_order: np.ndarray, piece_shard: np.ndarray, shard_engines: lis
     return task_piece, task_dst
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Trainers:
+    """The trainer side, flattened: scheduling meshes, their groups, each rank's NIC."""
+
+    params: tuple[ParamMeta, ...]
+    param_index: dict[str, int]
+    meshes: list[MeshDesc]
+    param_mesh: np.ndarray
+    groups: list[list[int]]
+    mesh_group: np.ndarray
+    send_nics: list[str]
+    rank_nic: np.ndarray
+
+
+def _trainers(trainer_meta: TrainerMeta) -> _Trainers:
+    params = tuple(trainer_meta.params)
+    meshes, param_mesh = _scheduling_meshes(params)
+    groups = mesh_groups([m.ranks for m in meshes])
+    mesh_group = np.empty(len(meshes), dtype=np.int64)
+    for g, members in enumerate(groups):
+        mesh_group[members] = g
+    send_nics, rank_nic = _trainer_nics(trainer_meta, meshes)
+    return _Trainers(params=params, param_index=_param_index(params), meshes=meshes,
+                     param_mesh=np.asarray(param_mesh, dtype=np.int64), groups=groups,
+                     mesh_group=mesh_group, send_nics=send_nics, rank_nic=rank_nic)
+
+
+def _split_all(tr: _Trainers, raw: list[Sequence[Piece]], copies: np.ndarray, names, dtypes,
+               split: SplitFn, granularity: tuple[int, int, int]):
+    """Split pieces above their group's granularity: (pieces, table, shard of each piece)."""
+    tables = [piece_table(ps, tr.param_index, names, dtypes) for ps in raw]
+    gbytes = np.zeros(len(tr.groups))
+    for t, c in zip(tables, copies, strict=True):
+        group = tr.mesh_group[tr.param_mesh[t.param]]
+        gbytes += np.bincount(group, weights=t.nbytes * c, minlength=len(tr.groups))
+    gnics = np.array([len(np.unique(tr.rank_nic[[r for m in ms for r in tr.meshes[m].ranks]]))
+                      for ms in tr.groups])
+    gran = _granularity(gbytes, gnics, *granularity)
+    per_shard, merged = [], []
+    for ps, t in zip(raw, tables, strict=True):
+        out, new, origin = _split_pieces(ps, gran[tr.mesh_group[tr.param_mesh[t.param]]], split)
+        per_shard.append(out)
+        merged.append(_merge_tables(t, piece_table(new, tr.param_index, names, dtypes), origin))
+    pieces = tuple(p for ps in per_shard for p in ps)
+    piece_shard = np.repeat(np.arange(len(raw)), [len(ps) for ps in per_shard])
+    pt = PieceTable(**{f: np.concatenate([getattr(t, f) for t in merged])
+                       for f in ("param", "name", "offset", "nbytes", "dtype")})
+    return pieces, pt, piece_shard
+
+
+def _gather_positions(tr: _Trainers, pt: PieceTable, piece_shard: np.ndarray,
+                      copies: np.ndarray, interleave: bool):
+    """(gather order per group, each param's global gather position or -1 if unused)."""
+    n_params, n_shards = len(tr.params), len(copies)
+    has = np.zeros((n_params, n_shards), dtype=bool)
+    has[pt.param, piece_shard] = True
+    if n_shards <= 62:  # one integer per param: much faster than unique rows
+        sig = has.astype(np.int64) @ np.left_shift(np.int64(1), np.arange(n_shards))
+    else:
+        _, sig = np.unique(has, axis=0, return_inverse=True)
+    pbytes = np.bincount(pt.param, weights=pt.nbytes * copies[piece_shard], minlength=n_params)
+    group_params = _gather_order(tr.groups, tr.param_mesh, sig.ravel(), pbytes,
+                                 has.any(axis=1), interleave)
+    gpos = np.full(n_params, -1, dtype=np.int64)
+    flat = [p for seq in group_params for p in seq]
+    gpos[flat] = np.arange(len(flat))
+    return group_params, gpos
+
+
 def build_plan(
     trainer_meta: TrainerMeta,
     engines: Sequence[EngineRankMeta],
@@ -193,111 +263,61 @@ def build_plan(
     gather_order: str = "interleaved",
 ) -> Plan:
     """See the module docstring. Deterministic in its inputs."""
-    t0 = time.perf_counter()
-    split = split or _default_split
-    params = trainer_meta.params
-    engines = tuple(engines)
-    param_index = _param_index(params)
-    meshes, param_mesh_list = _scheduling_meshes(params)
-    param_mesh = np.asarray(param_mesh_list, dtype=np.int64)
-    groups = mesh_groups([m.ranks for m in meshes])
-    mesh_group = np.empty(len(meshes), dtype=np.int64)
-    for g, members in enumerate(groups):
-        mesh_group[members] = g
-    send_nics, rank_nic = _trainer_nics(trainer_meta, meshes)
-    shards, shard_engines = _shards(engines, pieces_by_shard)
-    copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
-
-    # balance granularity per group: bytes per sending NIC / pieces_per_nic
-    names, dtypes = Interner(), Interner()
-    raw = [piece_table(pieces_by_shard[s], param_index, names, dtypes) for s in shards]
-    gbytes = np.zeros(len(groups))
-    for t, c in zip(raw, copies, strict=True):
-        gbytes += np.bincount(
-            mesh_group[param_mesh[t.param]], weights=t.nbytes * c, minlength=len(groups)
-        )
-    gnics = np.array(
-        [len(np.unique(rank_nic[[r for m in ms for r in meshes[m].ranks]])) for ms in groups]
-    )
-    gran = _granularity(gbytes, gnics, pieces_per_nic, min_piece_bytes, max_piece_bytes)
-    per_shard, tables = [], []
-    for s, t in zip(shards, raw, strict=True):
-        limit = gran[mesh_group[param_mesh[t.param]]]
-        out, new, origin = _split_pieces(pieces_by_shard[s], limit, split)
-        per_shard.append(out)
-        tables.append(_merge_tables(t, piece_table(new, param_index, names, dtypes), origin))
-    pieces = tuple(p for ps in per_shard for p in ps)
-    piece_shard = np.repeat(np.arange(len(shards)), [len(ps) for ps in per_shard])
-    pt = PieceTable(**{f: np.concatenate([getattr(t, f) for t in tables])
-                       for f in ("param", "name", "offset", "nbytes", "dtype")})
-    t1 = time.perf_counter()
-
-    # gather order: params grouped by the set of shards they go to, interleaved by bytes
-    has = np.zeros((len(params), len(shards)), dtype=bool)
-    has[pt.param, piece_shard] = True
-    if len(shards) <= 62:  # one integer per param: much faster than unique rows
-        weights = np.left_shift(np.int64(1), np.arange(len(shards), dtype=np.int64))
-        sig = has.astype(np.int64) @ weights
-    else:
-        _, sig = np.unique(has, axis=0, return_inverse=True)
-    pbytes = np.bincount(pt.param, weights=pt.nbytes * copies[piece_shard], minlength=len(params))
     if gather_order not in GATHER_ORDERS:
         raise ValueError(f"gather_order must be one of {GATHER_ORDERS}, not {gather_order!r}")
-    group_params = _gather_order(
-        groups, param_mesh, sig.ravel(), pbytes, has.any(axis=1), gather_order == "interleaved"
-    )
-    gpos = np.full(len(params), -1, dtype=np.int64)
-    flat_order = [p for seq in group_params for p in seq]
-    gpos[flat_order] = np.arange(len(flat_order))
+    t0 = time.perf_counter()
+    engines = tuple(engines)
+    tr = _trainers(trainer_meta)
+    shards, shard_engines = _shards(engines, pieces_by_shard)
+    copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
+    names, dtypes = Interner(), Interner()
+    pieces, pt, piece_shard = _split_all(
+        tr, [pieces_by_shard[s] for s in shards], copies, names, dtypes,
+        split or _default_split, (pieces_per_nic, min_piece_bytes, max_piece_bytes))
+    group_params, gpos = _gather_positions(tr, pt, piece_shard, copies,
+                                           gather_order == "interleaved")
     piece_order = np.lexsort((np.arange(len(pieces)), gpos[pt.param]))
     task_piece, task_dst = _expand(piece_order, piece_shard, shard_engines)
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
 
     et = engine_table(engines, names, dtypes)
     recv_nic_ids: dict[str, int] = {}
     engine_nic = np.array([recv_nic_ids.setdefault(e.nic, len(recv_nic_ids)) for e in engines])
-    task_src, rotation = _assign(
-        task_piece, pt, param_mesh, mesh_group, meshes, rank_nic, len(recv_nic_ids)
-    )
+    task_src, rotation = _assign(task_piece, pt, tr, len(recv_nic_ids))
     task_row = grow_lookup(et, len(names))[task_dst, pt.name[task_piece]]
     _check_rows(task_row, task_piece, task_dst, pieces, engines)
-    task_region = et.region[task_row]
-    task_offset = et.offset[task_row] + pt.offset[task_piece]
-    t3 = time.perf_counter()
-
     order = _final_order(task_src, gpos[pt.param[task_piece]], engine_nic[task_dst], rotation,
                          len(recv_nic_ids))
+    task_piece, task_dst, task_row = task_piece[order], task_dst[order], task_row[order]
     task_src = task_src[order]
     plan = Plan(
-        params=tuple(params),
+        params=tr.params,
         trainer_ranks=tuple(sorted(trainer_meta.ranks, key=lambda r: r.rank)),
         engines=engines,
         pieces=pieces,
         regions=et.regions,
-        send_nics=tuple(send_nics),
+        send_nics=tuple(tr.send_nics),
         recv_nics=tuple(recv_nic_ids),
-        meshes=tuple(meshes),
-        mesh_group=tuple(int(g) for g in mesh_group),
-        param_mesh=tuple(param_mesh_list),
+        meshes=tuple(tr.meshes),
+        mesh_group=tuple(int(g) for g in tr.mesh_group),
+        param_mesh=tuple(int(m) for m in tr.param_mesh),
         group_params=tuple(group_params),
-        task_piece=task_piece[order].astype(np.int32),
+        task_piece=task_piece.astype(np.int32),
         task_src=task_src.astype(np.int32),
-        task_dst=task_dst[order].astype(np.int32),
-        task_region=task_region[order].astype(np.int32),
-        task_offset=task_offset[order],
-        task_group=mesh_group[param_mesh[pt.param[task_piece[order]]]].astype(np.int16),
-        trainer_ptr=np.searchsorted(task_src, np.arange(len(rank_nic) + 1)),
+        task_dst=task_dst.astype(np.int32),
+        task_region=et.region[task_row].astype(np.int32),
+        task_offset=et.offset[task_row] + pt.offset[task_piece],
+        task_group=tr.mesh_group[tr.param_mesh[pt.param[task_piece]]].astype(np.int16),
+        trainer_ptr=np.searchsorted(task_src, np.arange(len(tr.rank_nic) + 1)),
     )
-    log.info(
-        "plan: %d tasks, %d pieces, %d groups; pieces %.2fs, order %.2fs, assign %.2fs, "
-        "sort %.2fs", plan.num_tasks, len(pieces), len(groups), t1 - t0, t2 - t1, t3 - t2,
-        time.perf_counter() - t3,
-    )
+    log.info("plan: %d tasks, %d pieces, %d groups; pieces and order %.2fs, assign %.2fs",
+             plan.num_tasks, len(pieces), len(tr.groups), t1 - t0, time.perf_counter() - t1)
     return plan
 
 
-def _assign(task_piece, pt, param_mesh, mesh_group, meshes, rank_nic, n_recv_nics):
+def _assign(task_piece: np.ndarray, pt: PieceTable, tr: _Trainers, n_recv_nics: int):
     """Source rank and spread rotation of every task; tasks come in gather order."""
+    param_mesh, mesh_group, meshes, rank_nic = tr.param_mesh, tr.mesh_group, tr.meshes, tr.rank_nic
     n = len(task_piece)
     task_mesh = param_mesh[pt.param[task_piece]]
     nbytes = pt.nbytes[task_piece]

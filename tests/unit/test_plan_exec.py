@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduling import compute_plan
@@ -123,12 +123,16 @@ def random_setup(draw):
     nodes = draw(st.integers(1, 3))
     world = nodes * gpus
     ep = draw(st.sampled_from([d for d in (1, 2, 4, 8) if world % d == 0 and experts % d == 0]))
+    # engine EP=1 cuts each expert by TP: FP8 needs moe_intermediate_size (256) / tp >= 128
+    engine_ep = [1, tp] if experts % tp == 0 else [1]
+    if fp8 and experts > 1 and 256 // tp < 128:
+        engine_ep = [tp]
     shape = {
         "nodes": nodes, "gpus": gpus, "nics": draw(st.sampled_from([d for d in (1, 2, 4)
                                                                   if gpus % d == 0])),
         "ep": ep, "layout": draw(st.sampled_from(["strided", "contiguous"])),
-        "replicas": draw(st.integers(1, 3)), "tp": tp,
-        "iep": draw(st.sampled_from([1, tp] if experts % tp == 0 else [1])),
+        "replicas": draw(st.integers(1, 2)), "tp": tp,
+        "iep": draw(st.sampled_from(engine_ep)),
         "inodes": draw(st.sampled_from([d for d in (1, 2) if tp % d == 0])),
         "inics": draw(st.integers(1, 2)), "fp8": fp8,
     }
@@ -138,9 +142,11 @@ def random_setup(draw):
     return base, changes, shape, naming, plan_kw, draw(st.integers(0, 3))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(random_setup())
 def test_random_models_meshes_and_degrees_land_reference_bytes(setup):
     base, changes, shape, naming, plan_kw, seed = setup
+    event(f"{base} fp8={shape['fp8']} {naming} tp={shape['tp']} engine_ep={shape['iep']}")
     cfg = model(base, **changes)
     run_and_compare(cfg, cluster(**shape), expert_naming=naming, seed=seed, **plan_kw)
