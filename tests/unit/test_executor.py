@@ -136,3 +136,49 @@ def test_plan_that_does_not_match_metadata_is_rejected():
             check_trainer_plan(bad, s.trainer_meta.params)
     finally:
         s.close()
+
+
+class CountingParam:
+    """Stands in for a DTensor: records every full_tensor() call (a collective)."""
+
+    def __init__(self, name, full, log):
+        self.name, self.full, self.log = name, full, log
+
+    def full_tensor(self):
+        self.log.append(self.name)
+        return self.full
+
+
+def test_each_rank_gathers_its_meshes_params_once_in_plan_order():
+    s = Setup("tiny_moe", fp8=True)
+    try:
+        for r in s.trainer_meta.ranks:
+            log = []
+            params = {n: CountingParam(n, t, log) for n, t in s.state.items()}
+            tp = s.plan.trainer_plan(r.rank)
+            step = TrainerStep(plan=tp, params=s.trainer_meta.params,
+                               get_param=params.__getitem__, transport=s.writer)
+            asyncio.run(step.run(version=1))
+            step.close()
+            # Every parameter of the rank's meshes exactly once, in the plan's gather order,
+            # including parameters this rank writes none of (fused parts read by other ranks).
+            assert log == [n for g in tp.groups for n in g.params]
+            written = {t.piece.src_param for t in tp.tasks}
+            assert written <= set(log)
+        # A rank that writes none of a parameter still joins its gather (the collective).
+        tp = s.plan.trainer_plan(0)
+        skip = tp.groups[0].params[0]
+        g0 = dataclasses.replace(
+            tp.groups[0], tasks=tuple(t for t in tp.groups[0].tasks if t.piece.src_param != skip)
+        )
+        lean = dataclasses.replace(tp, groups=(g0, *tp.groups[1:]))
+        log = []
+        params = {n: CountingParam(n, t, log) for n, t in s.state.items()}
+        step = TrainerStep(plan=lean, params=s.trainer_meta.params,
+                           get_param=params.__getitem__, transport=s.writer)
+        rep = asyncio.run(step.run(version=2))
+        step.close()
+        assert log.count(skip) == 1
+        assert rep.writes == len(lean.tasks)
+    finally:
+        s.close()
