@@ -158,23 +158,34 @@ class Plan:
     def tasks_for(self, rank: int) -> list[WriteTask]:
         """Ordered tasks of trainer ``rank`` (all groups)."""
         self._check_rank(rank)
-        return [self.task(i) for i in range(self.trainer_ptr[rank], self.trainer_ptr[rank + 1])]
+        a, b = int(self.trainer_ptr[rank]), int(self.trainer_ptr[rank + 1])
+        cols = (self.task_group, self.task_piece, self.task_dst, self.task_region,
+                self.task_offset)
+        engines, pieces, regions = self.engines, self.pieces, self.regions
+        return [
+            WriteTask(task_id=row, mesh_group=g, src_rank=rank, piece=pieces[p],
+                      dst_replica=engines[d].replica, dst_rank=engines[d].rank,
+                      region=regions[r], region_offset=off)
+            for row, g, p, d, r, off in zip(range(a, b), *(c[a:b].tolist() for c in cols),
+                                           strict=True)
+        ]
 
     def trainer_plan(self, rank: int) -> TrainerPlan:
         """What trainer ``rank`` receives: per group, its mesh, gather order and tasks."""
         tasks = self.tasks_for(rank)
+        param_mesh = np.asarray(self.param_mesh, dtype=np.int64)
         groups = []
         for g, order in enumerate(self.group_params):
-            mesh_ids = [m for m in range(len(self.meshes)) if self.mesh_group[m] == g]
-            mine = [m for m in mesh_ids if rank in self.meshes[m].ranks]
-            mesh = self.meshes[mine[0]] if mine else None
-            params = tuple(
-                self.params[p].name for p in order if mine and self.param_mesh[p] == mine[0]
-            )
+            mine = [m for m, mg in enumerate(self.mesh_group)
+                    if mg == g and rank in self.meshes[m].ranks]
+            params: tuple[str, ...] = ()
+            if mine:
+                seq = np.asarray(order, dtype=np.int64)
+                params = tuple(self.params[p].name for p in seq[param_mesh[seq] == mine[0]])
             groups.append(
                 TrainerGroup(
                     group=g,
-                    mesh=mesh,
+                    mesh=self.meshes[mine[0]] if mine else None,
                     params=params,
                     tasks=tuple(t for t in tasks if t.mesh_group == g),
                 )
