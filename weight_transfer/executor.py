@@ -141,10 +141,12 @@ class TrainerStep:
         for meta in group.params:
             tasks = group.tasks.get(meta.name, [])
             out_bytes = sum(t.nbytes for t in tasks)
+            # A piece sent to several replicas is prepared once: reserve each piece once.
+            prepared_bytes = sum(p.nbytes for p in {t.piece: None for t in tasks})
             items.append(
                 PipelineItem(
                     key=meta.name,
-                    reserve_bytes=meta.nbytes + out_bytes,
+                    reserve_bytes=meta.nbytes + prepared_bytes,
                     payload=ParamWork(meta=meta, tasks=tasks),
                     nbytes=out_bytes,
                 )
@@ -165,7 +167,9 @@ class TrainerStep:
                 f"rank {self.rank}: parameter {work.meta.name!r} gathered as "
                 f"{tuple(full.shape)}, metadata says {work.meta.shape}"
             )
-        work.prepared = prepare_pieces(full, [t.piece for t in work.tasks])
+        unique = list(dict.fromkeys(t.piece for t in work.tasks))
+        ready = dict(zip(unique, prepare_pieces(full, unique), strict=True))
+        work.prepared = [ready[t.piece] for t in work.tasks]
         if full.is_cuda:
             torch.cuda.current_stream(full.device).synchronize()
         work.local = None
