@@ -1,0 +1,162 @@
+"""The trainer's model: a Hugging Face transformers model built from a :class:`ModelConfig`.
+
+Nothing is downloaded: :func:`hf_config` turns our config into a
+``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig``, and
+:func:`build_hf_model` builds the model from it and fills every parameter with
+:func:`weight_transfer.models.random_state_dict` of the same seed, so::
+
+    model = build_hf_model(cfg, seed=3)
+    naming = expert_naming_of(model)   # "stacked" for transformers-5 MoE models
+    dict(model.named_parameters()) == random_state_dict(cfg, seed=3, expert_naming=naming)
+    tokens = greedy_generate(model, [[1, 2, 3]], max_new_tokens=8)
+
+Parameter names and shapes are exactly ``trainer_param_specs(cfg, expert_naming=naming)``
+(checked at build time: a mismatch is a ValueError listing the differences).
+:func:`greedy_generate` and :func:`float_logits` compute in float32 on a
+float32 copy of the weights (the model itself is untouched), recomputing the
+whole prefix at every step, with no sampling: the oracle the reference engine's
+generations are compared with, token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import transformers
+from torch import nn
+
+from weight_transfer.engines.ref_ops import activation, check_prompts, rms_eps, rope_theta
+from weight_transfer.models import ModelConfig, random_state_dict, trainer_param_specs
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+}
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "norm_topk_prob",
+)
+
+
+def _config_class(cfg: ModelConfig):
+    try:
+        return getattr(transformers, _CONFIG_CLASSES[cfg.architecture])
+    except KeyError:
+        raise ValueError(
+            f"{cfg.name or cfg.architecture}: architecture {cfg.architecture!r} is not "
+            f"supported by the demo (supported: {sorted(_CONFIG_CLASSES)})"
+        ) from None
+
+
+def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
+    """The transformers config of ``cfg`` (ValueError for deepseek_v3 and scaled RoPE)."""
+    cls = _config_class(cfg)
+    activation(cfg)  # same activations as the reference engine
+    fields = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": rms_eps(cfg),
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta(cfg)},
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings or 4096,
+    }
+    if cfg.architecture == "qwen2":
+        if cfg.head_size * cfg.num_attention_heads != cfg.hidden_size:
+            raise ValueError(
+                f"{cfg.name or 'qwen2'}: head_dim {cfg.head_size} x {cfg.num_attention_heads} "
+                f"heads != hidden_size {cfg.hidden_size}; transformers' Qwen2 cannot express it"
+            )
+    else:
+        fields["head_dim"] = cfg.head_size
+        fields["attention_bias"] = bool(cfg.attention_bias)
+    if cfg.architecture == "qwen3_moe":
+        fields.update({f: getattr(cfg, f) for f in _MOE_FIELDS if getattr(cfg, f) is not None})
+        fields["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    return cls(**fields)
+
+
+def expert_naming_of(model: nn.Module) -> str:
+    """``"stacked"`` if the model holds 3-D expert parameters (transformers 5), else
+    ``"per_expert"`` (also for dense models, whose names are the same either way)."""
+    stacked = any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
+    return "stacked" if stacked else "per_expert"
+
+
+def check_param_names(model: nn.Module, cfg: ModelConfig, expert_naming: str) -> None:
+    """ValueError if the model's parameters differ from ``trainer_param_specs`` in name or shape."""
+    want = {s.name: s.shape for s in trainer_param_specs(cfg, expert_naming=expert_naming)}
+    have = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    problems = [f"missing {n} {s}" for n, s in want.items() if n not in have]
+    problems += [f"unexpected {n} {s}" for n, s in have.items() if n not in want]
+    problems += [
+        f"{n}: shape {have[n]}, expected {s}" for n, s in want.items() if n in have and have[n] != s
+    ]
+    if problems:
+        raise ValueError(
+            f"transformers model of {cfg.name or cfg.architecture} does not match "
+            f"trainer_param_specs (expert_naming={expert_naming}): " + "; ".join(problems[:10])
+        )
+
+
+def build_hf_model(cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch.bfloat16):
+    """A random-initialized causal LM (eval mode), parameters = random_state_dict(seed)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # transformers' own init runs first; make it seeded too
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
+    naming = expert_naming_of(model)
+    check_param_names(model, cfg, naming)
+    state = random_state_dict(cfg, seed=seed, expert_naming=naming, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[name])
+    logger.debug("built %s (%s experts) with seed %d", cfg.name, naming, seed)
+    return model.eval()
+
+
+def _float_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model).float().eval()
+
+
+@torch.no_grad()
+def float_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, vocab] of ``input_ids`` [B, T], computed in float32 on a copy."""
+    return _float_copy(model)(input_ids=input_ids, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: nn.Module, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations (new tokens only) of each prompt, in float32, no KV cache.
+
+    Prompts of equal length run as one batch; each step recomputes the full prefix.
+    """
+    check_prompts(prompts, model.config.vocab_size, max_new_tokens)
+    fmodel = _float_copy(model)
+    out: list[list[int]] = [[] for _ in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for idx in by_len.values():
+        ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
+        for _ in range(max_new_tokens):
+            logits = fmodel(input_ids=ids, use_cache=False).logits[:, -1]
+            nxt = logits.argmax(dim=-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+        for row, i in enumerate(idx):
+            out[i] = ids[row, len(prompts[i]) :].tolist()
+    return out
