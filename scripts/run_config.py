@@ -1,0 +1,159 @@
+"""Run configs (``configs/runs/*.yaml``): what one launch of the demo job or the RL loop does.
+
+A run config names a model config and a cluster config, the engines' dtype, how
+many train-step + update cycles to run, how to train between updates, how to
+verify each update, and which Ray cluster to use. It is validated at the
+boundary: :func:`load_run_config` turns every problem into a ``ValueError``
+that names the file and the field (``train.lr``, ``model``, ...)::
+
+    run = load_run_config("configs/runs/demo.yaml")
+    run = run.with_overrides(fp8=True, updates=2)   # command-line options win
+    run.model_path, run.cluster_path                # resolved, existing files
+
+Relative paths are taken from the current directory when the file is there,
+else from the repository root, so the same config works from a clone and
+inside a ``ray job submit --working-dir .`` package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_path(path: str | Path, *, base: Path = ROOT) -> Path:
+    """``path`` as given if absolute or present from the current directory, else under ``base``."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    return base / p
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainConfig(_Section):
+    """One optimizer step on the trainers before each update (next-token loss on random tokens)."""
+
+    lr: PositiveFloat = 1e-3
+    batch_size: PositiveInt = 4
+    seq_len: PositiveInt = 32
+
+
+class VerifyConfig(_Section):
+    """How each update is checked.
+
+    bf16 engines: every engine byte equals the reference layout of the trainer's
+    weights, and greedy generations equal the trainer model's token for token.
+    FP8 engines: every engine byte equals the reference FP8 quantization, and the
+    engines' logits are within ``fp8_logits_rel_tol`` of the trainer model's
+    (``max |engine - trainer| / max |trainer|`` over all positions and tokens).
+    """
+
+    prompts: PositiveInt = 4
+    prompt_len: PositiveInt = 8
+    max_new_tokens: PositiveInt = 8
+    fp8_logits_rel_tol: PositiveFloat = 0.1
+
+
+class RayConfig(_Section):
+    """Which Ray cluster: ``address`` (e.g. ``auto``) joins one; ``null`` joins
+    ``RAY_ADDRESS`` when it is set and otherwise starts a local instance of ``num_cpus``."""
+
+    address: str | None = None
+    num_cpus: PositiveInt = 8
+
+
+class TransferConfig(_Section):
+    """Controller options: pause generation during an update; control-call timeout."""
+
+    pause_during_update: bool = True
+    timeout_s: PositiveFloat = 300.0
+
+
+class RlConfig(_Section):
+    """The RL loop example (scripts/rl_loop.py): REINFORCE towards a target token."""
+
+    iterations: PositiveInt = 3
+    prompts: PositiveInt = 8
+    prompt_len: PositiveInt = 4
+    rollout_tokens: PositiveInt = 8
+    target_token: int = Field(default=7, ge=0)
+    lr: PositiveFloat = 1e-3
+
+
+class RunConfig(_Section):
+    """One launch: the model, the cluster, the engines' dtype and what to run."""
+
+    name: str = "run"
+    model: Path
+    cluster: Path = Path("configs/clusters/local_cpu.yaml")
+    fp8: bool = False
+    updates: int = Field(default=3, ge=1, le=1000)
+    seed: int = 0
+    train: TrainConfig = TrainConfig()
+    verify: VerifyConfig = VerifyConfig()
+    ray: RayConfig = RayConfig()
+    transfer: TransferConfig = TransferConfig()
+    rl: RlConfig = RlConfig()
+    json_path: Path | None = Field(default=None, alias="json")
+
+    @property
+    def model_path(self) -> Path:
+        return resolve_path(self.model)
+
+    @property
+    def cluster_path(self) -> Path:
+        return resolve_path(self.cluster)
+
+    def check_files(self, source: str) -> RunConfig:
+        """ValueError naming ``source`` and the field when a referenced config file is missing."""
+        for field, path in (("model", self.model_path), ("cluster", self.cluster_path)):
+            if not path.is_file():
+                raise ValueError(f"{source}: field {field}: no such file {path}")
+        return self
+
+    def with_overrides(self, **changes: Any) -> RunConfig:
+        """A copy with the non-None ``changes`` applied and validated (CLI options win)."""
+        data = self.model_dump(by_alias=True)
+        for key, value in changes.items():
+            if value is not None:
+                data["json" if key == "json_path" else key] = value
+        return parse_run_config(data, source="<options>")
+
+
+def parse_run_config(data: Any, *, source: str) -> RunConfig:
+    """Validate a mapping; ValueError names ``source`` and each bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a run config must be a mapping, not {type(data).__name__}")
+    try:
+        run = RunConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"field {'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{source}: invalid run config: {problems}") from None
+    return run.check_files(source)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a ``configs/runs/*.yaml``; ValueError names the file and the field."""
+    path = resolve_path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read run config: {exc}") from None
+    return parse_run_config(data, source=str(path))
+
+
+def default_run(model: Path, cluster: Path, **changes: Any) -> RunConfig:
+    """The demo's run when no YAML is given: ``configs/runs/demo.yaml`` with these changes."""
+    base = load_run_config(ROOT / "configs" / "runs" / "demo.yaml")
+    return base.with_overrides(model=str(model), cluster=str(cluster), **changes)
