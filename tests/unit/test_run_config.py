@@ -1,0 +1,76 @@
+"""Run configs: every shipped YAML loads, and bad input is a ValueError naming file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.run_config import ROOT, load_run_config, parse_run_config, resolve_path
+
+RUNS = sorted((ROOT / "configs" / "runs").glob("*.yaml"))
+TINY = "configs/models/tiny_llama.yaml"
+
+
+@pytest.mark.parametrize("path", RUNS, ids=[p.stem for p in RUNS])
+def test_shipped_run_configs_load_and_name_existing_files(path):
+    run = load_run_config(path)
+    assert run.model_path.is_file() and run.cluster_path.is_file()
+    assert run.updates >= 1
+
+
+def test_demo_run_is_tiny_llama_bf16_on_the_local_cluster():
+    run = load_run_config("configs/runs/demo.yaml")
+    assert (run.model_path.name, run.cluster_path.name, run.fp8) == (
+        "tiny_llama.yaml", "local_cpu.yaml", False)
+    assert 3 <= run.updates <= 5
+
+
+def test_relative_paths_resolve_from_the_repository_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the model path does not exist from here
+    run = parse_run_config({"model": TINY}, source="x.yaml")
+    assert run.model_path == ROOT / TINY
+    assert resolve_path("/abs/none.yaml") == Path("/abs/none.yaml")
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({"model": TINY, "updates": 0}, "updates", "greater than or equal to 1"),
+        ({"model": TINY, "train": {"lr": -1.0}}, "train.lr", "greater than 0"),
+        ({"model": TINY, "verify": {"prompts": 0}}, "verify.prompts", "greater than 0"),
+        ({"model": TINY, "bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ({"model": TINY, "ray": {"num_cpus": "many"}}, "ray.num_cpus", "valid integer"),
+        ({"updates": 2}, "model", "Field required"),
+        ({"model": "configs/models/none.yaml"}, "model", "no such file"),
+        ({"model": TINY, "cluster": "nope.yaml"}, "cluster", "no such file"),
+    ],
+)
+def test_bad_fields_are_named_with_the_file(data, field, words):
+    with pytest.raises(ValueError, match=r"runs/bad\.yaml") as err:
+        parse_run_config(data, source="runs/bad.yaml")
+    assert f"field {field}:" in str(err.value)
+    assert words in str(err.value)
+
+
+def test_a_yaml_that_is_not_a_mapping_or_not_yaml_is_refused(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match=r"list.yaml: a run config must be a mapping, not list"):
+        load_run_config(listed)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match=r"broken.yaml: cannot read run config"):
+        load_run_config(broken)
+    with pytest.raises(ValueError, match=r"missing.yaml: cannot read run config"):
+        load_run_config(tmp_path / "missing.yaml")
+
+
+def test_overrides_win_and_are_validated():
+    run = load_run_config("configs/runs/demo.yaml")
+    changed = run.with_overrides(fp8=True, updates=2, json_path="out.json", seed=None)
+    assert (changed.fp8, changed.updates, changed.json_path, changed.seed) == (
+        True, 2, Path("out.json"), run.seed)
+    assert run.fp8 is False  # the original is unchanged (frozen)
+    with pytest.raises(ValueError, match="field updates:"):
+        run.with_overrides(updates=-1)
