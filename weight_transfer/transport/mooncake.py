@@ -49,16 +49,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
-import queue
-import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from weight_transfer.transport._mooncake_calls import (
+    CallThread,
+    _first_error,
+    _new_rkey,
+    chunk_deadline_s,
+    load_engine_class,
+    parse_session_id,
+    split_chunks,
+)
 from weight_transfer.transport.base import (
     PeerUnreachableError,
     RemoteAccessError,
@@ -77,88 +82,6 @@ _SUBMIT_FAILED = frozenset({0, -1, 2**64 - 1})  # batch ids Mooncake returns on 
 _DONE, _PENDING = 1, 0  # transfer_check_status: 1 done, 0 pending, -1 failed, -2 timed out
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
 _GRAVEYARD: list[Any] = []  # engines closed with transfers in flight, kept alive
-INSTALL_HINT = (
-    "install the `mooncake` extra: pip install 'weight-transfer[mooncake]' (its wheel "
-    "also needs libibverbs1, librdmacm1, libnuma1, liburing2 and libcurl4; see scripts/setup.sh)"
-)
-
-
-def load_engine_class() -> type:
-    """Mooncake's ``TransferEngine`` class, or a RuntimeError saying how to install it."""
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines flood stderr
-    try:
-        from mooncake.engine import TransferEngine
-    except (ImportError, OSError) as exc:
-        raise RuntimeError(f"Mooncake TransferEngine unavailable ({exc}); {INSTALL_HINT}") from exc
-    return TransferEngine
-
-
-def split_chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` pieces of at most ``chunk_bytes`` covering ``[0, nbytes)``."""
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
-
-
-def chunk_deadline_s(nbytes: int, timeout_s: float, min_gbps: float) -> float:
-    """Seconds a chunk may take: a fixed allowance plus its bytes at the slowest rate."""
-    return timeout_s + nbytes / (min_gbps * 1e9)
-
-
-def parse_session_id(session_id: Any, where: str) -> str:
-    """Check a ``"host:port"`` session id; ValueError naming ``where`` otherwise."""
-    host, sep, port = str(session_id).rpartition(":")
-    if not isinstance(session_id, str) or not sep or not host or not port.isdigit():
-        raise ValueError(f"{where}: session_id must be 'host:port', got {session_id!r}")
-    return session_id
-
-
-class CallThread:
-    """One daemon thread for engine calls that may block on a stalled peer.
-
-    Not an executor: a call stuck in Mooncake must not keep the interpreter
-    from exiting.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending = 0  # calls queued or running
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self._pending += 1
-        self._queue.put((fn, args, fut))
-        return fut
-
-    @property
-    def busy(self) -> bool:
-        return self._pending > 0
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, args, fut = item
-            result, error = None, None
-            if fut.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as exc:
-                    error = exc
-            with self._lock:  # before waking the caller, so that it sees us idle
-                self._pending -= 1
-            if fut.cancelled():
-                continue
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-
 @dataclass(slots=True)
 class _Chunk:
     """One submitted piece of a write, for error messages."""
@@ -446,18 +369,3 @@ class MooncakeTransport:
         else:  # the engine's destructor waits ~1 s for a metadata thread: not on the caller
             self._calls.call(box.clear)
         self._calls.stop()
-
-
-def _new_rkey(live: set[int]) -> int:
-    """A random nonzero 32-bit key that no live region uses."""
-    while (key := secrets.randbits(32)) == 0 or key in live:
-        pass
-    return key
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf of the exception group a TaskGroup of chunks raised."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
