@@ -15,7 +15,9 @@ Parameter names and shapes are exactly ``trainer_param_specs(cfg, expert_naming=
 :func:`greedy_generate` and :func:`float_logits` compute in float32 on a
 float32 copy of the weights (the model itself is untouched), recomputing the
 whole prefix at every step, with no sampling: the oracle the reference engine's
-generations are compared with, token for token.
+generations are compared with, token for token. :func:`fp8_float_copy` is the
+model as an FP8 engine computes with it (every projection weight through FP8
+block quantization and back), the oracle for FP8 engines' logits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from weight_transfer.engines.ref_ops import activation, check_prompts, rms_eps, rope_theta
 from weight_transfer.models import ModelConfig, random_state_dict, trainer_param_specs
+from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,36 @@ def build_hf_model(cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch.bf
 
 def _float_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).float().eval()
+
+
+def _fp8_roundtrip(t: torch.Tensor) -> torch.Tensor:
+    return dequantize_fp8_blocks(*quantize_fp8_blocks(t))
+
+
+def fp8_weight(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Float32 value an FP8 engine computes with for HF parameter ``name``.
+
+    As FP8 checkpoints store it (and ``load_engine_shard(fp8=True)`` loads it): each
+    projection weight quantized on its own, stacked experts per expert and per
+    gate/up half; every other tensor unchanged.
+    """
+    if name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return torch.cat([_fp8_roundtrip(gate), _fp8_roundtrip(up)], dim=1)
+    if name.endswith("mlp.experts.down_proj") or (
+        name.endswith(".weight") and "proj" in name.split(".")[-2]
+    ):
+        return _fp8_roundtrip(t)
+    return t.float()
+
+
+@torch.no_grad()
+def fp8_float_copy(model: nn.Module) -> nn.Module:
+    """A float32 copy of ``model`` with every projection weight quantized and dequantized."""
+    out = _float_copy(model)
+    for name, param in out.named_parameters():
+        param.copy_(fp8_weight(name, model.get_parameter(name)))
+    return out
 
 
 @torch.no_grad()
