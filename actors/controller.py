@@ -1,0 +1,336 @@
+"""WeightTransferController: setup once, then one call per weight update.
+
+::
+
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    ctl.setup()                      # gather metadata, plan once, connect every NIC
+    report = ctl.update(version=1)   # pause, "go", collect reports, resume
+    ctl.weights_version()            # {"engine0": 1, "engine1": 1}
+    ctl.add_replica(new_actors)      # filled from a peer replica, then in the plan
+
+``engines`` is a list of replicas (each a list of its TP ranks' actors) or a
+flat list of engine actors; each actor says which replica and rank it is.
+
+An update: every replica is paused (unless ``pause_during_update`` is off);
+every trainer gets ``wt_update(version)`` (the only argument that crosses
+Ray) and replays its static plan with one-sided writes; a replica is resumed
+with the new version only after every trainer reported that all its writes of
+that version landed. Any failure marks the replicas that missed bytes torn
+(``None`` in :meth:`weights_version`); they stay paused, so they never serve a
+torn version, until a later update succeeds. The error names the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from actors.config import TransferConfig
+from actors.groups import LOOPBACK, host_store
+from actors.inference import layout_key
+from actors.ledger import ControlLedger
+from actors.messages import PlanSummary, TrainerRankMeta
+from actors.placement import trainer_rank_infos
+from actors.reports import RankReport, UpdateReport
+from actors.schedule_actor import ScheduleActor
+from weight_transfer.types import EngineRankMeta, PeerInfo
+
+log = logging.getLogger(__name__)
+
+
+class UpdateError(RuntimeError):
+    """An update failed; ``torn`` replicas hold no complete version now."""
+
+    def __init__(self, message: str, *, version: int, ranks: dict[int, str], torn: list[str]):
+        super().__init__(message)
+        self.version, self.ranks, self.torn = version, ranks, torn
+
+
+def _cause(err: BaseException) -> str:
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _flatten(engines: Sequence[Any]) -> list[Any]:
+    out = []
+    for e in engines:
+        out.extend(e if isinstance(e, list | tuple) else [e])
+    return out
+
+
+class WeightTransferController:
+    """See the module docstring."""
+
+    def __init__(self, *, trainers: Sequence[Any], engines: Sequence[Any],
+                 config: TransferConfig) -> None:
+        if not trainers:
+            raise ValueError("WeightTransferController needs at least one trainer actor")
+        if not engines:
+            raise ValueError("WeightTransferController needs at least one engine actor")
+        self.config = config
+        self.trainers = list(trainers)
+        self._engine_handles = _flatten(engines)
+        self.ledger = ControlLedger()
+        self.replicas: dict[str, list[Any]] = {}
+        self._engine_metas: dict[str, list[EngineRankMeta]] = {}
+        self._peers: dict[str, list[list[PeerInfo]]] = {}
+        self._versions: dict[str, int | None] = {}
+        self._paused: set[str] = set()
+        self._trainer_metas: list[TrainerRankMeta] = []
+        self.summary: PlanSummary | None = None
+        self.scheduler = None
+        self._store = None
+        self._attempted: int | None = None
+        self._current: int | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _gather(self, refs: list, labels: list[str], *, phase: str,
+                timeout: float | None = None) -> list:
+        """Results in order; errors and timeouts name the phase and the actors."""
+        timeout = self.config.setup_timeout_s if timeout is None else timeout
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            late = [label for ref, label in zip(refs, labels, strict=True) if ref in pending]
+            raise TimeoutError(f"{phase}: {', '.join(late)} did not answer within {timeout:g} s")
+        out = []
+        for ref, label in zip(refs, labels, strict=True):
+            try:
+                out.append(self.ledger.get(ref))
+            except ray.exceptions.RayError as err:
+                raise RuntimeError(f"{phase}: {label} failed: {_cause(err)}") from err
+        return out
+
+    def _each_engine(self, method: str, *args: Any, replicas: Sequence[str], phase: str) -> list:
+        refs, labels = [], []
+        for name in replicas:
+            for rank, actor in enumerate(self.replicas[name]):
+                refs.append(self.ledger.call(getattr(actor, method), *args))
+                labels.append(f"{name}/tp{rank}")
+        return self._gather(refs, labels, phase=phase)
+
+    def _check_ready(self, what: str) -> None:
+        if self.summary is None:
+            raise RuntimeError(f"{what} before setup(): call setup() once first")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> PlanSummary:
+        """Gather metadata, compute the plan once, send every trainer its part, connect NICs."""
+        if self.summary is not None:
+            raise RuntimeError("setup() already ran; the plan is computed once")
+        call = self.ledger.call
+        metas = self._gather([call(t.wt_param_metas) for t in self.trainers],
+                             [f"trainer {i}" for i in range(len(self.trainers))],
+                             phase="gather trainer metadata")
+        order = sorted(range(len(metas)), key=lambda i: metas[i].rank)
+        self.trainers = [self.trainers[i] for i in order]
+        self._trainer_metas = [metas[i] for i in order]
+        engine_metas = self._gather([call(e.wt_engine_meta) for e in self._engine_handles],
+                                    [f"engine actor {i}" for i in range(len(self._engine_handles))],
+                                    phase="gather engine metadata")
+        for name, actors, ranks in self._group_replicas(self._engine_handles, engine_metas):
+            self._add_replica_entry(name, actors, ranks)
+        self._store = host_store(timeout_s=self.config.setup_timeout_s)
+        self.scheduler = ScheduleActor.remote(self.config.model, self.config.cluster,
+                                              fp8=self.config.engine_fp8)
+        self._replan()
+        self._versions = {name: None for name in self.replicas}
+        return self.summary
+
+    def _group_replicas(self, actors: list, metas: list[EngineRankMeta]):
+        groups: dict[str, dict[int, tuple[Any, EngineRankMeta]]] = {}
+        for actor, meta in zip(actors, metas, strict=True):
+            slot = groups.setdefault(meta.replica, {})
+            if meta.rank in slot:
+                raise ValueError(f"two engine actors claim {meta.replica}/tp{meta.rank}")
+            slot[meta.rank] = (actor, meta)
+        for name, slot in groups.items():
+            if sorted(slot) != list(range(len(slot))):
+                raise ValueError(f"replica {name} has ranks {sorted(slot)}; expected 0..n-1")
+            yield name, [slot[r][0] for r in sorted(slot)], [slot[r][1] for r in sorted(slot)]
+
+    def _add_replica_entry(self, name: str, actors: list, metas: list[EngineRankMeta]) -> None:
+        if name in self.replicas:
+            raise ValueError(f"replica {name} is already part of this controller")
+        peers = self._gather([self.ledger.call(a.wt_peer_info) for a in actors],
+                             [f"{name}/tp{r}" for r in range(len(actors))],
+                             phase=f"peer info of {name}")
+        self.replicas[name], self._engine_metas[name], self._peers[name] = actors, metas, peers
+
+    def _replan(self) -> None:
+        """Plan over every replica, send each trainer its blob, connect its NIC to every engine."""
+        cfg = self.config
+        rank_infos = trainer_rank_infos(cfg.cluster, [m.node for m in self._trainer_metas])
+        engines = [m for metas in self._engine_metas.values() for m in metas]
+        result = self._gather(
+            [self.ledger.call(self.scheduler.plan, self._trainer_metas, rank_infos, engines)],
+            ["schedule actor"], phase="compute the plan")[0]
+        peers = [p for per_rank in self._peers.values() for ps in per_rank for p in ps]
+        store = (LOOPBACK, self._store.port)
+        refs = [
+            self.ledger.call(t.wt_connect, result.blobs[r], peers, store=store,
+                             rank_info=rank_infos[r], barrier_timeout_s=cfg.barrier_timeout_s,
+                             watermark_bytes=cfg.watermark_bytes, nic_gbps=cfg.nic_gbps)
+            for r, t in enumerate(self.trainers)
+        ]
+        self._gather(refs, [f"trainer rank {r}" for r in range(len(refs))],
+                     phase="distribute the plan")
+        self.summary = result.summary
+        log.info("plan %d: %d B in %d tasks over %d trainer ranks -> replicas %s",
+                 self.summary.plan_id, self.summary.bytes_total, self.summary.num_tasks,
+                 len(self.trainers), list(self.replicas))
+
+    # ------------------------------------------------------------------ update
+
+    def _check_version(self, version: int) -> None:
+        self._check_ready("update()")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version must be an int, not {version!r}")
+        if self._attempted is not None and version <= self._attempted:
+            raise ValueError(f"version {version} must be greater than {self._attempted}, "
+                             "the last version attempted")
+
+    def update(self, version: int) -> UpdateReport:
+        """Move the trainers' current weights into every replica as ``version``."""
+        self._check_version(version)
+        self._attempted = version
+        snap, start = self.ledger.snapshot(), time.perf_counter()
+        names = list(self.replicas)
+        if self.config.pause_during_update:
+            self._each_engine("wt_pause", replicas=[n for n in names if n not in self._paused],
+                              phase=f"pause before version {version}")
+            self._paused.update(names)
+        paused_at = time.perf_counter()
+        reports, errors = self._run_trainers(version)
+        transfer_done = time.perf_counter()
+        torn = set()
+        for rank in errors:
+            torn.update(self.summary.replicas_by_rank.get(rank, names))
+        for rep in reports.values():
+            torn.update(rep.failed_replicas)
+        good = [n for n in names if n not in torn]
+        self._finish(version, good, sorted(torn))
+        if errors or torn:
+            raise self._update_error(version, reports, errors, sorted(torn))
+        self._current = version
+        nbytes, calls = self.ledger.since(snap)
+        return UpdateReport.combine(
+            version=version, seconds=time.perf_counter() - start, per_rank=list(reports.values()),
+            pause_seconds=paused_at - start, resume_seconds=time.perf_counter() - transfer_done,
+            control_bytes=nbytes, control_calls=calls, replicas=tuple(names))
+
+    def _run_trainers(self, version: int) -> tuple[dict[int, RankReport], dict[int, str]]:
+        """Send "go"; stop waiting at the first rank that raised (others may wait for it)."""
+        refs = {self.ledger.call(t.wt_update, version): r for r, t in enumerate(self.trainers)}
+        pending, reports, errors = list(refs), {}, {}
+        deadline = time.monotonic() + self.config.update_timeout_s
+        while pending and not errors:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                try:
+                    reports[refs[ref]] = self.ledger.get(ref)
+                except ray.exceptions.RayError as err:
+                    errors[refs[ref]] = _cause(err)
+        for ref in pending:
+            errors[refs[ref]] = ("did not finish: another rank failed" if errors else
+                                 f"did not finish within {self.config.update_timeout_s:g} s")
+        return reports, errors
+
+    def _finish(self, version: int, good: list[str], torn: list[str]) -> None:
+        """Resume replicas that got every byte of ``version``; keep torn ones paused."""
+        resume = [n for n in good if n in self._paused]
+        if resume:
+            self._each_engine("wt_resume", version, replicas=resume,
+                              phase=f"resume after version {version}")
+            self._paused.difference_update(resume)
+        running = [n for n in good if n not in resume]
+        if running:
+            self._each_engine("wt_set_version", version, replicas=running,
+                              phase=f"record version {version}")
+        for n in good:
+            self._versions[n] = version
+        for n in torn:
+            self._versions[n] = None
+        try:
+            pause = [n for n in torn if n not in self._paused]
+            if pause:
+                self._each_engine("wt_pause", replicas=pause, phase="pause torn replicas")
+                self._paused.update(pause)
+            if torn:
+                self._each_engine("wt_set_version", None, replicas=torn,
+                                  phase="mark torn replicas")
+        except (RuntimeError, TimeoutError) as err:  # a dead engine: the error names it
+            log.error("could not hold torn replicas %s: %s", torn, err)
+
+    def _update_error(self, version: int, reports: dict[int, RankReport],
+                      errors: dict[int, str], torn: list[str]) -> UpdateError:
+        problems = dict(errors)
+        for rank, rep in sorted(reports.items()):
+            for f in rep.failures:
+                problems[rank] = (f"{f.count} writes ({f.nbytes} B) into {f.replica} "
+                                  f"({f.owner}) failed: {f.error}")
+        listed = "; ".join(f"trainer rank {r}: {msg}" for r, msg in sorted(problems.items()))
+        msg = (f"update to version {version} failed on trainer ranks {sorted(problems)}: "
+               f"{listed}. Replicas {torn} are torn (weights_version None) and stay paused")
+        log.error(msg)
+        return UpdateError(msg, version=version, ranks=problems, torn=torn)
+
+    # ------------------------------------------------------------------ replicas
+
+    def weights_version(self) -> dict[str, int | None]:
+        """``{replica: version it holds completely, or None (torn or never filled)}``."""
+        return dict(self._versions)
+
+    def add_replica(self, engine_actors: Sequence[Any]) -> str:
+        """Fill a new replica from a peer holding the current version; then plan it in."""
+        self._check_ready("add_replica()")
+        if self._current is None:
+            raise RuntimeError("add_replica(): no version was transferred yet; run update() first")
+        source = next((n for n, v in self._versions.items() if v == self._current), None)
+        if source is None:
+            raise RuntimeError(f"add_replica(): no replica holds version {self._current}")
+        actors = _flatten(engine_actors)
+        metas = self._gather([self.ledger.call(a.wt_engine_meta) for a in actors],
+                             [f"new engine actor {i}" for i in range(len(actors))],
+                             phase="gather metadata of the new replica")
+        groups = list(self._group_replicas(actors, metas))
+        if len(groups) != 1:
+            raise ValueError(f"add_replica() takes the actors of one replica, got "
+                             f"{[g[0] for g in groups]}")
+        name, actors, metas = groups[0]
+        src = self._engine_metas[source]
+        if [layout_key(m) for m in metas] != [layout_key(m) for m in src]:
+            raise ValueError(f"replica {name} does not have the TP layout of {source}")
+        self._add_replica_entry(name, actors, metas)
+        try:
+            self._each_engine("wt_pause", replicas=[name], phase=f"hold {name} until filled")
+            refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, metas[r],
+                                     self._peers[name][r]) for r in range(len(metas))]
+            self._gather(refs, [f"{source}/tp{r} -> {name}/tp{r}" for r in range(len(refs))],
+                         phase=f"copy version {self._current} from {source} to {name}")
+            self._replan()
+        except Exception:
+            for table in (self.replicas, self._engine_metas, self._peers):
+                table.pop(name, None)
+            raise
+        self._each_engine("wt_resume", self._current, replicas=[name], phase=f"resume {name}")
+        self._versions[name] = self._current
+        log.info("replica %s filled with version %d from %s", name, self._current, source)
+        return name
+
+    def shutdown(self) -> None:
+        """Drop the schedule actor and the barrier store (actors stay the caller's)."""
+        if self.scheduler is not None:
+            ray.kill(self.scheduler)
+            self.scheduler = None
+        self._store = None

@@ -1,0 +1,57 @@
+"""Key-value stores and gloo process groups for actors, formed over the control plane.
+
+A group's rank 0 hosts a ``TCPStore`` on a free port and reports it; every
+member then joins a gloo process group on that store. Ray carries only the
+(host, port) pair::
+
+    host, port = ray.get(actors[0].wt_host_store.remote())      # rank 0 only
+    ray.get([a.wt_join.remote(host, port) for a in actors])     # all ranks at once
+
+The controller hosts one more store of its own for the trainers' barriers
+between mesh groups (:func:`host_store`), so an existing trainer with its own
+process group needs nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def host_store(*, host: str = LOOPBACK, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A TCPStore server on a free port of ``host`` (read it from ``.port``)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def connect_store(host: str, port: int, *, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``."""
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"store port must be an integer in (0, 65536), not {port!r}")
+    return dist.TCPStore(host, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_gloo_group(
+    store: dist.Store, *, rank: int, world: int, timeout_s: float = 300.0
+) -> None:
+    """Make this process rank ``rank`` of a gloo default group of ``world`` ranks."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"rank {rank}: this process already has a default process group; "
+            "one actor holds one rank"
+        )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("rank %d of %d joined its gloo group", rank, world)
+
+
+def new_subgroup(ranks: list[int], *, timeout_s: float = 300.0) -> dist.ProcessGroup | None:
+    """A gloo subgroup of the default group (every rank of the default group must call)."""
+    return dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

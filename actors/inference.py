@@ -1,0 +1,256 @@
+"""Inference side: a mixin that gives a rollout actor the weight-transfer methods, and
+``InferenceActor``, a ready-made reference-engine rank that uses it.
+
+The engine is not modified: the mixin needs only an
+:class:`~weight_transfer.engines.adapter.EngineAdapter` (the engine's weight
+buffers, and pause/resume hooks)::
+
+    class MyRollout(InferenceMixin):
+        def __init__(self, ...):
+            ...                                             # build the engine
+            self.wt_attach_engine(adapter=ReferenceEngineAdapter(engine), replica="engine0",
+                                  rank=tp_rank, shard=shard, nics=["inode0/nic0"])
+
+At setup the controller gathers ``wt_engine_meta()`` (the engine's buffers
+registered with one simulated NIC per NIC the cluster gives this rank: real
+addresses, lengths and rkeys) and ``wt_peer_info()``. During an update the
+rank runs no code: trainers write straight into the registered memory; the
+controller only calls ``wt_pause()`` before and ``wt_resume(version)`` after.
+``wt_copy_to(meta, peers)`` writes this rank's registered buffers into the same
+layout of another replica (a new replica fetches a version from a peer).
+
+``InferenceActor`` holds a :class:`~weight_transfer.engines.reference.ReferenceEngine`
+for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
+offers ``generate`` and ``logits`` (every TP rank of the replica calls together).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from actors.config import TransferConfig
+from actors.groups import LOOPBACK, connect_store, host_store, join_gloo_group
+from weight_transfer.transport.simnic import SimNic
+from weight_transfer.types import (
+    EngineRankMeta,
+    EngineTensorMeta,
+    PeerInfo,
+    RegionDesc,
+    ShardSpec,
+)
+
+log = logging.getLogger(__name__)
+
+_KEEP = object()
+
+
+def regions_of(meta: EngineRankMeta) -> list[RegionDesc]:
+    """The distinct regions of an engine rank, in the order its tensors first use them."""
+    return list(dict.fromkeys(t.region for t in meta.tensors))
+
+
+def layout_key(meta: EngineRankMeta) -> list[tuple]:
+    """What two ranks must share for a byte-for-byte copy: tensors, offsets, region sizes."""
+    index = {r: i for i, r in enumerate(regions_of(meta))}
+    return [(t.name, t.shape, t.dtype, t.offset, index[t.region], t.region.length)
+            for t in meta.tensors]
+
+
+class InferenceMixin:
+    """Weight-transfer methods for an inference actor; see the module docstring."""
+
+    _wt_adapter: Any = None
+    _wt_meta: EngineRankMeta | None = None
+
+    def wt_attach_engine(
+        self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[str]
+    ) -> None:
+        """Declare the engine (through its adapter) and the NICs this rank may use."""
+        if not nics:
+            raise ValueError(f"{replica}/tp{rank}: needs at least one NIC name")
+        self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
+        self._wt_shard, self._wt_nic_names = shard, list(nics)
+        self._wt_nics: dict[str, SimNic] = {}
+        self._wt_meta = None
+        self._wt_version: int | None = None
+        self._wt_events: list[tuple[str, int | None, float]] = []
+        self._wt_lock = threading.Lock()
+
+    @property
+    def _wt_owner(self) -> str:
+        return f"{self._wt_replica}/tp{self._wt_rank}"
+
+    def _wt_require(self) -> None:
+        if self._wt_adapter is None:
+            raise RuntimeError(f"{type(self).__name__}: call wt_attach_engine() first")
+
+    def wt_engine_meta(self) -> EngineRankMeta:
+        """Register the engine's buffers (once) and describe them: real regions, offsets."""
+        self._wt_require()
+        with self._wt_lock:
+            if self._wt_meta is None:
+                self._wt_meta = self._wt_register()
+            return self._wt_meta
+
+    def _wt_register(self) -> EngineRankMeta:
+        node = ray.get_runtime_context().get_node_id()
+        tensors = []
+        for i, (buf, entries) in enumerate(self._wt_adapter.region_buffers()):
+            name = self._wt_nic_names[i % len(self._wt_nic_names)]
+            nic = self._wt_nics.get(name)
+            if nic is None:
+                nic = self._wt_nics[name] = SimNic(owner=self._wt_owner, nic=name, node=node)
+            region = nic.register(buf)
+            tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
+                                         offset=offset) for n, shape, dtype, offset in entries]
+        log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
+                 len(self._wt_nics))
+        return EngineRankMeta(replica=self._wt_replica, rank=self._wt_rank, node=node,
+                              nic=self._wt_nic_names[0], shard=self._wt_shard,
+                              tensors=tuple(tensors))
+
+    def wt_peer_info(self) -> list[PeerInfo]:
+        """How writers reach this rank's NICs (after :meth:`wt_engine_meta`)."""
+        self.wt_engine_meta()
+        return [nic.peer_info() for nic in self._wt_nics.values()]
+
+    # ------------------------------------------------------------------ pause and versions
+
+    def _wt_log(self, event: str) -> None:
+        self._wt_events.append((event, self._wt_version, time.time()))
+
+    def wt_pause(self) -> None:
+        """Hold generation at its next step boundary (the engine is not modified)."""
+        self._wt_require()
+        self._wt_adapter.pause()
+        self._wt_log("pause")
+
+    def wt_resume(self, version: Any = _KEEP) -> None:
+        """Record ``version`` (if given) as the weights now held, then let generation go on."""
+        self._wt_require()
+        if version is not _KEEP:
+            self._wt_version = version
+        self._wt_log("resume")
+        self._wt_adapter.resume()
+
+    def wt_paused(self) -> bool:
+        self._wt_require()
+        return bool(self._wt_adapter.paused)
+
+    def wt_set_version(self, version: int | None) -> None:
+        self._wt_version = version
+        self._wt_log("version")
+
+    def wt_version(self) -> int | None:
+        return self._wt_version
+
+    def wt_events(self) -> list[tuple[str, int | None, float]]:
+        """(event, version held, time.time()) of every pause, resume and version change."""
+        return list(self._wt_events)
+
+    # ------------------------------------------------------------------ peer copy
+
+    def wt_copy_to(self, dst: EngineRankMeta, peers: Sequence[PeerInfo]) -> int:
+        """Write this rank's registered buffers into ``dst`` (same layout); returns bytes."""
+        mine = self.wt_engine_meta()
+        if layout_key(mine) != layout_key(dst):
+            raise ValueError(
+                f"{self._wt_owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "
+                "layout (a new replica must have the TP layout of its peer)"
+            )
+        by_nic = {(p.owner, p.nic): p for p in peers}
+        jobs = []
+        for src_region, dst_region in zip(regions_of(mine), regions_of(dst), strict=True):
+            peer = by_nic.get((dst_region.owner, dst_region.nic))
+            if peer is None:
+                raise ValueError(f"no peer info for {dst_region.describe()}")
+            nic = self._wt_nics[src_region.nic]
+            nic.connect(peer)
+            jobs.append((nic, (src_region.addr, src_region.length), dst_region))
+
+        async def run() -> None:
+            await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))
+
+        asyncio.run(run())
+        nbytes = sum(region.length for _, _, region in jobs)
+        log.info("%s copied %d B into %s/tp%d", self._wt_owner, nbytes, dst.replica, dst.rank)
+        return nbytes
+
+    def wt_nic_stats(self) -> dict[str, int]:
+        return {"bytes_written": sum(n.bytes_written for n in self._wt_nics.values()),
+                "writes": sum(n.writes for n in self._wt_nics.values())}
+
+    def wt_deregister(self) -> None:
+        """Fault injection: revoke every registered region (later writes into it fail)."""
+        meta = self.wt_engine_meta()
+        for region in regions_of(meta):
+            self._wt_nics[region.nic].deregister(region)
+
+    def wt_close(self) -> None:
+        for nic in self._wt_nics.values():
+            nic.close()
+        self._wt_nics, self._wt_meta = {}, None
+
+
+class InferenceWorker(InferenceMixin):
+    """The ready-made engine rank (``InferenceActor`` is this class as a Ray actor)."""
+
+    def __init__(self, config: TransferConfig, replica: int, local: int) -> None:
+        cluster = config.cluster
+        if replica >= cluster.inference.replicas:  # a replica added after setup
+            cluster = config.with_replicas(replica + 1).cluster
+        _, nic, self.shard = cluster.engine_rank(replica, local)
+        self.config, self.local, self.nic_names = config, local, [nic]
+        self.replica_name = cluster.replica_name(replica)
+        self.tp_size = cluster.inference.gpus_per_replica
+        self._store = None
+        self.engine = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def host_store(self) -> tuple[str, int]:
+        """TP rank 0: serve the replica group's TCPStore; returns (host, port)."""
+        self._store = host_store(timeout_s=self.config.setup_timeout_s)
+        return LOOPBACK, self._store.port
+
+    def init_rank(self, host: str, port: int) -> str:
+        """Join the replica's gloo group, build the engine; returns this rank's node id."""
+        from weight_transfer.engines.adapter import ReferenceEngineAdapter
+        from weight_transfer.engines.reference import ReferenceEngine
+
+        if self._store is None:
+            self._store = connect_store(host, port, timeout_s=self.config.setup_timeout_s)
+        join_gloo_group(self._store, rank=self.local, world=self.tp_size,
+                        timeout_s=self.config.setup_timeout_s)
+        self.engine = ReferenceEngine(self.config.model, self.shard, fp8=self.config.engine_fp8,
+                                      group=dist.group.WORLD)
+        self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
+                              replica=self.replica_name, rank=self.local, shard=self.shard,
+                              nics=self.nic_names)
+        return self.node_id()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy generations (all TP ranks of the replica call together)."""
+        return self.engine.generate(prompts, max_new_tokens)
+
+    def logits(self, ids: Any) -> torch.Tensor:
+        """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
+        return self.engine.forward(torch.as_tensor(ids, dtype=torch.long))
+
+    def engine_state_bytes(self) -> dict[str, torch.Tensor]:
+        """Every engine tensor's bytes (for verification only)."""
+        return self.engine.state_bytes()
+
+
+# Threaded, so wt_resume can reach an engine whose generate() waits at a paused step.
+InferenceActor = ray.remote(max_concurrency=4)(InferenceWorker)

@@ -1,0 +1,81 @@
+"""Start the ready-made actors as the cluster config says: placement groups, gloo groups.
+
+::
+
+    cfg = TransferConfig.from_files(model_yaml, cluster_yaml)
+    trainers = launch_trainers(cfg)             # FSDP2 model built, gloo group formed
+    replicas = launch_engines(cfg)              # [[engine0/tp0, engine0/tp1], [...]]
+    new = launch_engines(cfg, replicas=[2])     # one more replica, for add_replica
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+
+Trainer ranks are packed per configured trainer node (one placement group per
+node, one bundle per rank); each replica's TP ranks share one placement group.
+Only (host, port) of each group's TCPStore crosses Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from actors.config import TransferConfig
+from actors.inference import InferenceActor
+from actors.placement import ENGINE_NODE_RESOURCE, bundle_options, node_placement_groups
+from actors.trainer import TrainerActor
+
+log = logging.getLogger(__name__)
+
+
+def _form_group(actors: list[Any], *, what: str, timeout_s: float) -> list[str]:
+    """Rank 0 hosts the store, every rank joins; returns each rank's node id."""
+    host, port = ray.get(actors[0].host_store.remote(), timeout=timeout_s)
+    refs = [a.init_rank.remote(host, port) for a in actors]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [i for i, r in enumerate(refs) if r in pending]
+        raise TimeoutError(f"{what}: ranks {late} did not start within {timeout_s:g} s")
+    return ray.get(refs)
+
+
+def launch_trainers(config: TransferConfig, *, actor_cls: Any = TrainerActor) -> list[Any]:
+    """One trainer actor per rank, packed per node; gloo group and FSDP2 model ready."""
+    t = config.cluster.trainer
+    groups = node_placement_groups(t.nodes, t.gpus_per_node, cpus=config.actor_cpus,
+                                   timeout_s=config.setup_timeout_s)
+    actors = [
+        actor_cls.options(num_cpus=config.actor_cpus,
+                          **bundle_options(groups, rank=r, per_node=t.gpus_per_node))
+        .remote(config, r)
+        for r in range(config.cluster.trainer_world)
+    ]
+    nodes = _form_group(actors, what="trainer group", timeout_s=config.setup_timeout_s)
+    log.info("%d trainer ranks on %d Ray nodes", len(actors), len(set(nodes)))
+    return actors
+
+
+def launch_engines(
+    config: TransferConfig,
+    *,
+    replicas: Sequence[int] | None = None,
+    actor_cls: Any = InferenceActor,
+) -> list[list[Any]]:
+    """Engine actors of ``replicas`` (default: every replica of the cluster config)."""
+    inf = config.cluster.inference
+    replicas = list(range(inf.replicas)) if replicas is None else list(replicas)
+    out = []
+    for rep in replicas:
+        (pg,) = node_placement_groups(1, inf.gpus_per_replica, cpus=config.actor_cpus,
+                                      timeout_s=config.setup_timeout_s, first_node=rep,
+                                      pin=ENGINE_NODE_RESOURCE)
+        actors = [
+            actor_cls.options(num_cpus=config.actor_cpus,
+                              **bundle_options([pg], rank=local, per_node=inf.gpus_per_replica))
+            .remote(config, rep, local)
+            for local in range(inf.gpus_per_replica)
+        ]
+        _form_group(actors, what=f"replica {rep}", timeout_s=config.setup_timeout_s)
+        out.append(actors)
+    return out

@@ -1,0 +1,255 @@
+"""Trainer side: a mixin that gives any trainer actor the weight-transfer methods, and
+``TrainerActor``, a ready-made FSDP2 trainer that uses it.
+
+An existing trainer actor (OpenRLHF, veRL style) gains the methods by
+inheriting :class:`TrainerMixin` and calling :meth:`TrainerMixin.wt_attach`
+once its model is sharded::
+
+    @ray.remote
+    class MyTrainer(TrainerMixin):
+        def __init__(self, ...):
+            ...                                   # init_process_group, fully_shard(model)
+            self.wt_attach(model=model, rank=rank, world=world)
+
+The controller then calls, in order: ``wt_param_metas()`` (setup, gathered),
+``wt_connect(blob, peers, ...)`` (setup: its plan, engine NIC peers, barrier
+store), and ``wt_update(version)`` at every update (only the version crosses
+Ray; the rank replays its static plan with one-sided writes and returns a
+constant-size :class:`~actors.reports.RankReport`). ``wt_set_link`` and
+``wt_fail_after_bytes`` inject NIC faults for tests.
+
+``TrainerActor`` builds the transformers model (same seed on every rank),
+joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
+``train_step`` (a real AdamW step), ``reference_generate`` and
+``reference_logits`` (every rank calls; rank 0 answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from actors.config import TransferConfig
+from actors.groups import LOOPBACK, connect_store, host_store, join_gloo_group
+from actors.messages import TrainerRankMeta
+from actors.reports import RankReport, rank_report_of
+from actors.trainer_model import build_sharded_model, gather_full_state, train_step
+from actors.write_guard import WriteGuard
+from scheduling.serialize import loads_trainer_plan
+from weight_transfer.barrier import StoreBarrier
+from weight_transfer.engines.hf_model import build_hf_model, expert_naming_of, greedy_generate
+from weight_transfer.executor import TrainerStep
+from weight_transfer.metadata import param_metas_from_module
+from weight_transfer.naming import canonical_trainer_name
+from weight_transfer.transport.simnic import SimNic
+from weight_transfer.types import PeerInfo, RankInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Link:
+    """This rank's connection to the engines: NIC, barrier, guarded step."""
+
+    nic: SimNic
+    store: Any
+    guard: WriteGuard
+    step: TrainerStep
+
+
+class TrainerMixin:
+    """Weight-transfer methods for a trainer actor; see the module docstring."""
+
+    _wt_model: torch.nn.Module | None = None
+    _wt_link: _Link | None = None
+
+    def wt_attach(self, *, model: torch.nn.Module, rank: int, world: int) -> None:
+        """Declare the (FSDP2-sharded) model this rank trains; call once before setup."""
+        if not 0 <= rank < world:
+            raise ValueError(f"trainer rank {rank} outside [0, {world})")
+        self._wt_model, self._wt_rank, self._wt_world = model, rank, world
+        self._wt_link = None
+
+    def _wt_require_model(self) -> torch.nn.Module:
+        if self._wt_model is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: call wt_attach(model=, rank=, world=) before setup"
+            )
+        return self._wt_model
+
+    def wt_param_metas(self) -> TrainerRankMeta:
+        """This rank's live parameters (names, global shapes, dtypes, meshes, placements)."""
+        model = self._wt_require_model()
+        return TrainerRankMeta(
+            rank=self._wt_rank,
+            world=self._wt_world,
+            node=ray.get_runtime_context().get_node_id(),
+            expert_naming=expert_naming_of(model),
+            params=tuple(param_metas_from_module(model)),
+        )
+
+    def wt_connect(
+        self,
+        plan_blob: bytes,
+        peers: list[PeerInfo],
+        *,
+        store: tuple[str, int],
+        rank_info: RankInfo,
+        barrier_timeout_s: float = 60.0,
+        watermark_bytes: int = 1 << 30,
+        nic_gbps: float | None = None,
+    ) -> int:
+        """Take this rank's plan, open its NIC, connect to every engine NIC. Returns its tasks."""
+        model = self._wt_require_model()
+        plan = loads_trainer_plan(plan_blob)
+        if plan.rank != self._wt_rank or rank_info.rank != self._wt_rank:
+            raise ValueError(
+                f"trainer rank {self._wt_rank} was sent the plan of rank {plan.rank} "
+                f"(rank info of {rank_info.rank})"
+            )
+        old, nic = self._wt_link, None
+        if old is not None:
+            old.step.close()
+            if old.nic.nic == rank_info.nic:
+                nic = old.nic  # re-plan (add_replica): keep the NIC and its connections
+            else:
+                old.nic.close()
+        if nic is None:
+            nic = SimNic(owner=f"trainer{self._wt_rank}", nic=rank_info.nic,
+                         node=rank_info.node, bandwidth_gbps=nic_gbps)
+        for peer in peers:
+            nic.connect(peer)
+        replica_of = {t.region: t.dst_replica for t in plan.tasks}
+        guard = WriteGuard(nic, replica_of=replica_of, label=f"trainer rank {self._wt_rank}")
+        kv = connect_store(*store, timeout_s=barrier_timeout_s)
+        barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
+                               name="wt-update", timeout_s=barrier_timeout_s)
+        metas = param_metas_from_module(model)
+        step = TrainerStep(plan=plan, params=metas, get_param=self._wt_param,
+                           transport=guard, barrier=barrier, watermark_bytes=watermark_bytes)
+        self._wt_link = _Link(nic=nic, store=kv, guard=guard, step=step)
+        log.info("trainer rank %d connected: %d tasks, NIC %s, %d engine peers",
+                 self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
+        return len(plan.tasks)
+
+    def _wt_param(self, name: str) -> Any:
+        return self._wt_params[name]
+
+    def wt_update(self, version: int) -> RankReport:
+        """Replay the plan for ``version``: gather, prepare, write, barrier per mesh group."""
+        link = self._wt_link
+        if link is None:
+            raise RuntimeError(f"trainer rank {self._wt_rank}: wt_update before wt_connect")
+        model = self._wt_require_model()
+        self._wt_params = {canonical_trainer_name(k): v
+                           for k, v in model.state_dict(keep_vars=True).items()}
+        started = time.time()
+        link.guard.reset()
+        try:
+            step = asyncio.run(link.step.run(version=version))
+        finally:
+            self._wt_params = {}
+        report = rank_report_of(step, failures=link.guard.failures(), started_at=started,
+                                finished_at=time.time())
+        log.info("trainer rank %d wrote version %d: %d B in %.3f s (%d failed writes)",
+                 self._wt_rank, version, report.bytes_written, report.seconds,
+                 sum(f.count for f in report.failures))
+        return report
+
+    # ------------------------------------------------------------------ test hooks, stats
+
+    def wt_nic_stats(self) -> dict[str, int]:
+        nic = self._wt_link.nic if self._wt_link is not None else None
+        return {"bytes_written": nic.bytes_written if nic else 0,
+                "writes": nic.writes if nic else 0}
+
+    def wt_set_link(self, up: bool) -> None:
+        """Fault injection: bring this rank's NIC link down (writes fail) or up."""
+        if self._wt_link is None:
+            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
+        self._wt_link.nic.set_link(up)
+
+    def wt_fail_after_bytes(self, nbytes: int | None) -> None:
+        if self._wt_link is None:
+            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
+        self._wt_link.nic.fail_after_bytes(nbytes)
+
+    def wt_close(self) -> None:
+        if self._wt_link is not None:
+            self._wt_link.step.close()
+            self._wt_link.nic.close()
+            self._wt_link = None
+
+
+class TrainerWorker(TrainerMixin):
+    """The ready-made trainer rank (``TrainerActor`` is this class as a Ray actor)."""
+
+    def __init__(self, config: TransferConfig, rank: int) -> None:
+        self.config, self.rank = config, rank
+        self.world = config.cluster.trainer_world
+        if not 0 <= rank < self.world:
+            raise ValueError(f"trainer rank {rank} outside [0, {self.world})")
+        self._store = None
+        self._ref: torch.nn.Module | None = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def host_store(self) -> tuple[str, int]:
+        """Rank 0: serve the group's TCPStore on loopback; returns (host, port)."""
+        self._store = host_store(timeout_s=self.config.setup_timeout_s)
+        return LOOPBACK, self._store.port
+
+    def init_rank(self, host: str, port: int) -> str:
+        """Join the gloo group, build and shard the model; returns this rank's node id."""
+        cfg = self.config
+        if self._store is None:
+            self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
+        join_gloo_group(self._store, rank=self.rank, world=self.world,
+                        timeout_s=cfg.setup_timeout_s)
+        torch.manual_seed(cfg.seed + 1000 + self.rank)  # per-rank randomness stays reproducible
+        model = build_sharded_model(cfg.model, seed=cfg.seed, world=self.world)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.wt_attach(model=model, rank=self.rank, world=self.world)
+        return self.node_id()
+
+    def train_step(self, tokens: Any, advantages: Any = None, prompt_len: int = 0) -> float:
+        """One AdamW step (all ranks call with the same batch; each trains on its share)."""
+        return train_step(self._wt_require_model(), self.optimizer, tokens, rank=self.rank,
+                          world=self.world, advantages=advantages, prompt_len=prompt_len)
+
+    def _reference_model(self) -> torch.nn.Module | None:
+        """Full weights in a plain model on rank 0 (a collective: every rank calls)."""
+        full = gather_full_state(self._wt_require_model())
+        if self.rank != 0:
+            return None
+        if self._ref is None:
+            self._ref = build_hf_model(self.config.model, seed=self.config.seed)
+        self._ref.load_state_dict(full)
+        return self._ref
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The trainer's current full weights on rank 0 (for verification only)."""
+        full = gather_full_state(self._wt_require_model())
+        return full if self.rank == 0 else None
+
+    def reference_generate(self, prompts: list[list[int]], max_new_tokens: int):
+        """Greedy generations of the trainer's current weights (rank 0 answers)."""
+        ref = self._reference_model()
+        return None if ref is None else greedy_generate(ref, prompts, max_new_tokens)
+
+    def reference_logits(self, ids: Any) -> torch.Tensor | None:
+        """Float32 logits [B, T, vocab] of the trainer's current weights (rank 0 answers)."""
+        from weight_transfer.engines.hf_model import float_logits
+
+        ref = self._reference_model()
+        return None if ref is None else float_logits(ref, torch.as_tensor(ids, dtype=torch.long))
+
+
+TrainerActor = ray.remote(TrainerWorker)
