@@ -128,10 +128,14 @@ class InferenceMixin:
     def _wt_log(self, event: str) -> None:
         self._wt_events.append((event, self._wt_version, time.time()))
 
-    def wt_pause(self) -> None:
-        """Hold generation at its next step boundary (the engine is not modified)."""
+    def wt_pause(self, timeout_s: float = 60.0) -> None:
+        """Hold generation at its next step boundary; returns once no step runs."""
         self._wt_require()
         self._wt_adapter.pause()
+        wait_idle = getattr(self._wt_adapter, "wait_idle", None)
+        if wait_idle is not None and not wait_idle(timeout_s):
+            raise TimeoutError(f"{self._wt_owner}: a generation step still runs "
+                               f"{timeout_s:g} s after pause()")
         self._wt_log("pause")
 
     def wt_resume(self, version: Any = _KEEP) -> None:

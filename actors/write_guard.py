@@ -49,7 +49,9 @@ class WriteGuard:
             await self.inner.write(src, dst, dst_offset)
         except TransportError as exc:
             replica = self.replica_of.get(dst, dst.owner)
-            entry = self._failed.setdefault(replica, [dst.owner, 0, 0, str(exc)])
+            entry = self._failed.setdefault(
+                replica, [dst.owner, 0, 0, f"{type(exc).__name__}: {exc}"]
+            )
             entry[1] += 1
             entry[2] += source_buffer(src).nbytes
             if entry[1] == 1:
