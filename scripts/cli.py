@@ -15,6 +15,27 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a base
 app.add_typer(bench_app, name="bench")
 
 
+@app.command("demo")
+def demo(
+    model: Path | None = typer.Option(
+        None, help="Model YAML [default: configs/models/tiny_llama.yaml, from --config]."),
+    cluster: Path | None = typer.Option(
+        None, help="Cluster YAML [default: configs/clusters/local_cpu.yaml, from --config]."),
+    fp8: bool | None = typer.Option(None, "--fp8/--no-fp8", help="FP8 engines [default: no]."),
+    updates: int | None = typer.Option(None, min=1, help="Train-step + update cycles [3]."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON."),
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config to start from."),
+    corrupt_version: int | None = typer.Option(
+        None, hidden=True, help="Test hook: flip one engine byte after this update."),
+) -> None:
+    """Trainers -> inference replicas over simulated NICs, every update verified."""
+    from scripts.demo import run_cli
+
+    raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
+                             updates=updates, json_path=json_path,
+                             corrupt_version=corrupt_version))
+
+
 @bench_app.command("transport")
 def bench_transport(
     sizes: str = typer.Option(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich import box
 from rich.table import Table
 
 from weight_transfer.engines.hf_load import load_engine_shard
@@ -172,9 +173,10 @@ class UpdateCheck:
 
 def render_table(rows: Sequence[UpdateCheck], *, title: str) -> Table:
     """A rich table: one row per update with bytes, GB/s, stage times and the verdict."""
-    table = Table(title=title)
-    for col in ("version", "seconds", "MB", "GB/s", *(f"{s} s" for s in STAGES), "verified"):
-        table.add_column(col, justify="right")
+    table = Table(title=title, caption="seconds; stages: busy time of the slowest rank",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("version", "seconds", "MB", "GB/s", *STAGES, "verified"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     for r in rows:
         verdict = "[green]yes[/]" if r.verified else "[bold red]NO[/]"
         table.add_row(str(r.version), f"{r.seconds:.3f}", f"{r.bytes / 1e6:.2f}",

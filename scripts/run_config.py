@@ -152,8 +152,3 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise ValueError(f"{path}: cannot read run config: {exc}") from None
     return parse_run_config(data, source=str(path))
 
-
-def default_run(model: Path, cluster: Path, **changes: Any) -> RunConfig:
-    """The demo's run when no YAML is given: ``configs/runs/demo.yaml`` with these changes."""
-    base = load_run_config(ROOT / "configs" / "runs" / "demo.yaml")
-    return base.with_overrides(model=str(model), cluster=str(cluster), **changes)

@@ -119,7 +119,7 @@ def test_table_and_json_carry_every_number(tmp_path):
     console = Console(record=True, width=160)
     console.print(render_table(rows, title="t"))
     text = console.export_text()
-    for cell in ("version", "GB/s", "h2d s", "prepare s", "write s", "barrier s", "0.020",
+    for cell in ("version", "GB/s", "h2d", "prepare", "write", "barrier", "0.020",
                  "10.00", "yes", "NO"):
         assert cell in text, cell
     doc = write_json(tmp_path / "sub" / "out.json", rows, model="tiny-llama", fp8=False)

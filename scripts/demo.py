@@ -1,0 +1,328 @@
+"""The main job: FSDP2 trainer actors -> TP inference replicas over simulated NICs, verified.
+
+``wt demo``, ``scripts/launch.py`` (``ray job submit``) and the tests all run
+:func:`run_job`. One run:
+
+1. joins a Ray cluster (an address in the run config, ``RAY_ADDRESS``, or, for
+   ``launch.py``, a running local cluster) or starts a local instance;
+2. starts the trainer actors (one per rank of the cluster config, a seeded
+   transformers model sharded with FSDP2 over a gloo group) and the inference
+   replicas (reference-engine TP ranks, each buffer registered with its
+   simulated NIC), then ``WeightTransferController.setup()`` plans once;
+3. per cycle ``v = 1..updates``: one AdamW step on the trainers, then
+   ``controller.update(v)``, then the checks of :mod:`scripts.demo_checks`:
+   every engine tensor byte-equal to the reference layout of the trainer's
+   current weights (bf16 copies, or the reference FP8 quantization), greedy
+   generations equal to the trainer model's token for token (bf16), logits
+   within ``verify.fp8_logits_rel_tol`` of the trainer model's (FP8), every
+   replica at version ``v``. Checks move digests, tokens and logits only:
+   digests are computed inside the actors (``__ray_call__``), so no weights
+   cross Ray's object store, for the update or for its verification;
+4. prints a rich table per update, writes ``--json`` and returns 0 only when
+   every update verified (the exit code of ``wt demo`` and of the job).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from rich.console import Console
+
+from scheduling.cluster import load_cluster_config
+from scripts.demo_checks import (
+    UpdateCheck,
+    byte_problems,
+    expected_digests,
+    logits_problems,
+    render_table,
+    tensor_digests,
+    token_problems,
+    write_json,
+)
+from scripts.run_config import RunConfig, load_run_config
+from weight_transfer.models import load_model_config
+from weight_transfer.prepare import as_bytes
+
+log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+
+
+# ------------------------------------------------------------------------ Ray and actors
+
+
+def connect_ray(run: RunConfig, *, join_existing: bool = False) -> bool:
+    """Join or start Ray; True when this call connected (the caller disconnects).
+
+    An explicit ``ray.address`` wins, then ``RAY_ADDRESS``; ``join_existing``
+    joins a cluster started on this machine with ``ray start``; otherwise a
+    local instance of ``ray.num_cpus`` logical CPUs starts on loopback.
+    """
+    if ray.is_initialized():
+        return False
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+    address = run.ray.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
+    if address is None and join_existing and _local_cluster_running():
+        try:
+            ray.init(address="auto", **quiet)
+            return True
+        except ConnectionError as exc:  # a stale address file: start our own
+            log.warning("no Ray cluster at the last `ray start` address (%s); starting one", exc)
+    if address is not None:
+        ray.init(address=address, **quiet)
+    else:  # "local": a new instance even when another one runs on this machine
+        ray.init(address="local", num_cpus=run.ray.num_cpus, include_dashboard=False,
+                 _node_ip_address=LOOPBACK, **quiet)
+    return True
+
+
+def _local_cluster_running() -> bool:
+    """A cluster started here with ``ray start`` (its address file exists)."""
+    from ray._private.services import find_bootstrap_address
+
+    return find_bootstrap_address(None) is not None
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The running job: actors, the controller and what the checks need to know."""
+
+    run: RunConfig
+    config: Any  # actors.TransferConfig
+    trainers: list[Any]
+    replicas: dict[str, list[Any]]
+    controller: Any
+    setup_seconds: float
+
+    @property
+    def engine_keys(self) -> dict[str, Any]:
+        """``{"<replica>/tp<rank>": ShardSpec}`` of every engine rank."""
+        cluster = self.config.cluster
+        return {f"{name}/tp{local}": cluster.engine_rank(i, local)[2]
+                for i, (name, actors) in enumerate(self.replicas.items())
+                for local in range(len(actors))}
+
+    def describe(self) -> str:
+        cfg, summary = self.config, self.controller.summary
+        return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
+                f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
+                f" ({'fp8' if cfg.engine_fp8 else 'bf16'} engines); plan: {summary.num_tasks} "
+                f"writes, {summary.bytes_total / 1e6:.2f} MB, {summary.num_groups} mesh group(s);"
+                f" set up in {self.setup_seconds:.1f} s")
+
+    def info(self) -> dict[str, Any]:
+        cfg, summary = self.config, self.controller.summary
+        return {"run": self.run.name, "model": cfg.model.name, "cluster": cfg.cluster.name,
+                "fp8": cfg.engine_fp8, "setup_seconds": self.setup_seconds,
+                "plan": {"bytes": summary.bytes_total, "tasks": summary.num_tasks,
+                         "mesh_groups": summary.num_groups}}
+
+    def close(self) -> None:
+        self.controller.shutdown()
+        for actor in [*self.trainers, *(a for r in self.replicas.values() for a in r)]:
+            ray.kill(actor)
+
+
+def start_fleet(run: RunConfig) -> Fleet:
+    """Actors as the cluster config places them, and the controller after setup()."""
+    from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+
+    config = TransferConfig(
+        model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
+        fp8=run.fp8, seed=run.seed, lr=run.train.lr,
+        pause_during_update=run.transfer.pause_during_update,
+        setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s)
+    start = time.perf_counter()
+    trainers = launch_trainers(config)
+    engines = launch_engines(config)
+    ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
+    ctl.setup()
+    names = [config.cluster.replica_name(i) for i in range(len(engines))]
+    return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
+                 strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------ inside the actors
+# Run by ``actor.__ray_call__`` in the actor's process: only digests come back.
+
+
+def _trainer_digests(trainer: Any, shards: dict[str, Any], fp8: bool) -> dict | None:
+    """On every trainer rank (a collective); rank 0 returns the reference digests."""
+    state = trainer.full_state_dict()
+    return None if state is None else expected_digests(trainer.config.model, state, shards,
+                                                       fp8=fp8)
+
+
+def _engine_digests(engine: Any) -> dict[str, str]:
+    return tensor_digests(engine.engine_state_bytes())
+
+
+def _flip_byte(engine: Any, name: str, index: int) -> None:
+    """Test hook: corrupt one byte of one engine tensor in place."""
+    as_bytes(engine.engine.tensors[name])[index] ^= 0xFF
+
+
+def corrupt_one_byte(fleet: Fleet, version: int) -> None:
+    """Flip one byte of the first replica's qkv weight of layer 0 (the checks must catch it)."""
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    first = next(iter(fleet.replicas.values()))[0]
+    ray.get(first.__ray_call__.remote(_flip_byte, name, 100))
+    log.warning("test hook: flipped byte 100 of %s on the first engine after version %d",
+                name, version)
+
+
+# ------------------------------------------------------------------------ one cycle
+
+
+def token_batch(vocab: int, rows: int, cols: int, *, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (rows, cols), generator=gen).tolist()
+
+
+def _first(values: list) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def _same_on_tp_ranks(replica: str, values: list, problems: list[str]) -> Any:
+    if any(not _equal(v, values[0]) for v in values[1:]):
+        problems.append(f"{replica}: TP ranks returned different results")
+    return values[0]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def verify(fleet: Fleet, version: int, prompts: list[list[int]],
+           previous: dict[str, dict[str, str]] | None) -> tuple[dict, list[str], dict]:
+    """Checks of one update: (checks, problems, engine digests for the next update)."""
+    run, fp8 = fleet.run, fleet.config.engine_fp8
+    shards = fleet.engine_keys
+    want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, shards, fp8)
+                           for t in fleet.trainers]))
+    got = {f"{name}/tp{r}": d for name, actors in fleet.replicas.items()
+           for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
+                                          for a in actors]))}
+    problems = byte_problems(want, got)
+    checks: dict[str, Any] = {"bytes": not problems,
+                              "tensors": sum(len(d) for d in got.values())}
+    if previous is not None:
+        changed = sum(got[k][n] != previous.get(k, {}).get(n) for k in got for n in got[k])
+        checks["tensors_changed_since_previous"] = changed
+        if changed == 0:
+            problems.append(f"version {version}: no engine tensor changed since the previous "
+                            "version (the train step did not change the weights)")
+    versions = fleet.controller.weights_version()
+    problems += [f"{name}: holds version {v}, expected {version}"
+                 for name, v in versions.items() if v != version]
+    checks["weights_version"] = versions
+    n = run.verify.max_new_tokens
+    if not fp8:
+        want_tokens = _first(ray.get([t.reference_generate.remote(prompts, n)
+                                      for t in fleet.trainers]))
+        got_tokens = {name: _same_on_tp_ranks(
+            name, ray.get([a.generate.remote(prompts, n) for a in actors]), problems)
+            for name, actors in fleet.replicas.items()}
+        token_issues = token_problems(want_tokens, got_tokens)
+        checks.update(generations=not token_issues, generation_sample=want_tokens[0])
+        problems += token_issues
+    else:
+        want_logits = _first(ray.get([t.reference_logits.remote(prompts)
+                                      for t in fleet.trainers]))
+        got_logits = {name: _same_on_tp_ranks(
+            name, ray.get([a.logits.remote(prompts) for a in actors]), problems)
+            for name, actors in fleet.replicas.items()}
+        worst, logit_issues = logits_problems(want_logits, got_logits,
+                                              rel_tol=run.verify.fp8_logits_rel_tol)
+        checks.update(logits_rel_error=worst, logits_rel_tol=run.verify.fp8_logits_rel_tol,
+                      logits=not logit_issues)
+        problems += logit_issues
+    return checks, problems, got
+
+
+def run_cycles(fleet: Fleet, console: Console,
+               after_update: Callable[[Fleet, int], None] | None = None) -> list[UpdateCheck]:
+    run, cfg = fleet.run, fleet.config.model
+    prompts = token_batch(cfg.vocab_size, run.verify.prompts, run.verify.prompt_len,
+                          seed=run.seed + 99)
+    rows, previous = [], None
+    for version in range(1, run.updates + 1):
+        batch = token_batch(cfg.vocab_size, run.train.batch_size, run.train.seq_len,
+                            seed=run.seed * 1000 + version)
+        loss = _first(ray.get([t.train_step.remote(batch) for t in fleet.trainers]))
+        report = fleet.controller.update(version)
+        if after_update is not None:
+            after_update(fleet, version)
+        start = time.perf_counter()
+        checks, problems, previous = verify(fleet, version, prompts, previous)
+        checks.update(train_loss=loss, verify_seconds=time.perf_counter() - start)
+        row = UpdateCheck(version=version, seconds=report.seconds, bytes=report.bytes,
+                          stages=dict(report.stages), checks=checks, problems=problems,
+                          report=report.as_dict())
+        rows.append(row)
+        verdict = "[green]verified[/]" if row.verified else "[bold red]NOT verified[/]"
+        console.print(f"update {version}: {report.bytes / 1e6:.2f} MB in {report.seconds:.3f} s,"
+                      f" loss {loss:.4f}, {verdict}")
+        for p in problems:
+            console.print(f"  [red]{p}[/]")
+    return rows
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | None = None,
+            after_update: Callable[[Fleet, int], None] | None = None) -> int:
+    """The whole job; 0 when every update verified, 1 otherwise."""
+    console = console or Console()
+    start = time.perf_counter()
+    started = connect_ray(run, join_existing=join_existing)
+    fleet = None
+    try:
+        fleet = start_fleet(run)
+        console.print(fleet.describe())
+        rows = run_cycles(fleet, console, after_update)
+        info = fleet.info()
+    finally:
+        if fleet is not None:
+            fleet.close()
+        if started:
+            ray.shutdown()
+    engines = "fp8" if info["fp8"] else "bf16"
+    console.print(render_table(rows, title=f"{run.name}: {info['model']}, {engines} engines"))
+    info["total_seconds"] = total = time.perf_counter() - start
+    if run.json_path is not None:
+        write_json(Path(run.json_path), rows, **info)
+    ok = bool(rows) and all(r.verified for r in rows)
+    verdict = "[green]all updates verified[/]" if ok else "[bold red]verification FAILED[/]"
+    console.print(f"{verdict} in {total:.1f} s")
+    return 0 if ok else 1
+
+
+def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
+            updates: int | None, json_path: Path | None, corrupt_version: int | None) -> int:
+    """``wt demo``: the run config with the command line's options applied."""
+    console = Console()
+    try:
+        run = load_run_config(config)
+        run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
+                                 json_path=json_path)
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    hook = None
+    if corrupt_version is not None:
+        def hook(fleet: Fleet, version: int) -> None:
+            if version == corrupt_version:
+                corrupt_one_byte(fleet, version)
+    return run_job(run, console=console, after_update=hook)
+
+
+__all__ = ["Fleet", "connect_ray", "run_cli", "run_job", "start_fleet"]
