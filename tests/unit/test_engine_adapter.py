@@ -72,7 +72,7 @@ def test_generation_is_held_at_a_step_boundary_and_continues(setup, models):
     engine, adapter, calls, paused_in_step = setup
     thread, result = run_in_thread(engine)
     assert paused_in_step.wait(WAIT)
-    assert adapter.paused and adapter.wait_idle(WAIT)
+    assert adapter.paused and adapter.wait_parked(WAIT) and adapter.wait_idle(0)
     assert len(calls) == 2 and thread.is_alive()  # step 2 finished, step 3 held
     adapter.resume()
     thread.join(WAIT)
@@ -98,7 +98,7 @@ def test_weights_written_while_paused_are_used_after_resume(setup, models):
 
 def test_pause_is_idempotent_and_idle_engine_is_idle(setup):
     engine, adapter, calls, _ = setup
-    assert adapter.wait_idle(0) and not adapter.paused
+    assert adapter.wait_idle(0) and not adapter.paused and not adapter.wait_parked(0)
     adapter.pause()
     adapter.pause()
     adapter.resume()  # one resume undoes any number of pauses

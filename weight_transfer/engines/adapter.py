@@ -63,6 +63,7 @@ class ReferenceEngineAdapter:
         self._cond = threading.Condition()
         self._pauses = self._resumes = self._honored = 0
         self._busy = False  # inside a step, or about to agree on entering one
+        self._parked = False  # a step is held at the boundary
         engine.step_guard = self._step
 
     @property
@@ -90,6 +91,12 @@ class ReferenceEngineAdapter:
         with self._cond:
             return self._cond.wait_for(lambda: not self._busy, timeout)
 
+    def wait_parked(self, timeout: float | None = None) -> bool:
+        """True once a generation step is held at the boundary (also on a TP peer's
+        pause that this rank has not received yet); False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._parked, timeout)
+
     @contextlib.contextmanager
     def _step(self) -> Iterator[None]:
         with self._cond:
@@ -99,10 +106,10 @@ class ReferenceEngineAdapter:
             with self._cond:
                 if agreed > self._honored:
                     self._honored = agreed
-                    self._busy = False
+                    self._busy, self._parked = False, True
                     self._cond.notify_all()
                     self._cond.wait_for(lambda: self._resumes >= agreed)
-                    self._busy = True
+                    self._busy, self._parked = True, False
             yield
         finally:
             with self._cond:
