@@ -98,3 +98,9 @@ def test_greedy_generate_checks_prompts():
         greedy_generate(model, [[1], [640]], max_new_tokens=1)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         greedy_generate(model, [[]], max_new_tokens=1)
+
+
+def test_moe_without_top_k_is_refused():
+    cfg = cfg_of("tiny_moe").model_copy(update={"num_experts_per_tok": None})
+    with pytest.raises(ValueError, match="num_experts_per_tok is required"):
+        hf_config(cfg)

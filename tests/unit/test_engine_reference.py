@@ -160,3 +160,16 @@ def test_refused_configurations():
         engine.forward(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match=r"prompt 0: token ids \[1000\]"):
         engine.generate([[1000]], 1)
+
+
+def test_moe_routing_fields_are_required_and_shared():
+    cfg = cfg_of("tiny_moe")
+    no_topk = ModelConfig(**{**cfg.model_dump(), "num_experts_per_tok": None})
+    with pytest.raises(ValueError, match="num_experts_per_tok is required"):
+        ReferenceEngine(no_topk, TP1, fp8=False)
+    # norm_topk_prob left out means "off" for the engine and for transformers alike
+    plain = ModelConfig(**{**cfg.model_dump(), "norm_topk_prob": None})
+    model = build_hf_model(plain, seed=3)
+    assert model.config.norm_topk_prob is False
+    engine = engine_for(plain, model)
+    assert (engine.forward(IDS) - float_logits(model, IDS)).abs().max().item() < 1e-4

@@ -87,7 +87,10 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
         fields["head_dim"] = cfg.head_size
         fields["attention_bias"] = bool(cfg.attention_bias)
     if cfg.architecture == "qwen3_moe":
-        fields.update({f: getattr(cfg, f) for f in _MOE_FIELDS if getattr(cfg, f) is not None})
+        if cfg.num_experts_per_tok is None:
+            raise ValueError(f"{cfg.name or 'qwen3_moe'}: num_experts_per_tok is required")
+        fields.update({f: getattr(cfg, f) for f in _MOE_FIELDS})
+        fields["norm_topk_prob"] = bool(cfg.norm_topk_prob)  # the engine's reading of None
         fields["mlp_only_layers"] = list(cfg.mlp_only_layers)
     return cls(**fields)
 

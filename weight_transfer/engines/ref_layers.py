@@ -63,6 +63,8 @@ def geometry(cfg: ModelConfig, shard: ShardSpec, eps: float) -> Geometry:
             f"expert parallelism needs ep_size == tp_size dividing {n_exp} experts; "
             f"got ep_size={ep}, tp_size={tp}"
         )
+    if n_exp and not cfg.num_experts_per_tok:
+        raise ValueError(f"{cfg.name or cfg.architecture}: num_experts_per_tok is required")
     per_ep = n_exp // ep
     return Geometry(
         heads=cfg.num_attention_heads // tp,
