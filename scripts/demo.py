@@ -42,6 +42,7 @@ from scripts.demo_checks import (
     byte_problems,
     expected_digests,
     logits_problems,
+    make_console,
     render_table,
     tensor_digests,
     token_problems,
@@ -281,7 +282,7 @@ def run_cycles(fleet: Fleet, console: Console,
 def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | None = None,
             after_update: Callable[[Fleet, int], None] | None = None) -> int:
     """The whole job; 0 when every update verified, 1 otherwise."""
-    console = console or Console()
+    console = console or make_console()
     start = time.perf_counter()
     started = connect_ray(run, join_existing=join_existing)
     fleet = None
@@ -309,7 +310,7 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
 def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
             updates: int | None, json_path: Path | None, corrupt_version: int | None) -> int:
     """``wt demo``: the run config with the command line's options applied."""
-    console = Console()
+    console = make_console()
     try:
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
 from weight_transfer.engines.hf_load import load_engine_shard
@@ -174,7 +175,8 @@ class UpdateCheck:
 def render_table(rows: Sequence[UpdateCheck], *, title: str) -> Table:
     """A rich table: one row per update with bytes, GB/s, stage times and the verdict."""
     table = Table(title=title, caption="seconds; stages: busy time of the slowest rank",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
+                  collapse_padding=True)
     for col in ("version", "seconds", "MB", "GB/s", *STAGES, "verified"):
         table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     for r in rows:
@@ -183,6 +185,12 @@ def render_table(rows: Sequence[UpdateCheck], *, title: str) -> Table:
                       f"{r.gb_per_s:.3f}", *(f"{r.stages.get(s, 0.0):.3f}" for s in STAGES),
                       verdict)
     return table
+
+
+def make_console() -> Console:
+    """Rich console; 120 columns when the output is a log, not a terminal (job logs)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
 
 
 def summary(rows: Sequence[UpdateCheck], **info: Any) -> dict[str, Any]:

@@ -23,11 +23,11 @@ if str(ROOT) not in sys.path:  # `python scripts/launch.py` puts scripts/ first,
     sys.path.insert(0, str(ROOT))
 
 import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
 
+from scripts.demo_checks import make_console  # noqa: E402
 from scripts.run_config import load_run_config  # noqa: E402
 
-console = Console()
+console = make_console()
 
 
 def main(

@@ -22,7 +22,14 @@ from typing import Any
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,14 +86,28 @@ class TransferConfig(_Section):
 
 
 class RlConfig(_Section):
-    """The RL loop example (scripts/rl_loop.py): REINFORCE towards a target token."""
+    """The RL loop example (scripts/rl_loop.py): REINFORCE towards a band of target tokens.
+
+    The reward of a rollout is the fraction of its tokens in
+    ``[target_start, target_end)``; rollouts are sampled at ``temperature`` from
+    the engines' logits, or greedy when ``temperature`` is 0.
+    """
 
     iterations: PositiveInt = 3
     prompts: PositiveInt = 8
     prompt_len: PositiveInt = 4
     rollout_tokens: PositiveInt = 8
-    target_token: int = Field(default=7, ge=0)
+    target_start: int = Field(default=0, ge=0)
+    target_end: PositiveInt = 100
+    temperature: float = Field(default=1.0, ge=0.0)
     lr: PositiveFloat = 1e-3
+
+    @model_validator(mode="after")
+    def _band(self) -> RlConfig:
+        if self.target_end <= self.target_start:
+            raise ValueError(f"target_end ({self.target_end}) must be greater than "
+                             f"target_start ({self.target_start})")
+        return self
 
 
 class RunConfig(_Section):

@@ -1,0 +1,157 @@
+"""An RL loop in the style of OpenRLHF, showing what embedding weight transfer takes.
+
+The library's part is five lines (marked ``# wt``): a config, the actors, the
+controller, ``setup()`` once, ``update(version)`` after every policy step::
+
+    cfg = TransferConfig.from_files(model_yaml, cluster_yaml, lr=...)          # wt
+    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)              # wt
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
+    ctl.setup()                                                                 # wt
+    for it in range(iterations):
+        rollouts = sample on the replicas (prompts split over replicas)
+        rewards = toy_reward(rollouts); advantages = rewards - mean(rewards)
+        trainers: REINFORCE step on prompt + rollout, weighted by the advantages
+        ctl.update(version=it + 1)                                              # wt
+
+Rollouts are sampled token by token from the engines' logits (temperature
+``rl.temperature``; 0 means greedy, the engines' own ``generate``), so they come
+from the weights the last update put there. The reward is the fraction of
+rollout tokens in ``[rl.target_start, rl.target_end)``. Run it with::
+
+    python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python scripts/rl_loop.py` puts scripts/ first, not the root
+    sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from scripts.demo import connect_ray, token_batch  # noqa: E402
+from scripts.demo_checks import make_console  # noqa: E402
+from scripts.run_config import RlConfig, RunConfig, load_run_config  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+def sample_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
+                    gen: torch.Generator) -> list[list[int]]:
+    """``rl.rollout_tokens`` new tokens per prompt from one replica (all its TP ranks called)."""
+    if rl.temperature == 0:
+        return ray.get([a.generate.remote(prompts, rl.rollout_tokens) for a in replica])[0]
+    ids = torch.tensor(prompts, dtype=torch.long)
+    for _ in range(rl.rollout_tokens):
+        logits = ray.get([a.logits.remote(ids) for a in replica])[0][:, -1].float()
+        probs = torch.softmax(logits / rl.temperature, dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    return ids[:, len(prompts[0]):].tolist()
+
+
+def toy_reward(rollout: list[int], rl: RlConfig) -> float:
+    """Fraction of the rollout's tokens in the target band."""
+    return sum(rl.target_start <= t < rl.target_end for t in rollout) / len(rollout)
+
+
+def advantages_of(rewards: list[float]) -> list[float]:
+    """REINFORCE with a mean baseline."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunConfig,
+                 vocab: int, gen: torch.Generator) -> dict:
+    """Rollouts, rewards, one policy-gradient step, one weight update."""
+    rl = run.rl
+    prompts = token_batch(vocab, rl.prompts, rl.prompt_len, seed=run.seed * 1000 + it)
+    share = math.ceil(len(prompts) / len(replicas))
+    rollouts = []
+    for k, replica in enumerate(replicas):  # like OpenRLHF: prompts split over the engines
+        chunk = prompts[k * share:(k + 1) * share]
+        if chunk:
+            rollouts += sample_rollouts(replica, chunk, rl, gen)
+    rewards = [toy_reward(r, rl) for r in rollouts]
+    tokens = [p + r for p, r in zip(prompts, rollouts, strict=True)]
+    adv = advantages_of(rewards)
+    loss = ray.get([t.train_step.remote(tokens, advantages=adv, prompt_len=rl.prompt_len)
+                    for t in trainers])[0]
+    report = ctl.update(version=it + 1)                                         # wt
+    return {"iteration": it + 1, "mean_reward": sum(rewards) / len(rewards),
+            "rewards": rewards, "loss": loss, "update_seconds": report.seconds,
+            "update_bytes": report.bytes, "weights_version": ctl.weights_version()}
+
+
+def run_rl(run: RunConfig, console: Console) -> list[dict]:
+    """The whole loop on a fresh set of actors; returns one record per iteration."""
+    from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+
+    started = connect_ray(run, join_existing=True)
+    trainers, replicas, ctl = [], [], None
+    try:
+        cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
+                                        seed=run.seed, lr=run.rl.lr)
+        trainers, replicas = launch_trainers(cfg), launch_engines(cfg)          # wt
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
+        ctl.setup()                                                             # wt
+        ctl.update(version=0)  # the replicas start from the trainers' initial weights
+        gen = torch.Generator().manual_seed(run.seed)
+        history = []
+        for it in range(run.rl.iterations):
+            rec = rl_iteration(it, trainers, replicas, ctl, run, cfg.model.vocab_size, gen)
+            console.print(f"iteration {rec['iteration']}: mean reward {rec['mean_reward']:.3f}, "
+                          f"loss {rec['loss']:+.4f}, update {rec['update_bytes'] / 1e6:.2f} MB "
+                          f"in {rec['update_seconds']:.3f} s, versions {rec['weights_version']}")
+            history.append(rec)
+        return history
+    finally:
+        if ctl is not None:
+            ctl.shutdown()
+        for actor in [*trainers, *(a for r in replicas for a in r)]:
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
+def main(
+    config: Path = typer.Option(Path("configs/runs/rl_loop.yaml"), help="Run config."),
+    iterations: int | None = typer.Option(None, min=1, help="RL iterations [rl.iterations]."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the history."),
+) -> None:
+    """Rollouts on the inference replicas, REINFORCE on the trainers, weight updates."""
+    console = make_console()
+    try:
+        run = load_run_config(config)
+        if iterations is not None:
+            run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": iterations})
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    start = time.perf_counter()
+    history = run_rl(run, console)
+    table = Table(title=f"{run.name}: REINFORCE towards tokens "
+                        f"[{run.rl.target_start}, {run.rl.target_end})")
+    for col in ("iteration", "mean reward", "loss", "update s", "MB"):
+        table.add_column(col, justify="right")
+    for r in history:
+        table.add_row(str(r["iteration"]), f"{r['mean_reward']:.3f}", f"{r['loss']:+.4f}",
+                      f"{r['update_seconds']:.3f}", f"{r['update_bytes'] / 1e6:.2f}")
+    console.print(table)
+    console.print(f"done in {time.perf_counter() - start:.1f} s")
+    if json_path is not None:
+        json_path.write_text(json.dumps(history, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
