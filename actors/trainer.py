@@ -39,7 +39,12 @@ from actors.config import TransferConfig
 from actors.groups import LOOPBACK, connect_store, host_store, join_gloo_group
 from actors.messages import TrainerRankMeta
 from actors.reports import RankReport, rank_report_of
-from actors.trainer_model import build_sharded_model, gather_full_state, train_step
+from actors.trainer_model import (
+    build_sharded_model,
+    gather_full_state,
+    make_optimizer,
+    train_step,
+)
 from actors.write_guard import WriteGuard
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
@@ -214,8 +219,8 @@ class TrainerWorker(TrainerMixin):
         join_gloo_group(self._store, rank=self.rank, world=self.world,
                         timeout_s=cfg.setup_timeout_s)
         torch.manual_seed(cfg.seed + 1000 + self.rank)  # per-rank randomness stays reproducible
-        model = build_sharded_model(cfg.model, seed=cfg.seed, world=self.world)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        model = build_sharded_model(cfg.model, cfg.cluster, seed=cfg.seed)
+        self.optimizer = make_optimizer(model, lr=cfg.lr)
         self.wt_attach(model=model, rank=self.rank, world=self.world)
         return self.node_id()
 

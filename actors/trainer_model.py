@@ -3,16 +3,20 @@
 Every rank builds the same seeded model, then shards it with ``fully_shard``
 over a CPU gloo mesh of all trainer ranks (each decoder layer, then the root)::
 
-    model = build_sharded_model(cfg, seed=0, world=4)        # inside a gloo group
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = build_sharded_model(cfg, cluster, seed=0)        # inside a gloo group
+    opt = make_optimizer(model, lr=1e-3)
     loss = train_step(model, opt, tokens, rank=r, world=4)  # a real optimizer step
     full = gather_full_state(model)                          # collective: all ranks call
 
-MoE experts are stacked 3-D parameters in transformers 5; they are sharded
-over all ranks along the expert dimension like the dense parameters (one
-mesh, so one mesh group in the plan). True expert parallelism on the cluster's
-EP meshes would need an all-to-all token dispatch inside the model's forward,
-which the transformers modules do not have.
+MoE experts are stacked 3-D parameters in transformers 5
+(``mlp.experts.gate_up_proj`` ``[E, 2*I, H]``). They are stored as the
+cluster's ``stacked_expert_mesh()`` says: DTensors on the 2-D
+``(ep, dp_shard_in_ep)`` mesh with placements ``(Shard(0), Shard(1))``, so EP
+mesh ``k`` holds experts of EP rank ``k``, sharded FSDP-style inside it
+(:class:`StackedExperts`, outside FSDP's own management). The forward gathers
+them (like FSDP's all-gather) and gradients are reduce-scattered back with an
+average; there is no all-to-all token dispatch, so this is EP-sharded storage
+with data-parallel compute. The plan then has two mesh groups (dense, experts).
 
 :func:`train_step` minimizes the (optionally advantage-weighted) negative
 log-likelihood of the tokens after ``prompt_len``: with ``advantages=None``
@@ -27,23 +31,79 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
+from scheduling.cluster import ClusterConfig
 from weight_transfer.engines.hf_model import build_hf_model
 from weight_transfer.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
-def build_sharded_model(cfg: ModelConfig, *, seed: int, world: int) -> nn.Module:
-    """The seeded transformers model, FSDP2-sharded over ranks ``0..world-1`` (gloo, CPU)."""
+
+class StackedExperts(nn.Module):
+    """A transformers stacked-experts module whose weights are 2-D (EP x FSDP) DTensors.
+
+    The wrapped module keeps its forward; its parameters move here (same
+    names, so state-dict keys do not change) and are gathered per forward.
+    """
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh, placements: tuple) -> None:
+        super().__init__()
+        for name in EXPERT_PARAMS:
+            full = getattr(inner, name).detach()
+            del inner._parameters[name]
+            self.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, placements)))
+        object.__setattr__(self, "_inner", inner)  # not a submodule: its weights are ours
+
+    def forward(self, *args, **kwargs):
+        for name in EXPERT_PARAMS:
+            param = getattr(self, name)
+            replicated = [Replicate()] * param.device_mesh.ndim
+            # Backward: the average over ranks of each rank's gradient, reduce-scattered.
+            averaged = [Partial("avg")] * param.device_mesh.ndim
+            full = param.redistribute(placements=replicated).to_local(grad_placements=averaged)
+            setattr(self._inner, name, full)
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            for name in EXPERT_PARAMS:
+                delattr(self._inner, name)
+
+
+def _expert_mesh(cluster: ClusterConfig) -> tuple[DeviceMesh, tuple]:
+    desc, placements = cluster.stacked_expert_mesh()
+    grid = torch.tensor(desc.ranks, dtype=torch.int64).reshape(desc.shape)
+    mesh = DeviceMesh("cpu", grid, mesh_dim_names=desc.dim_names)
+    return mesh, tuple(Shard(p.dim) for p in placements)
+
+
+def build_sharded_model(cfg: ModelConfig, cluster: ClusterConfig, *, seed: int) -> nn.Module:
+    """The seeded transformers model sharded over the cluster's trainer meshes (gloo, CPU)."""
+    world = cluster.trainer_world
     model = build_hf_model(cfg, seed=seed)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    experts: set[nn.Parameter] = set()
+    expert_mesh = None
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        inner = getattr(layer.mlp, "experts", None)
+        if inner is not None and all(isinstance(getattr(inner, n, None), nn.Parameter)
+                                     for n in EXPERT_PARAMS):
+            if expert_mesh is None:
+                expert_mesh = _expert_mesh(cluster)
+            layer.mlp.experts = StackedExperts(inner, *expert_mesh)
+            experts.update(layer.mlp.experts.parameters())
+        fully_shard(layer, mesh=mesh, ignored_params=experts or None)
+    fully_shard(model, mesh=mesh, ignored_params=experts or None)
     return model
+
+
+def make_optimizer(model: nn.Module, *, lr: float) -> torch.optim.Optimizer:
+    # foreach kernels would mix DTensors of two meshes (dense and experts) in one call.
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
 
 
 def _as_batch(tokens: Sequence[Sequence[int]] | torch.Tensor, vocab: int) -> torch.Tensor:
