@@ -73,6 +73,7 @@ class TrainerMixin:
 
     _wt_model: torch.nn.Module | None = None
     _wt_link: _Link | None = None
+    _wt_rank: int = -1
 
     def wt_attach(self, *, model: torch.nn.Module, rank: int, world: int) -> None:
         """Declare the (FSDP2-sharded) model this rank trains; call once before setup."""
