@@ -74,6 +74,7 @@ class WeightTransferController:
         if not engines:
             raise ValueError("WeightTransferController needs at least one engine actor")
         self.config = config
+        self.pause_during_update = config.pause_during_update  # may change between updates
         self.trainers = list(trainers)
         self._engine_handles = _flatten(engines)
         self.ledger = ControlLedger()
@@ -203,7 +204,7 @@ class WeightTransferController:
         self._attempted = version
         snap, start = self.ledger.snapshot(), time.perf_counter()
         names = list(self.replicas)
-        if self.config.pause_during_update:
+        if self.pause_during_update:
             self._each_engine("wt_pause", replicas=[n for n in names if n not in self._paused],
                               phase=f"pause before version {version}")
             self._paused.update(names)

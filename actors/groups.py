@@ -51,7 +51,3 @@ def join_gloo_group(
                             timeout=datetime.timedelta(seconds=timeout_s))
     log.info("rank %d of %d joined its gloo group", rank, world)
 
-
-def new_subgroup(ranks: list[int], *, timeout_s: float = 300.0) -> dist.ProcessGroup | None:
-    """A gloo subgroup of the default group (every rank of the default group must call)."""
-    return dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

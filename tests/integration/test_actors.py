@@ -132,13 +132,30 @@ def test_replicas_are_paused_exactly_while_trainers_write(env):
             assert [v for e, v, _ in events if e == "resume"][-1] == 4
 
 
+def test_without_pause_replicas_keep_serving_and_record_the_version(env):
+    _, trainers, replicas, ctl = env
+    actors = [a for rep in replicas for a in rep]
+    seen = [len(ray.get(a.wt_events.remote())) for a in actors]
+    ctl.pause_during_update = False
+    try:
+        train(trainers, 5)
+        ctl.update(5)
+    finally:
+        ctl.pause_during_update = True
+    for actor, n in zip(actors, seen, strict=True):
+        new = ray.get(actor.wt_events.remote())[n:]
+        assert [(e, v) for e, v, _ in new] == [("version", 5)]  # never paused
+        assert ray.get(actor.wt_paused.remote()) is False
+    assert ctl.weights_version() == {"engine0": 5, "engine1": 5}
+
+
 def test_failed_update_marks_replicas_torn_and_names_the_rank(env):
     cfg, trainers, replicas, ctl = env
-    train(trainers, 5)
+    train(trainers, 6)
     ray.get(trainers[1].wt_set_link.remote(False))
     try:
-        with pytest.raises(UpdateError, match=r"version 5 failed on trainer ranks \[1\]") as exc:
-            ctl.update(5)
+        with pytest.raises(UpdateError, match=r"version 6 failed on trainer ranks \[1\]") as exc:
+            ctl.update(6)
     finally:
         ray.get(trainers[1].wt_set_link.remote(True))
     torn = list(ctl.summary.replicas_by_rank[1])
@@ -150,9 +167,9 @@ def test_failed_update_marks_replicas_torn_and_names_the_rank(env):
         for actor in ctl.replicas[name]:
             assert ray.get(actor.wt_paused.remote()) is True
             assert ray.get(actor.wt_version.remote()) is None
-    report = ctl.update(6)  # the same weights again, over a healthy link
+    report = ctl.update(7)  # the same weights again, over a healthy link
     assert report.bytes == ctl.summary.bytes_total
-    assert ctl.weights_version() == {"engine0": 6, "engine1": 6}
+    assert ctl.weights_version() == {"engine0": 7, "engine1": 7}
     assert not any(ray.get(a.wt_paused.remote()) for rep in replicas for a in rep)
     assert mismatches(cfg, trainers, replicas) == []
 
@@ -165,7 +182,7 @@ def test_add_replica_is_filled_from_a_peer_without_the_trainers(env):
     name = ctl.add_replica(new)
     assert name == "engine2"
     assert ray.get([t.wt_nic_stats.remote() for t in trainers]) == before  # no trainer wrote
-    assert ctl.weights_version() == {"engine0": 6, "engine1": 6, "engine2": 6}
+    assert ctl.weights_version() == {"engine0": 7, "engine1": 7, "engine2": 7}
     copied = sum(ray.get(a.wt_nic_stats.remote())["bytes_written"]
                  for a in ctl.replicas["engine0"] + ctl.replicas["engine1"])
     assert copied == sum(m.tensors[0].region.length for m in
@@ -174,8 +191,8 @@ def test_add_replica_is_filled_from_a_peer_without_the_trainers(env):
     # The new replica joins the next update: one re-plan, more bytes, exact again.
     assert ctl.summary.replicas == ("engine0", "engine1", "engine2")
     assert ray.get(ctl.scheduler.count.remote()) == 2
-    train(trainers, 7)
-    report = ctl.update(7)
+    train(trainers, 8)
+    report = ctl.update(8)
     assert report.bytes == ctl.summary.bytes_total == old_bytes * 3 // 2
     assert mismatches(cfg, trainers, [*replicas, new]) == []
     with pytest.raises(ValueError, match="already part of this controller"):
@@ -185,12 +202,12 @@ def test_add_replica_is_filled_from_a_peer_without_the_trainers(env):
 def test_a_revoked_engine_region_tears_only_its_replica(env):
     _, trainers, _, ctl = env
     ray.get(ctl.replicas["engine2"][1].wt_deregister.remote())
-    train(trainers, 8)
+    train(trainers, 9)
     with pytest.raises(UpdateError, match="engine2") as exc:
-        ctl.update(8)
+        ctl.update(9)
     assert exc.value.torn == ["engine2"]
     assert "RemoteAccessError" in str(exc.value) and "deregistered" in str(exc.value)
-    assert ctl.weights_version() == {"engine0": 8, "engine1": 8, "engine2": None}
+    assert ctl.weights_version() == {"engine0": 9, "engine1": 9, "engine2": None}
 
 
 def test_fp8_engines_hold_the_reference_quantization(env):
@@ -200,8 +217,8 @@ def test_fp8_engines_hold_the_reference_quantization(env):
     fp8_replicas = launch_engines(fp8_cfg, replicas=[0])
     ctl = WeightTransferController(trainers=trainers, engines=fp8_replicas, config=fp8_cfg)
     summary = ctl.setup()  # the trainers now replay the FP8 plan
-    train(trainers, 9)
-    report = ctl.update(9)
+    train(trainers, 10)
+    report = ctl.update(10)
     assert report.bytes == summary.bytes_total
     assert mismatches(cfg, trainers, fp8_replicas, fp8=True) == []
     ids = [p + [0] * 2 for p in PROMPTS]
