@@ -126,9 +126,15 @@ class Fleet:
                          "mesh_groups": summary.num_groups}}
 
     def close(self) -> None:
+        """Drop the controller, the actors and their placement groups."""
         self.controller.shutdown()
-        for actor in [*self.trainers, *(a for r in self.replicas.values() for a in r)]:
+        actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
+        groups = {pg.id: pg for pg in ray.get([a.__ray_call__.remote(_placement_group)
+                                               for a in actors]) if pg is not None}
+        for actor in actors:
             ray.kill(actor)
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)
 
 
 def start_fleet(run: RunConfig) -> Fleet:
@@ -161,6 +167,10 @@ def _trainer_digests(trainer: Any, shards: dict[str, Any], fp8: bool) -> dict | 
                                                        fp8=fp8)
 
 
+def _placement_group(actor: Any) -> Any:
+    return ray.util.get_current_placement_group()
+
+
 def _engine_digests(engine: Any) -> dict[str, str]:
     return tensor_digests(engine.engine_state_bytes())
 
@@ -191,61 +201,78 @@ def _first(values: list) -> Any:
     return next(v for v in values if v is not None)
 
 
-def _same_on_tp_ranks(replica: str, values: list, problems: list[str]) -> Any:
-    if any(not _equal(v, values[0]) for v in values[1:]):
-        problems.append(f"{replica}: TP ranks returned different results")
-    return values[0]
-
-
 def _equal(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _on_replicas(fleet: Fleet, method: str, *args: Any, problems: list[str]) -> dict[str, Any]:
+    """Call ``method`` on every TP rank of each replica together; the ranks must agree."""
+    out = {}
+    for name, actors in fleet.replicas.items():
+        values = ray.get([getattr(a, method).remote(*args) for a in actors])
+        if any(not _equal(v, values[0]) for v in values[1:]):
+            problems.append(f"{name}: TP ranks returned different {method} results")
+        out[name] = values[0]
+    return out
+
+
+def _on_trainers(fleet: Fleet, method: str, *args: Any) -> Any:
+    """Call ``method`` on every trainer rank (a collective); rank 0's answer."""
+    return _first(ray.get([getattr(t, method).remote(*args) for t in fleet.trainers]))
+
+
+def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
+                previous: dict | None) -> dict[str, dict[str, str]]:
+    """Engine digests against the reference layout; returns them for the next update."""
+    want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, fleet.engine_keys,
+                                                 fleet.config.engine_fp8)
+                           for t in fleet.trainers]))
+    got = {f"{name}/tp{r}": d for name, actors in fleet.replicas.items()
+           for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
+                                          for a in actors]))}
+    issues = byte_problems(want, got)
+    checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()))
+    problems += issues
+    if previous is not None:
+        changed = sum(got[k][n] != previous.get(k, {}).get(n) for k in got for n in got[k])
+        checks["tensors_changed_since_previous"] = changed
+        if changed == 0:
+            problems.append("no engine tensor changed since the previous version "
+                            "(the train step did not change the weights)")
+    return got
+
+
+def check_outputs(fleet: Fleet, prompts: list[list[int]], checks: dict,
+                  problems: list[str]) -> None:
+    """bf16: greedy tokens equal the trainer model's; FP8: logits within the tolerance."""
+    verify_cfg = fleet.run.verify
+    if not fleet.config.engine_fp8:
+        n = verify_cfg.max_new_tokens
+        want = _on_trainers(fleet, "reference_generate", prompts, n)
+        issues = token_problems(want, _on_replicas(fleet, "generate", prompts, n,
+                                                   problems=problems))
+        checks.update(generations=not issues, generation_sample=want[0])
+    else:
+        want = _on_trainers(fleet, "reference_logits", prompts)
+        got = _on_replicas(fleet, "logits", prompts, problems=problems)
+        worst, issues = logits_problems(want, got, rel_tol=verify_cfg.fp8_logits_rel_tol)
+        checks.update(logits=not issues, logits_rel_error=worst,
+                      logits_rel_tol=verify_cfg.fp8_logits_rel_tol)
+    problems += issues
 
 
 def verify(fleet: Fleet, version: int, prompts: list[list[int]],
            previous: dict[str, dict[str, str]] | None) -> tuple[dict, list[str], dict]:
     """Checks of one update: (checks, problems, engine digests for the next update)."""
-    run, fp8 = fleet.run, fleet.config.engine_fp8
-    shards = fleet.engine_keys
-    want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, shards, fp8)
-                           for t in fleet.trainers]))
-    got = {f"{name}/tp{r}": d for name, actors in fleet.replicas.items()
-           for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
-                                          for a in actors]))}
-    problems = byte_problems(want, got)
-    checks: dict[str, Any] = {"bytes": not problems,
-                              "tensors": sum(len(d) for d in got.values())}
-    if previous is not None:
-        changed = sum(got[k][n] != previous.get(k, {}).get(n) for k in got for n in got[k])
-        checks["tensors_changed_since_previous"] = changed
-        if changed == 0:
-            problems.append(f"version {version}: no engine tensor changed since the previous "
-                            "version (the train step did not change the weights)")
+    checks: dict[str, Any] = {}
+    problems: list[str] = []
+    digests = check_bytes(fleet, checks, problems, previous)
     versions = fleet.controller.weights_version()
+    checks["weights_version"] = versions
     problems += [f"{name}: holds version {v}, expected {version}"
                  for name, v in versions.items() if v != version]
-    checks["weights_version"] = versions
-    n = run.verify.max_new_tokens
-    if not fp8:
-        want_tokens = _first(ray.get([t.reference_generate.remote(prompts, n)
-                                      for t in fleet.trainers]))
-        got_tokens = {name: _same_on_tp_ranks(
-            name, ray.get([a.generate.remote(prompts, n) for a in actors]), problems)
-            for name, actors in fleet.replicas.items()}
-        token_issues = token_problems(want_tokens, got_tokens)
-        checks.update(generations=not token_issues, generation_sample=want_tokens[0])
-        problems += token_issues
-    else:
-        want_logits = _first(ray.get([t.reference_logits.remote(prompts)
-                                      for t in fleet.trainers]))
-        got_logits = {name: _same_on_tp_ranks(
-            name, ray.get([a.logits.remote(prompts) for a in actors]), problems)
-            for name, actors in fleet.replicas.items()}
-        worst, logit_issues = logits_problems(want_logits, got_logits,
-                                              rel_tol=run.verify.fp8_logits_rel_tol)
-        checks.update(logits_rel_error=worst, logits_rel_tol=run.verify.fp8_logits_rel_tol,
-                      logits=not logit_issues)
-        problems += logit_issues
-    return checks, problems, got
+    check_outputs(fleet, prompts, checks, problems)
+    return checks, problems, digests
 
 
 def run_cycles(fleet: Fleet, console: Console,
