@@ -53,7 +53,9 @@ from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 
 log = logging.getLogger(__name__)
-LOOPBACK = "127.0.0.1"
+# A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
+# interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
+LOCAL_NODE_IP = "127.0.0.2"
 
 
 # ------------------------------------------------------------------------ Ray and actors
@@ -80,7 +82,7 @@ def connect_ray(run: RunConfig, *, join_existing: bool = False) -> bool:
         ray.init(address=address, **quiet)
     else:  # "local": a new instance even when another one runs on this machine
         ray.init(address="local", num_cpus=run.ray.num_cpus, include_dashboard=False,
-                 _node_ip_address=LOOPBACK, **quiet)
+                 _node_ip_address=LOCAL_NODE_IP, **quiet)
     return True
 
 
@@ -353,4 +355,4 @@ def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool
     return run_job(run, console=console, after_update=hook)
 
 
-__all__ = ["Fleet", "connect_ray", "run_cli", "run_job", "start_fleet"]
+__all__ = ["LOCAL_NODE_IP", "Fleet", "connect_ray", "run_cli", "run_job", "start_fleet"]

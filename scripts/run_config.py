@@ -147,7 +147,7 @@ class RunConfig(_Section):
         for key, value in changes.items():
             if value is not None:
                 data["json" if key == "json_path" else key] = value
-        return parse_run_config(data, source="<options>")
+        return parse_run_config(data, source="<command line>")
 
 
 def parse_run_config(data: Any, *, source: str) -> RunConfig:

@@ -18,7 +18,7 @@ import sys
 import pytest
 import ray
 
-from scripts.demo import run_job
+from scripts.demo import LOCAL_NODE_IP, run_job
 from scripts.demo_checks import STAGES
 from scripts.run_config import ROOT, load_run_config
 
@@ -33,7 +33,7 @@ UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", 
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address="127.0.0.1", logging_level="WARNING")
+             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
     yield
     ray.shutdown()
 

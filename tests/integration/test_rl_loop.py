@@ -9,6 +9,7 @@ import pytest
 import ray
 from rich.console import Console
 
+from scripts.demo import LOCAL_NODE_IP
 from scripts.rl_loop import advantages_of, run_rl, toy_reward
 from scripts.run_config import RlConfig, load_run_config
 
@@ -25,7 +26,7 @@ def test_two_iterations_advance_the_replicas_version():
     run = load_run_config("configs/runs/rl_loop.yaml")
     run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 2})
     ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address="127.0.0.1", logging_level="WARNING")
+             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
     try:
         console = Console(record=True, width=160)
         history = run_rl(run, console)

@@ -74,3 +74,24 @@ def test_overrides_win_and_are_validated():
     assert run.fp8 is False  # the original is unchanged (frozen)
     with pytest.raises(ValueError, match="field updates:"):
         run.with_overrides(updates=-1)
+
+
+def test_wt_demo_and_launch_refuse_bad_input_before_starting_anything(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from scripts import launch
+    from scripts.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {TINY}\nupdates: 0\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["demo", "--config", str(bad)])
+    assert result.exit_code == 2
+    assert "bad.yaml: invalid run config: field updates" in " ".join(result.output.split())
+    result = runner.invoke(app, ["demo", "--model", "configs/models/none.yaml"])
+    assert result.exit_code == 2 and "field model: no such file" in " ".join(result.output.split())
+    launcher = typer.Typer()
+    launcher.command()(launch.main)
+    result = runner.invoke(launcher, ["--config", str(bad)])
+    assert result.exit_code == 2 and "field updates" in " ".join(result.output.split())
