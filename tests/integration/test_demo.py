@@ -21,6 +21,9 @@ import ray
 from scripts.demo import LOCAL_NODE_IP, run_job
 from scripts.demo_checks import STAGES
 from scripts.run_config import ROOT, load_run_config
+from weight_transfer.layout import engine_tensor_specs
+from weight_transfer.models import load_model_config
+from weight_transfer.types import ShardSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -84,6 +87,19 @@ def test_fp8_updates_equal_the_reference_quantization_with_close_logits(tmp_path
         assert checks["tensors"] == 4 * 23  # + weight_scale_inv of the 8 projections
         # Measured 0.048-0.053: FP8 is lossy, but far from a wrong layout (order 1).
         assert 0.0 < checks["logits_rel_error"] <= checks["logits_rel_tol"] == 0.1
+
+
+def test_moe_run_moves_the_stacked_experts_and_generates_the_trainers_tokens(tmp_path,
+                                                                              local_ray):
+    rc, doc = _run(tmp_path, local_ray, model="configs/models/tiny_moe.yaml", updates=1)
+    assert rc == 0, doc
+    cfg = load_model_config(ROOT / "configs" / "models" / "tiny_moe.yaml")
+    shard = ShardSpec(tp_rank=0, tp_size=2)
+    (u,) = doc["updates"]
+    assert doc["model"] == "tiny-qwen3-moe" and u["verified"] is True
+    assert u["checks"]["bytes"] is True and u["checks"]["generations"] is True
+    assert u["checks"]["tensors"] == 4 * len(engine_tensor_specs(cfg, shard, fp8=False))
+    assert u["bytes"] == doc["plan"]["bytes"] > 0
 
 
 def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path):
