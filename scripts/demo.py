@@ -131,8 +131,15 @@ class Fleet:
         """Drop the controller, the actors and their placement groups."""
         self.controller.shutdown()
         actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
-        groups = {pg.id: pg for pg in ray.get([a.__ray_call__.remote(_placement_group)
-                                               for a in actors]) if pg is not None}
+        groups = {}
+        for actor in actors:
+            try:
+                pg = ray.get(actor.__ray_call__.remote(_placement_group), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as exc:  # dead: nothing to ask
+                log.warning("closing the demo: an actor did not answer: %s", exc)
+                continue
+            if pg is not None:
+                groups[pg.id] = pg
         for actor in actors:
             ray.kill(actor)
         for pg in groups.values():
