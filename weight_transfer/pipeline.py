@@ -130,23 +130,30 @@ class Pipeline:
 
     async def _drain(self, items: list[PipelineItem], done: asyncio.Queue[Any], tasks) -> None:
         remaining = len(items)
-        while remaining:
-            getter = asyncio.ensure_future(done.get())
-            finished, _ = await asyncio.wait([getter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            if getter not in finished:
-                getter.cancel()
-                for t in finished:  # a feeder or worker died outside a stage function
-                    t.result()
-                continue
-            entry = getter.result()
-            if isinstance(entry, _Failure):
-                self._release(entry.item)
-                raise PipelineError(
-                    f"stage {entry.stage!r} failed for item {entry.item.key!r}: {entry.exc}"
-                ) from entry.exc
-            entry.result = entry.payload
-            self._release(entry)
-            remaining -= 1
+        watched = set(tasks)  # the feeder ends normally once every item is in; workers never
+        getter = asyncio.ensure_future(done.get())
+        try:
+            while remaining:
+                finished, _ = await asyncio.wait(
+                    {getter, *watched}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in finished - {getter}:
+                    t.result()  # re-raises if a feeder or worker died outside a stage function
+                    watched.discard(t)
+                if getter not in finished:
+                    continue
+                entry = getter.result()
+                getter = asyncio.ensure_future(done.get())
+                if isinstance(entry, _Failure):
+                    self._release(entry.item)
+                    raise PipelineError(
+                        f"stage {entry.stage!r} failed for item {entry.item.key!r}: {entry.exc}"
+                    ) from entry.exc
+                entry.result = entry.payload
+                self._release(entry)
+                remaining -= 1
+        finally:
+            getter.cancel()
 
     def _release(self, item: PipelineItem) -> None:
         if self.watermark is not None:

@@ -123,3 +123,26 @@ def test_bad_construction():
         Pipeline([Stage("a", f), Stage("a", f)])
     with pytest.raises(ValueError, match="concurrency"):
         Stage("a", f, concurrency=0)
+
+
+def test_drain_waits_instead_of_spinning_once_every_item_is_fed(monkeypatch):
+    import weight_transfer.pipeline as pipeline_mod
+
+    calls = 0
+    real_wait = asyncio.wait
+
+    async def counting_wait(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return await real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_mod.asyncio, "wait", counting_wait)
+
+    async def slow(x):
+        await asyncio.sleep(0.01)
+        return x
+
+    pipe = Pipeline([Stage("slow", slow)], watermark=ByteWatermark(1 << 30))
+    asyncio.run(pipe.run(items(10)))
+    # One wake-up per finished item, plus one when the feeder ends: never a busy loop.
+    assert calls <= 10 + 2
