@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 
+import ray
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -51,3 +52,21 @@ def join_gloo_group(
                             timeout=datetime.timedelta(seconds=timeout_s))
     log.info("rank %d of %d joined its gloo group", rank, world)
 
+
+
+class GroupMember:
+    """What a ready-made actor needs to form a group: its Ray node and, on rank 0, a store.
+
+    Subclasses set ``self.config`` (with ``setup_timeout_s``) and ``self._store = None``.
+    """
+
+    config: object
+    _store: dist.TCPStore | None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def host_store(self) -> tuple[str, int]:
+        """Group rank 0: serve the group's TCPStore on loopback; returns (host, port)."""
+        self._store = host_store(timeout_s=self.config.setup_timeout_s)
+        return LOOPBACK, self._store.port

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from actors.config import TransferConfig
-from actors.groups import LOOPBACK, connect_store, host_store, join_gloo_group
+from actors.groups import GroupMember, connect_store, join_gloo_group
 from weight_transfer.transport.simnic import SimNic
 from weight_transfer.types import (
     EngineRankMeta,
@@ -205,7 +205,7 @@ class InferenceMixin:
         self._wt_nics, self._wt_meta = {}, None
 
 
-class InferenceWorker(InferenceMixin):
+class InferenceWorker(InferenceMixin, GroupMember):
     """The ready-made engine rank (``InferenceActor`` is this class as a Ray actor)."""
 
     def __init__(self, config: TransferConfig, replica: int, local: int) -> None:
@@ -218,14 +218,6 @@ class InferenceWorker(InferenceMixin):
         self.tp_size = cluster.inference.gpus_per_replica
         self._store = None
         self.engine = None
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def host_store(self) -> tuple[str, int]:
-        """TP rank 0: serve the replica group's TCPStore; returns (host, port)."""
-        self._store = host_store(timeout_s=self.config.setup_timeout_s)
-        return LOOPBACK, self._store.port
 
     def init_rank(self, host: str, port: int) -> str:
         """Join the replica's gloo group, build the engine; returns this rank's node id."""

@@ -36,7 +36,7 @@ import ray
 import torch
 
 from actors.config import TransferConfig
-from actors.groups import LOOPBACK, connect_store, host_store, join_gloo_group
+from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import TrainerRankMeta
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_model import (
@@ -193,7 +193,7 @@ class TrainerMixin:
             self._wt_link = None
 
 
-class TrainerWorker(TrainerMixin):
+class TrainerWorker(TrainerMixin, GroupMember):
     """The ready-made trainer rank (``TrainerActor`` is this class as a Ray actor)."""
 
     def __init__(self, config: TransferConfig, rank: int) -> None:
@@ -203,14 +203,6 @@ class TrainerWorker(TrainerMixin):
             raise ValueError(f"trainer rank {rank} outside [0, {self.world})")
         self._store = None
         self._ref: torch.nn.Module | None = None
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def host_store(self) -> tuple[str, int]:
-        """Rank 0: serve the group's TCPStore on loopback; returns (host, port)."""
-        self._store = host_store(timeout_s=self.config.setup_timeout_s)
-        return LOOPBACK, self._store.port
 
     def init_rank(self, host: str, port: int) -> str:
         """Join the gloo group, build and shard the model; returns this rank's node id."""
