@@ -29,7 +29,13 @@ import torch
 import transformers
 from torch import nn
 
-from weight_transfer.engines.ref_ops import activation, check_prompts, rms_eps, rope_theta
+from weight_transfer.engines.ref_ops import (
+    activation,
+    check_prompts,
+    greedy_loop,
+    rms_eps,
+    rope_theta,
+)
 from weight_transfer.models import ModelConfig, random_state_dict, trainer_param_specs
 from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
@@ -183,16 +189,7 @@ def greedy_generate(
     """
     check_prompts(prompts, model.config.vocab_size, max_new_tokens)
     fmodel = _float_copy(model)
-    out: list[list[int]] = [[] for _ in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for idx in by_len.values():
-        ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
-        for _ in range(max_new_tokens):
-            logits = fmodel(input_ids=ids, use_cache=False).logits[:, -1]
-            nxt = logits.argmax(dim=-1)
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-        for row, i in enumerate(idx):
-            out[i] = ids[row, len(prompts[i]) :].tolist()
-    return out
+    return greedy_loop(
+        prompts, max_new_tokens,
+        lambda ids: fmodel(input_ids=ids, use_cache=False).logits[:, -1],
+    )

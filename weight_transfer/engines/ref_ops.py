@@ -17,6 +17,9 @@ Hugging Face config use when a model config leaves them out, and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,6 +71,32 @@ def check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: int
             raise ValueError(
                 f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
             )
+
+
+def greedy_loop(
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    last_logits: Callable[[torch.Tensor], torch.Tensor],
+    step_guard: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> list[list[int]]:
+    """Greedy continuations (new tokens only); prompts of one length run as a batch.
+
+    ``last_logits(ids)`` gives the logits of the last position of each row; each
+    step recomputes the whole prefix and runs inside ``step_guard()`` if given.
+    """
+    out: list[list[int]] = [[] for _ in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for idx in by_len.values():
+        ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
+        for _ in range(max_new_tokens):
+            with step_guard() if step_guard else contextlib.nullcontext():
+                nxt = last_logits(ids).argmax(dim=-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+        for row, i in enumerate(idx):
+            out[i] = ids[row, len(prompts[i]) :].tolist()
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,7 +23,6 @@ inside ``step_guard()`` when one is set (the adapter's pause point).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -37,6 +36,7 @@ from weight_transfer.engines.ref_ops import (
     TensorParallel,
     activation,
     check_prompts,
+    greedy_loop,
     rms_eps,
     rms_norm,
     rope_cos_sin,
@@ -138,17 +138,6 @@ class ReferenceEngine:
         runs inside ``step_guard()`` (a paused adapter holds the step back there).
         """
         check_prompts(prompts, self.cfg.vocab_size, max_new_tokens)
-        out: list[list[int]] = [[] for _ in prompts]
-        by_len: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_len.setdefault(len(p), []).append(i)
-        for idx in by_len.values():
-            ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
-            for _ in range(max_new_tokens):
-                guard = self.step_guard() if self.step_guard else contextlib.nullcontext()
-                with guard:
-                    nxt = self.forward(ids)[:, -1].argmax(dim=-1)
-                ids = torch.cat([ids, nxt[:, None]], dim=1)
-            for row, i in enumerate(idx):
-                out[i] = ids[row, len(prompts[i]) :].tolist()
-        return out
+        return greedy_loop(
+            prompts, max_new_tokens, lambda ids: self.forward(ids)[:, -1], self.step_guard
+        )
