@@ -104,7 +104,8 @@ class StepReport:
     params_gathered: int
     barrier_seconds: float
     watermark_peak: int
-    spans: tuple[Span, ...]
+    spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
+    task_spans: tuple[Span, ...] = ()  # one per WRITE task: key is the task id
 
 
 class TrainerStep:
@@ -132,6 +133,7 @@ class TrainerStep:
         self.device = torch.device(device) if device is not None else None
         self.write_concurrency = write_concurrency
         self.serial = serial
+        self._task_spans: list[Span] = []
         self.device_memory = bool(getattr(transport, "device_memory", False))
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
@@ -180,13 +182,19 @@ class TrainerStep:
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
     async def _write(self, work: ParamWork) -> ParamWork:
-        writes = [
-            self.transport.write(self._source(buf), t.region, t.region_offset)
-            for buf, t in zip(work.prepared, work.tasks, strict=True)
-        ]
-        await asyncio.gather(*writes)
+        await asyncio.gather(
+            *(self._write_task(buf, t) for buf, t in zip(work.prepared, work.tasks, strict=True))
+        )
         work.prepared = []
         return work
+
+    async def _write_task(self, buf: torch.Tensor, task: WriteTask) -> None:
+        start = time.perf_counter()
+        await self.transport.write(self._source(buf), task.region, task.region_offset)
+        self._task_spans.append(
+            Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
+                 nbytes=task.nbytes)
+        )
 
     def _source(self, buf: torch.Tensor) -> torch.Tensor:
         """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
@@ -206,6 +214,7 @@ class TrainerStep:
         # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
         wm = ByteWatermark(1 if self.serial else self.watermark_bytes)
         spans: list[Span] = []
+        self._task_spans: list[Span] = []
         barrier_s = 0.0
         for group in self.groups:
             pipe = Pipeline(self._stages(), watermark=wm)
@@ -224,6 +233,7 @@ class TrainerStep:
             barrier_seconds=barrier_s,
             watermark_peak=wm.peak,
             spans=tuple(spans),
+            task_spans=tuple(self._task_spans),
         )
 
     def close(self) -> None:

@@ -182,3 +182,20 @@ def test_each_rank_gathers_its_meshes_params_once_in_plan_order():
         assert rep.writes == len(lean.tasks)
     finally:
         s.close()
+
+
+def test_every_task_records_a_write_span_inside_its_parameters_write_span():
+    s = Setup("tiny_moe", fp8=True, bandwidth_gbps=0.5)
+    try:
+        tp = s.plan.trainer_plan(1)
+        rep = asyncio.run(s.step(1).run(version=1))
+        by_id = {sp.key: sp for sp in rep.task_spans}
+        assert sorted(by_id) == sorted(t.task_id for t in tp.tasks)
+        param_write = {sp.key: sp for sp in rep.spans if sp.stage == "write"}
+        for t in tp.tasks:
+            sp, outer = by_id[t.task_id], param_write[t.piece.src_param]
+            assert sp.nbytes == t.nbytes and sp.end >= sp.start
+            assert outer.start <= sp.start and sp.end <= outer.end
+        assert sum(sp.nbytes for sp in rep.task_spans) == rep.bytes_written
+    finally:
+        s.close()
