@@ -2,7 +2,7 @@
 ``InferenceActor``, a ready-made reference-engine rank that uses it.
 
 The engine is not modified: the mixin needs only an
-:class:`~weight_transfer.engines.adapter.EngineAdapter` (the engine's weight
+:class:`~reference.adapter.EngineAdapter` (the engine's weight
 buffers, and pause/resume hooks)::
 
     class MyRollout(InferenceMixin):
@@ -19,7 +19,7 @@ controller only calls ``wt_pause()`` before and ``wt_resume(version)`` after.
 ``wt_copy_to(meta, peers)`` writes this rank's registered buffers into the same
 layout of another replica (a new replica fetches a version from a peer).
 
-``InferenceActor`` holds a :class:`~weight_transfer.engines.reference.ReferenceEngine`
+``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
 offers ``generate`` and ``logits`` (every TP rank of the replica calls together).
 """
@@ -221,8 +221,8 @@ class InferenceWorker(InferenceMixin, GroupMember):
 
     def init_rank(self, host: str, port: int) -> str:
         """Join the replica's gloo group, build the engine; returns this rank's node id."""
-        from weight_transfer.engines.adapter import ReferenceEngineAdapter
-        from weight_transfer.engines.reference import ReferenceEngine
+        from reference.adapter import ReferenceEngineAdapter
+        from reference.engine import ReferenceEngine
 
         if self._store is None:
             self._store = connect_store(host, port, timeout_s=self.config.setup_timeout_s)

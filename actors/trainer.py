@@ -46,11 +46,11 @@ from actors.trainer_model import (
     train_step,
 )
 from actors.write_guard import WriteGuard
+from reference.hf_model import build_hf_model, expert_naming_of, greedy_generate
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.engines.hf_model import build_hf_model, expert_naming_of, greedy_generate
 from weight_transfer.executor import TrainerStep
-from weight_transfer.metadata import param_metas_from_module
+from weight_transfer.live_metadata import param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.transport.simnic import SimNic
 from weight_transfer.types import PeerInfo, RankInfo
@@ -244,7 +244,7 @@ class TrainerWorker(TrainerMixin, GroupMember):
 
     def reference_logits(self, ids: Any) -> torch.Tensor | None:
         """Float32 logits [B, T, vocab] of the trainer's current weights (rank 0 answers)."""
-        from weight_transfer.engines.hf_model import float_logits
+        from reference.hf_model import float_logits
 
         ref = self._reference_model()
         return None if ref is None else float_logits(ref, torch.as_tensor(ids, dtype=torch.long))

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
+from reference.hf_model import build_hf_model
 from scheduling.cluster import ClusterConfig
-from weight_transfer.engines.hf_model import build_hf_model
 from weight_transfer.models import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ GATHER_ORDERS = ("interleaved", "canonical")
 
 
 def _default_split(piece: Piece, max_bytes: int) -> list[Piece]:
-    from weight_transfer.layout import split_piece
+    from weight_transfer.engine_layout import split_piece
 
     return split_piece(piece, max_bytes)
 

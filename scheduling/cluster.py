@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from weight_transfer.config_files import load_yaml, validate_mapping
 from weight_transfer.types import MeshDesc, Placement, RankInfo, ShardSpec
 
 
@@ -245,33 +245,11 @@ class ClusterConfig(_Strict):
         return self.inference.nic_gbps * 1e9 / 8
 
 
-def _format_errors(path: str, err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"{path}: field {loc}: {e['msg']}")
-    return "invalid cluster config:\n  " + "\n  ".join(lines)
-
-
 def cluster_from_dict(data: object, *, source: str = "<dict>") -> ClusterConfig:
     """Validate a parsed mapping; errors name ``source`` and the field."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: a cluster config must be a mapping, not {type(data).__name__}")
-    try:
-        return ClusterConfig.model_validate(data)
-    except ValidationError as err:
-        raise ValueError(_format_errors(source, err)) from None
+    return validate_mapping(ClusterConfig, data, kind="cluster", source=source)
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:
     """Read and validate a cluster YAML file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"cannot read cluster config {path}: {err.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML: {err}") from None
-    return cluster_from_dict(data, source=str(path))
+    return load_yaml(ClusterConfig, path, kind="cluster")

@@ -1,6 +1,6 @@
 """Match engine tensors to trainer parameters: engine metadata -> pieces per shard.
 
-``match_engines`` asks the layout (:mod:`weight_transfer.layout`) for the
+``match_engines`` asks the layout (:mod:`weight_transfer.engine_layout`) for the
 pieces of every distinct engine shard - once per shard, since all replicas
 with the same TP/EP coordinates share them - and checks, listing every
 problem at once:
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from weight_transfer.layout import (
+from weight_transfer.engine_layout import (
     EngineTensorSpec,
     check_mapping,
     engine_pieces,

@@ -34,15 +34,16 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from reference.loader import load_engine_shard
+from reference.random_state import random_state_dict
 from scheduling import compute_plan, load_cluster_config
-from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scripts.sizes import parse_size
+from testkit.harness import RemoteTarget
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.engines.hf_load import load_engine_shard
 from weight_transfer.executor import TrainerStep
-from weight_transfer.models import load_model_config, random_state_dict
+from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
-from weight_transfer.transport.harness import RemoteTarget
 from weight_transfer.transport.simnic import SimNic
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ backends take turns, so a busy machine slows them alike):
   on one thread: the ceiling of a one-copy transfer on this machine;
 * ``simnic``: an uncapped SimNic WRITE from a pre-faulted buffer here into a
   pre-faulted, registered region of ANOTHER process (a
-  :class:`~weight_transfer.transport.harness.RemoteTarget` child);
+  :class:`~testkit.harness.RemoteTarget` child);
 * ``mooncake_tcp``: Mooncake's TransferEngine over TCP on loopback into a
   RemoteTarget child, when the ``mooncake`` extra is installed and works;
 
@@ -34,9 +34,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from scripts.sizes import format_size, parse_sizes
+from testkit.harness import RemoteTarget
 from weight_transfer.transport import make_transport
 from weight_transfer.transport._vm import alloc_buffer
-from weight_transfer.transport.harness import RemoteTarget
 
 BACKENDS = ("memcpy", "simnic", "mooncake_tcp")
 REQUIRED = ("memcpy", "simnic")  # an optional backend that fails is reported, not fatal

@@ -5,7 +5,7 @@ reference built from the trainer's current weights (a full Hugging Face state
 dict):
 
 * bytes - every engine tensor equals, byte for byte, what the reference loader
-  (``weight_transfer.engines.hf_load.load_engine_shard``) lays out for that
+  (``reference.loader.load_engine_shard``) lays out for that
   engine's shard: plain bf16 copies, or for FP8 engines the reference 128x128
   block quantization (e4m3 values and float32 ``weight_scale_inv``). Compared
   by sha256 per tensor, so only digests cross processes;
@@ -36,7 +36,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from weight_transfer.engines.hf_load import load_engine_shard
+from reference.loader import load_engine_shard
 from weight_transfer.models import ModelConfig
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import ShardSpec

@@ -49,7 +49,7 @@ def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
           validate: bool) -> Planned:
     """Load configs, build metadata, compute (and validate) the plan, timing each step."""
     from scheduling import compute_plan, load_cluster_config
-    from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+    from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
     from weight_transfer.models import load_model_config
 
     cfg = load_model_config(model)

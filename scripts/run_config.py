@@ -20,8 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pydantic
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,6 +28,8 @@ from pydantic import (
     PositiveInt,
     model_validator,
 )
+
+from weight_transfer.config_files import read_yaml, validate_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,24 +152,10 @@ class RunConfig(_Section):
 
 def parse_run_config(data: Any, *, source: str) -> RunConfig:
     """Validate a mapping; ValueError names ``source`` and each bad field."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: a run config must be a mapping, not {type(data).__name__}")
-    try:
-        run = RunConfig.model_validate(data)
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"field {'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{source}: invalid run config: {problems}") from None
-    return run.check_files(source)
+    return validate_mapping(RunConfig, data, kind="run", source=source).check_files(source)
 
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and validate a ``configs/runs/*.yaml``; ValueError names the file and the field."""
     path = resolve_path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read run config: {exc}") from None
-    return parse_run_config(data, source=str(path))
-
+    return parse_run_config(read_yaml(path, kind="run"), source=str(path))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from weight_transfer.transport.harness import RemoteTarget
+from testkit.harness import RemoteTarget
 from weight_transfer.transport.simnic import SimNic
 
 

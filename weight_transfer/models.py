@@ -19,8 +19,8 @@ parameters: well under a second). Two namings of MoE experts are accepted:
 
 DeepSeek-V3's multi-token-prediction layer (``num_nextn_predict_layers``) is in
 the checkpoint but not in the trained model (transformers and vLLM's main model
-both skip it), so it is not listed. :func:`random_state_dict` fills a tiny
-config's parameters with seeded random values for tests and the demo.
+both skip it), so it is not listed. Seeded random weights of a tiny
+config for tests and the demo are in :mod:`reference.random_state`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import pydantic
-import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, PositiveInt, PrivateAttr, model_validator
 
+from weight_transfer.config_files import load_yaml
 from weight_transfer.types import DTYPE_SIZES
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
@@ -53,7 +51,6 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
         "v_head_dim",
     ),
 }
-RANDOM_STATE_MAX_ELEMENTS = 200_000_000
 
 
 class ModelConfig(BaseModel):
@@ -198,20 +195,7 @@ class ModelConfig(BaseModel):
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a ``configs/models/*.yaml``; ValueError names the file and the field."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read model config: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a model config must be a mapping, not {type(data).__name__}")
-    try:
-        return ModelConfig(**data)
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"field {'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{path}: invalid model config: {problems}") from None
+    return load_yaml(ModelConfig, path, kind="model")
 
 
 # --------------------------------------------------------------------------- trainer params
@@ -364,31 +348,3 @@ def trainer_param_shapes(cfg: ModelConfig, *, expert_naming: str = "per_expert")
 def param_count(cfg: ModelConfig) -> int:
     """Number of trained parameters (checkpoint minus the MTP layer)."""
     return sum(math.prod(s.shape) for s in trainer_param_specs(cfg))
-
-
-def random_state_dict(
-    cfg: ModelConfig,
-    *,
-    seed: int,
-    expert_naming: str = "per_expert",
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, torch.Tensor]:
-    """Seeded random trainer parameters of a tiny config (ValueError on a big one).
-
-    Norm weights are near 1, other weights ~N(0, 0.02); float32 specs (the
-    router bias) stay float32, everything else gets ``dtype``.
-    """
-    specs = trainer_param_specs(cfg, expert_naming=expert_naming)
-    total = sum(math.prod(s.shape) for s in specs)
-    if total > RANDOM_STATE_MAX_ELEMENTS:
-        raise ValueError(
-            f"random_state_dict: {cfg.name or cfg.architecture} has {total:,} parameters; "
-            f"only tiny configs (<= {RANDOM_STATE_MAX_ELEMENTS:,}) are allowed"
-        )
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for s in specs:
-        t = torch.randn(s.shape, generator=gen, dtype=torch.float32)
-        t = 1.0 + 0.1 * t if s.name.endswith("norm.weight") else 0.02 * t
-        out[s.name] = t.to(getattr(torch, s.dtype) if s.dtype == "float32" else dtype)
-    return out

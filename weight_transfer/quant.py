@@ -10,8 +10,8 @@ partial) of a 2-D weight, or of each matrix of a 3-D stack of expert weights::
 Everything is computed in float32 with elementwise operations per tile, so the
 result is deterministic and identical on CPU and CUDA, and quantizing a
 block-aligned sub-rectangle gives exactly the tiles of quantizing the whole.
-:func:`scale_shape` and :func:`block_cuts` give the same block geometry without
-any tensor, for layouts planned at 1T-parameter scale.
+The block geometry without any tensor (for layouts planned at 1T-parameter
+scale) is in :mod:`weight_transfer.fp8_geometry`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_DTYPE = "float8_e4m3fn"
-SCALE_DTYPE = "float32"
+from weight_transfer.fp8_geometry import FP8_BLOCK, FP8_MAX
 
 
 def _tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
@@ -67,31 +64,3 @@ def dequantize_fp8_blocks(
     s = scale_inv.to(torch.float32)
     s = s.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
     return w8.to(torch.float32) * s[..., :rows, :cols]
-
-
-def scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, ...]:
-    """Shape of the ``scale_inv`` of a weight of ``shape`` (2-D or stacked 3-D)."""
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // block), -(-cols // block))
-
-
-def block_cuts(
-    rect: tuple[tuple[int, int], ...],
-    full: tuple[int, ...],
-    dst_rows: tuple[int, int],
-    dst_extent: int,
-    block: int = FP8_BLOCK,
-) -> list[str]:
-    """Why quantizing ``rect`` of a weight of shape ``full`` on its own, then placing it at
-    rows ``dst_rows`` of a destination with ``dst_extent`` rows, would not give the
-    blocks of quantizing each whole part (empty list: it does). Block edges must
-    fall on multiples of ``block``, or on the end of the tensor (a partial last block)."""
-    bad = [
-        f"source {dim} [{a}, {b}) of {extent}"
-        for dim, (a, b), extent in zip(("rows", "cols"), rect[-2:], full[-2:], strict=True)
-        if a % block or (b % block and b != extent)
-    ]
-    r0, r1 = dst_rows
-    if r0 % block or (r1 % block and r1 != dst_extent):
-        bad.append(f"destination rows [{r0}, {r1}) of {dst_extent}")
-    return bad

@@ -19,11 +19,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from reference.random_state import random_state_dict
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import TrainerStep
-from weight_transfer.metadata import param_metas_from_module
-from weight_transfer.models import load_model_config, random_state_dict
+from weight_transfer.live_metadata import param_metas_from_module
+from weight_transfer.models import load_model_config
 from weight_transfer.transport.simnic import SimNic
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.(\d+))\.")

@@ -23,7 +23,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from weight_transfer.engines.hf_load import load_engine_shard
+from reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -15,8 +15,8 @@ import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.trainer_model import make_optimizer, sequence_loss
-from weight_transfer.engines.hf_load import load_engine_shard
-from weight_transfer.engines.hf_model import build_hf_model
+from reference.hf_model import build_hf_model
+from reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import Placement
 

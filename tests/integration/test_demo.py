@@ -21,7 +21,7 @@ import ray
 from scripts.demo import LOCAL_NODE_IP, run_job
 from scripts.demo_checks import STAGES
 from scripts.run_config import ROOT, load_run_config
-from weight_transfer.layout import engine_tensor_specs
+from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import load_model_config
 from weight_transfer.types import ShardSpec
 

@@ -3,7 +3,7 @@
 Needs an RDMA device (InfiniBand, RoCE or rxe); skipped with the reason without
 one. ``WT_RDMA_DEVICE`` and ``WT_RDMA_GID_INDEX`` choose the device and GID
 (RoCE needs a GID that carries an address). The cross-process tests use
-:class:`~weight_transfer.transport.harness.RemoteTarget`: a spawned process
+:class:`~testkit.harness.RemoteTarget`: a spawned process
 registers the middle of a guarded buffer; the writer writes into it while the
 target sleeps in read(2), and the test compares digests of the written range,
 of the rest of the region and of the guards.
@@ -19,12 +19,12 @@ import os
 import numpy as np
 import pytest
 
+from testkit.harness import GUARD_BYTE, RemoteTarget
 from weight_transfer.transport import (
     PeerUnreachableError,
     RemoteAccessError,
     make_transport,
 )
-from weight_transfer.transport.harness import GUARD_BYTE, RemoteTarget
 from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
 
 DEVICE = os.environ.get("WT_RDMA_DEVICE") or None

@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from testkit.harness import GUARD_BYTE
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError
-from weight_transfer.transport.harness import GUARD_BYTE
 
 MiB = 1 << 20
 GUARD = 4096

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from weight_transfer.transport import TransportError
-from weight_transfer.transport.harness import (
+from testkit.harness import (
     GUARD_BYTE,
     RemoteTarget,
     RemoteTargetError,
     proc_activity,
 )
+from weight_transfer.transport import TransportError
 
 
 def test_errors_at_start_come_back_with_the_childs_message():

@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import torch
 
-from weight_transfer.transport.harness import GUARD_BYTE, RemoteTarget, proc_activity
+from testkit.harness import GUARD_BYTE, RemoteTarget, proc_activity
 from weight_transfer.transport.simnic import SimNic
 
 MiB = 1 << 20

@@ -8,6 +8,8 @@ import pytest
 import torch
 from rich.console import Console
 
+from reference.loader import load_engine_shard
+from reference.random_state import random_state_dict
 from scripts.demo_checks import (
     UpdateCheck,
     byte_problems,
@@ -20,8 +22,7 @@ from scripts.demo_checks import (
     write_json,
 )
 from scripts.run_config import ROOT
-from weight_transfer.engines.hf_load import load_engine_shard
-from weight_transfer.models import load_model_config, random_state_dict
+from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import ShardSpec
 

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.engines.hf_model import (
+from reference.hf_model import (
     build_hf_model,
     expert_naming_of,
     float_logits,
     greedy_generate,
     hf_config,
 )
-from weight_transfer.models import ModelConfig, load_model_config, random_state_dict
+from reference.random_state import random_state_dict
+from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.models import trainer_param_specs as specs_of
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"

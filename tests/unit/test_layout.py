@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from weight_transfer.layout import (
+from weight_transfer.engine_layout import (
     check_mapping,
     engine_pieces,
     engine_tensor_specs,

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weight_transfer.layout import check_mapping
-from weight_transfer.metadata import engine_tensors_from_state, param_metas_from_module
+from weight_transfer.engine_layout import check_mapping
+from weight_transfer.live_metadata import engine_tensors_from_state, param_metas_from_module
 from weight_transfer.models import load_model_config, trainer_param_specs
 from weight_transfer.types import MeshDesc, Placement
 

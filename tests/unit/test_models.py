@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from reference.random_state import random_state_dict
 from weight_transfer.models import (
     ModelConfig,
     load_model_config,
     param_count,
-    random_state_dict,
     trainer_param_specs,
 )
 

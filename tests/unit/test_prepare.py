@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.layout import engine_pieces
-from weight_transfer.models import load_model_config, random_state_dict
+from reference.random_state import random_state_dict
+from weight_transfer.engine_layout import engine_pieces
+from weight_transfer.models import load_model_config
 from weight_transfer.prepare import piece_bytes, prepare_piece, prepare_pieces
 from weight_transfer.quant import quantize_fp8_blocks
 from weight_transfer.types import Piece, ShardSpec, Transform

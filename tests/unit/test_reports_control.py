@@ -19,7 +19,7 @@ from actors.schedule_actor import merge_trainer_metas, summarize
 from actors.trainer_model import rank_rows, sequence_loss
 from actors.write_guard import WriteGuard
 from scheduling import compute_plan, load_cluster_config
-from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer.models import load_model_config
 from weight_transfer.transport.base import PeerUnreachableError
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, RegionDesc

@@ -8,7 +8,7 @@ import pytest
 
 from scheduling import compute_plan
 from scheduling.cluster import load_cluster_config
-from scheduling.metadata import engine_metas_from_config, trainer_meta_from_config
+from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.serialize import (
     dumps_plan,
     dumps_trainer_plan,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.layout import EngineTensorSpec
+from weight_transfer.engine_layout import EngineTensorSpec
 from weight_transfer.transport._vm import alloc_buffer
 from weight_transfer.types import dtype_size
 

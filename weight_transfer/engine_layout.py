@@ -11,7 +11,7 @@ rectangle of one trainer parameter (global coordinates) it comes from::
     check_mapping(cfg, fp8=True, expert_naming="stacked", trainer_names=names,
                   tp_size=4, ep_size=1)
 
-The cuts are vLLM's; :mod:`weight_transfer.shard_layout` describes them (TP
+The cuts are vLLM's; :mod:`weight_transfer.shard_geometry` describes them (TP
 fused parts, replicated KV heads, vocab padding, EP experts) and
 :mod:`weight_transfer.naming` holds the rule tables. FP8: a quantized weight
 becomes ``float8_e4m3fn`` plus ``<name>_scale_inv`` float32 scales of 128x128
@@ -27,10 +27,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from weight_transfer.fp8_geometry import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE, block_cuts, scale_shape
 from weight_transfer.models import ModelConfig, check_expert_naming, trainer_param_shapes
 from weight_transfer.naming import name_problems, scale_name
-from weight_transfer.quant import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE, block_cuts, scale_shape
-from weight_transfer.shard_layout import TensorLayout, gc_paused, tensor_layouts
+from weight_transfer.shard_geometry import TensorLayout, gc_paused, tensor_layouts
 from weight_transfer.types import Piece, ShardSpec, Transform, dtype_size
 
 

@@ -1,4 +1,4 @@
-"""What weight transfer needs from an inference engine: its tensors, and a pause point.
+"""The reference engine's EngineAdapter: its registrable buffer, and a pause point.
 
 The engine itself is not modified. An :class:`EngineAdapter` exposes the memory
 regions that hold the engine's weights (one buffer with its tensors' names,
@@ -28,29 +28,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 
-from weight_transfer.engines.reference import ReferenceEngine
-
-TensorEntry = tuple[str, tuple[int, ...], str, int]
-
-
-@runtime_checkable
-class EngineAdapter(Protocol):
-    """The engine-side interface of weight transfer."""
-
-    @property
-    def paused(self) -> bool: ...
-
-    def region_buffers(self) -> list[tuple[torch.Tensor, Sequence[TensorEntry]]]:
-        """``[(uint8 buffer, [(name, shape, dtype, byte offset), ...]), ...]``."""
-        ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
+from reference.engine import ReferenceEngine
+from weight_transfer.engine_adapter import TensorEntry
 
 
 class ReferenceEngineAdapter:

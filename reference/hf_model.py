@@ -29,14 +29,15 @@ import torch
 import transformers
 from torch import nn
 
-from weight_transfer.engines.ref_ops import (
+from reference.ops import (
     activation,
     check_prompts,
     greedy_loop,
     rms_eps,
     rope_theta,
 )
-from weight_transfer.models import ModelConfig, random_state_dict, trainer_param_specs
+from reference.random_state import random_state_dict
+from weight_transfer.models import ModelConfig, trainer_param_specs
 from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
 logger = logging.getLogger(__name__)

@@ -2,10 +2,10 @@
 
 It is what the demo and the tests transfer weights into. Its tensors have
 exactly the names, shapes and dtypes of
-:func:`weight_transfer.layout.engine_tensor_specs` (fused ``qkv_proj`` and
+:func:`weight_transfer.engine_layout.engine_tensor_specs` (fused ``qkv_proj`` and
 ``gate_up_proj``, stacked ``w13``/``w2`` experts, vocab-parallel embedding and
 head, optional FP8 weights with ``weight_scale_inv``), all views into one
-registrable buffer (:class:`~weight_transfer.engines.ref_buffer.EngineBuffer`).
+registrable buffer (:class:`~reference.buffer.EngineBuffer`).
 A weight update writes into that buffer from another process; the engine runs
 no code during it and reads the new values at its next step::
 
@@ -29,10 +29,10 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from weight_transfer.engines import ref_layers as L
-from weight_transfer.engines.hf_load import load_engine_shard
-from weight_transfer.engines.ref_buffer import EngineBuffer
-from weight_transfer.engines.ref_ops import (
+from reference import layers as L
+from reference.buffer import EngineBuffer
+from reference.loader import load_engine_shard
+from reference.ops import (
     TensorParallel,
     activation,
     check_prompts,
@@ -42,7 +42,7 @@ from weight_transfer.engines.ref_ops import (
     rope_cos_sin,
     rope_theta,
 )
-from weight_transfer.layout import engine_tensor_specs
+from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import ModelConfig
 from weight_transfer.naming import scale_name
 from weight_transfer.quant import dequantize_fp8_blocks

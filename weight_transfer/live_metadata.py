@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from weight_transfer.layout import EngineTensorSpec
+from weight_transfer.engine_layout import EngineTensorSpec
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.types import MeshDesc, ParamMeta, Placement
 

@@ -3,7 +3,7 @@
 A layer reads its weights through ``w(name) -> float32 tensor`` (the engine
 upcasts bf16 or dequantizes FP8 on every use, so a weight update between two
 steps is seen by the next one) and talks to the other TP ranks through a
-:class:`~weight_transfer.engines.ref_ops.TensorParallel`. The cuts are vLLM's:
+:class:`~reference.ops.TensorParallel`. The cuts are vLLM's:
 
 * vocab-parallel embedding and head: rank r holds rows ``[r*P, r*P + n)`` of the
   vocabulary padded to a multiple of 64 (``P = padded / tp``);
@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weight_transfer.engines.ref_ops import (
+from reference.ops import (
     TensorParallel,
     apply_rope,
     causal_attention,
     rms_norm,
 )
 from weight_transfer.models import ModelConfig
-from weight_transfer.shard_layout import VOCAB_PADDING
+from weight_transfer.shard_geometry import VOCAB_PADDING
 from weight_transfer.types import ShardSpec
 
 Weights = Callable[[str], torch.Tensor]

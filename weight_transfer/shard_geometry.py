@@ -3,7 +3,7 @@
 :func:`tensor_layouts` gives, for a model config and one engine rank's
 :class:`ShardSpec`, every engine tensor's local shape and its *segments*: a
 rectangle of one trainer parameter (global coordinates) and the (expert, row)
-where it lands in the local tensor. :mod:`weight_transfer.layout` turns these
+where it lands in the local tensor. :mod:`weight_transfer.engine_layout` turns these
 into byte pieces; this module knows no bytes and no dtypes.
 
 The cuts are vLLM's (see :mod:`weight_transfer.naming` for the tables):
