@@ -14,35 +14,51 @@ weight_transfer/ (neither of which imports Ray).
 Modules: trainer (TrainerMixin, TrainerActor), inference (InferenceMixin,
 InferenceActor), schedule_actor (ScheduleActor), controller
 (WeightTransferController), launch (placement and group formation), reports
-(UpdateReport), config (TransferConfig).
+(UpdateReport), config (TransferConfig), messages (what crosses Ray at setup).
+
+The package imports its submodules lazily, on first access of a public name:
+``import actors.reports`` (plain data) does not import Ray; ``from actors import
+WeightTransferController`` does.
 """
 
-from actors.config import TransferConfig
-from actors.controller import UpdateError, WeightTransferController
-from actors.inference import InferenceActor, InferenceMixin, InferenceWorker
-from actors.launch import launch_engines, launch_trainers
-from actors.messages import PlanSummary, TrainerRankMeta
-from actors.reports import RankReport, UpdateReport, WriteFailure
-from actors.schedule_actor import ScheduleActor, Scheduler
-from actors.trainer import TrainerActor, TrainerMixin, TrainerWorker
+from __future__ import annotations
 
-__all__ = [
-    "InferenceActor",
-    "InferenceMixin",
-    "InferenceWorker",
-    "PlanSummary",
-    "RankReport",
-    "ScheduleActor",
-    "Scheduler",
-    "TrainerActor",
-    "TrainerMixin",
-    "TrainerRankMeta",
-    "TrainerWorker",
-    "TransferConfig",
-    "UpdateError",
-    "UpdateReport",
-    "WeightTransferController",
-    "WriteFailure",
-    "launch_engines",
-    "launch_trainers",
-]
+import importlib
+from typing import Any
+
+# Public name -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "InferenceActor": "actors.inference",
+    "InferenceMixin": "actors.inference",
+    "InferenceWorker": "actors.inference",
+    "PlanSummary": "actors.messages",
+    "RankReport": "actors.reports",
+    "ScheduleActor": "actors.schedule_actor",
+    "Scheduler": "actors.schedule_actor",
+    "TrainerActor": "actors.trainer",
+    "TrainerMixin": "actors.trainer",
+    "TrainerRankMeta": "actors.messages",
+    "TrainerWorker": "actors.trainer",
+    "TransferConfig": "actors.config",
+    "UpdateError": "actors.controller",
+    "UpdateReport": "actors.reports",
+    "WeightTransferController": "actors.controller",
+    "WriteFailure": "actors.reports",
+    "launch_engines": "actors.launch",
+    "launch_trainers": "actors.launch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

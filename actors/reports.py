@@ -1,12 +1,14 @@
 """What trainers and the controller report about one weight update (plain data).
 
-Every trainer rank turns its executor's :class:`~weight_transfer.executor.StepReport`
-into a :class:`RankReport` before it crosses the object store: per-stage busy
-times instead of one span per parameter, so the report of a rank has the same
-size for a 1 MB and a 1 TB model. The controller folds the ranks' reports into
-one :class:`UpdateReport`::
+Every trainer rank turns its executor's
+:class:`~weight_transfer.executor.TransferReport` into a :class:`RankReport`
+before it crosses the object store: the executor's report without its spans,
+plus per-stage busy times, the failed writes and wall-clock times, so the
+report of a rank has the same size for a 1 MB and a 1 TB model. The controller
+folds the ranks' reports into one :class:`UpdateReport`::
 
-    rank_report = rank_report_of(step_report, failures=..., started_at=..., finished_at=...)
+    rank_report = rank_report_of(transfer_report, failures=..., started_at=..., finished_at=...)
+    rank_report.transfer.bytes_written   # the executor's numbers, written once
     report = UpdateReport.combine(version=7, seconds=1.2, per_rank=[...], ...)
     report.stages        # {"h2d": s, "prepare": s, "write": s, "barrier": s}, max over ranks
     report.gb_per_s      # bytes / seconds / 1e9
@@ -17,9 +19,13 @@ writes in flight for one second count one second, not four).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the executor imports torch; this module stays light to import
+    from weight_transfer.executor import TransferReport
 
 STAGES: tuple[str, ...] = ("h2d", "prepare", "write", "barrier")
 
@@ -37,19 +43,22 @@ class WriteFailure:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankReport:
-    """One trainer rank's part of one update; constant size, whatever the model."""
+    """One trainer rank's part of one update; constant size, whatever the model.
 
-    rank: int
-    version: int
-    seconds: float
-    bytes_written: int
-    writes: int
-    params_gathered: int
+    ``transfer`` is the executor's report with its spans dropped (they are
+    summed into ``stages``); its ``bytes_written`` and ``writes`` count only
+    the writes that landed.
+    """
+
+    transfer: TransferReport
     stages: dict[str, float] = field(default_factory=dict, hash=False)
-    watermark_peak: int = 0
     started_at: float = 0.0  # time.time() when the rank got "go"
     finished_at: float = 0.0  # time.time() after its last write and barrier
     failures: tuple[WriteFailure, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return self.transfer.rank
 
     @property
     def ok(self) -> bool:
@@ -88,24 +97,16 @@ def stage_seconds(spans: Iterable[Any], barrier_seconds: float = 0.0) -> dict[st
 
 
 def rank_report_of(
-    step: Any,
+    transfer: TransferReport,
     *,
     failures: Sequence[WriteFailure] = (),
     started_at: float = 0.0,
     finished_at: float = 0.0,
 ) -> RankReport:
-    """Compact a StepReport; bytes and writes count only the writes that landed."""
-    failed_bytes = sum(f.nbytes for f in failures)
-    failed_writes = sum(f.count for f in failures)
+    """Compact a TransferReport: stage busy times instead of spans."""
     return RankReport(
-        rank=step.rank,
-        version=step.version,
-        seconds=step.seconds,
-        bytes_written=step.bytes_written - failed_bytes,
-        writes=step.writes - failed_writes,
-        params_gathered=step.params_gathered,
-        stages=stage_seconds(step.spans, step.barrier_seconds),
-        watermark_peak=step.watermark_peak,
+        transfer=dataclasses.replace(transfer, spans=(), task_spans=()),
+        stages=stage_seconds(transfer.spans, transfer.barrier_seconds),
         started_at=started_at,
         finished_at=finished_at,
         failures=tuple(failures),
@@ -152,17 +153,17 @@ class UpdateReport:
         """Fold the ranks' reports (all of ``version``) into one."""
         if not per_rank:
             raise ValueError(f"update to version {version}: no rank reports to combine")
-        wrong = [r.rank for r in per_rank if r.version != version]
+        wrong = [r.rank for r in per_rank if r.transfer.version != version]
         if wrong:
             raise ValueError(f"update to version {version}: ranks {wrong} report another version")
         names = sorted({s for r in per_rank for s in r.stages}, key=_stage_order)
         return cls(
             version=version,
             seconds=seconds,
-            bytes=sum(r.bytes_written for r in per_rank),
+            bytes=sum(r.transfer.bytes_written for r in per_rank),
             stages={s: max(r.stages.get(s, 0.0) for r in per_rank) for s in names},
             stages_summed={s: sum(r.stages.get(s, 0.0) for r in per_rank) for s in names},
-            transfer_seconds=max(r.seconds for r in per_rank),
+            transfer_seconds=max(r.transfer.seconds for r in per_rank),
             per_rank=tuple(sorted(per_rank, key=lambda r: r.rank)),
             **extra,
         )
@@ -183,8 +184,9 @@ class UpdateReport:
             "control_calls": self.control_calls,
             "replicas": list(self.replicas),
             "per_rank": [
-                {"rank": r.rank, "seconds": r.seconds, "bytes": r.bytes_written,
-                 "writes": r.writes, "stages": dict(r.stages)}
+                {"rank": r.rank, "seconds": r.transfer.seconds,
+                 "bytes": r.transfer.bytes_written, "writes": r.transfer.writes,
+                 "stages": dict(r.stages)}
                 for r in self.per_rank
             ],
         }

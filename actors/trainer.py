@@ -21,7 +21,9 @@ constant-size :class:`~actors.reports.RankReport`). ``wt_set_link`` and
 ``TrainerActor`` builds the transformers model (same seed on every rank),
 joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
 ``train_step`` (a real AdamW step), ``reference_generate`` and
-``reference_logits`` (every rank calls; rank 0 answers).
+``reference_logits`` (every rank calls; rank 0 answers). Only those code paths
+import transformers (through :mod:`reference.hf_model`), on first use: a user's
+trainer that inherits the mixin does not pay for it.
 """
 
 from __future__ import annotations
@@ -46,11 +48,10 @@ from actors.trainer_model import (
     train_step,
 )
 from actors.write_guard import WriteGuard
-from reference.hf_model import build_hf_model, expert_naming_of, greedy_generate
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.executor import TrainerStep
-from weight_transfer.live_metadata import param_metas_from_module
+from weight_transfer.executor import RankTransfer
+from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.transport.simnic import SimNic
 from weight_transfer.types import PeerInfo, RankInfo
@@ -60,12 +61,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Link:
-    """This rank's connection to the engines: NIC, barrier, guarded step."""
+    """This rank's connection to the engines: NIC, barrier store, its transfer and the
+    guard that records the transfer's failed writes."""
 
     nic: SimNic
     store: Any
     guard: WriteGuard
-    step: TrainerStep
+    transfer: RankTransfer
 
 
 class TrainerMixin:
@@ -121,7 +123,7 @@ class TrainerMixin:
             )
         old, nic = self._wt_link, None
         if old is not None:
-            old.step.close()
+            old.transfer.close()
             if old.nic.nic == rank_info.nic:
                 nic = old.nic  # re-plan (add_replica): keep the NIC and its connections
             else:
@@ -131,15 +133,15 @@ class TrainerMixin:
                          node=rank_info.node, bandwidth_gbps=nic_gbps)
         for peer in peers:
             nic.connect(peer)
-        replica_of = {t.region: t.dst_replica for t in plan.tasks}
-        guard = WriteGuard(nic, replica_of=replica_of, label=f"trainer rank {self._wt_rank}")
+        guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
         kv = connect_store(*store, timeout_s=barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
                                name="wt-update", timeout_s=barrier_timeout_s)
         metas = param_metas_from_module(model)
-        step = TrainerStep(plan=plan, params=metas, get_param=self._wt_param,
-                           transport=guard, barrier=barrier, watermark_bytes=watermark_bytes)
-        self._wt_link = _Link(nic=nic, store=kv, guard=guard, step=step)
+        transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
+                                transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
+                                on_write_error=guard.record)
+        self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
         return len(plan.tasks)
@@ -158,14 +160,14 @@ class TrainerMixin:
         started = time.time()
         link.guard.reset()
         try:
-            step = asyncio.run(link.step.run(version=version))
+            transfer = asyncio.run(link.transfer.run(version=version))
         finally:
             self._wt_params = {}
-        report = rank_report_of(step, failures=link.guard.failures(), started_at=started,
+        report = rank_report_of(transfer, failures=link.guard.failures(), started_at=started,
                                 finished_at=time.time())
-        log.info("trainer rank %d wrote version %d: %d B in %.3f s (%d failed writes)",
-                 self._wt_rank, version, report.bytes_written, report.seconds,
-                 sum(f.count for f in report.failures))
+        log.info("trainer rank %d wrote version %d: %d of %d B in %.3f s (%d failed writes)",
+                 self._wt_rank, version, transfer.bytes_written, transfer.bytes_planned,
+                 transfer.seconds, sum(f.count for f in report.failures))
         return report
 
     # ------------------------------------------------------------------ test hooks, stats
@@ -188,7 +190,7 @@ class TrainerMixin:
 
     def wt_close(self) -> None:
         if self._wt_link is not None:
-            self._wt_link.step.close()
+            self._wt_link.transfer.close()
             self._wt_link.nic.close()
             self._wt_link = None
 
@@ -228,6 +230,8 @@ class TrainerWorker(TrainerMixin, GroupMember):
         if self.rank != 0:
             return None
         if self._ref is None:
+            from reference.hf_model import build_hf_model  # transformers, on first use
+
             self._ref = build_hf_model(self.config.model, seed=self.config.seed)
         self._ref.load_state_dict(full)
         return self._ref
@@ -239,12 +243,14 @@ class TrainerWorker(TrainerMixin, GroupMember):
 
     def reference_generate(self, prompts: list[list[int]], max_new_tokens: int):
         """Greedy generations of the trainer's current weights (rank 0 answers)."""
+        from reference.hf_model import greedy_generate  # transformers, on first use
+
         ref = self._reference_model()
         return None if ref is None else greedy_generate(ref, prompts, max_new_tokens)
 
     def reference_logits(self, ids: Any) -> torch.Tensor | None:
         """Float32 logits [B, T, vocab] of the trainer's current weights (rank 0 answers)."""
-        from reference.hf_model import float_logits
+        from reference.hf_model import float_logits  # transformers, on first use
 
         ref = self._reference_model()
         return None if ref is None else float_logits(ref, torch.as_tensor(ids, dtype=torch.long))

@@ -35,7 +35,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-from reference.hf_model import build_hf_model
 from scheduling.cluster import ClusterConfig
 from weight_transfer.models import ModelConfig
 
@@ -83,6 +82,8 @@ def _expert_mesh(cluster: ClusterConfig) -> tuple[DeviceMesh, tuple]:
 
 def build_sharded_model(cfg: ModelConfig, cluster: ClusterConfig, *, seed: int) -> nn.Module:
     """The seeded transformers model sharded over the cluster's trainer meshes (gloo, CPU)."""
+    from reference.hf_model import build_hf_model  # transformers: only this builder needs it
+
     world = cluster.trainer_world
     model = build_hf_model(cfg, seed=seed)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))

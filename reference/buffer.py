@@ -18,35 +18,26 @@ offsets a planner assumes can be computed without allocating anything.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.engine_layout import EngineTensorSpec
 from weight_transfer.transport._vm import alloc_buffer
-from weight_transfer.types import dtype_size
+from weight_transfer.types import TensorSpec
 
 TENSOR_ALIGN = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TensorSlot:
-    """Where one engine tensor lives in the rank's buffer."""
+class TensorSlot(TensorSpec):
+    """Where one engine tensor lives in the rank's buffer: its spec and byte offset."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
     offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
 
 
 def slot_layout(
-    specs: Sequence[EngineTensorSpec], align: int = TENSOR_ALIGN
+    specs: Sequence[TensorSpec], align: int = TENSOR_ALIGN
 ) -> tuple[list[TensorSlot], int]:
     """Slots in spec order, each at the next multiple of ``align``; and the total size."""
     slots, offset, seen = [], 0, set()
@@ -65,7 +56,7 @@ def slot_layout(
 class EngineBuffer:
     """The tensors of one engine rank as typed views into one pre-faulted uint8 buffer."""
 
-    def __init__(self, specs: Sequence[EngineTensorSpec]) -> None:
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
         self.slots, self.nbytes = slot_layout(specs)
         self._mapping, start, self.addr = alloc_buffer(self.nbytes)
         raw = memoryview(self._mapping)[start : start + self.nbytes]

@@ -14,9 +14,12 @@ no code during it and reads the new values at its next step::
     nic.register(engine.buffer)                 # one region per rank
     tokens = engine.generate([[1, 2, 3]], max_new_tokens=8)   # all TP ranks together
 
-Architectures: llama, qwen2 (qkv bias), qwen3 (q/k norm) and qwen3_moe;
-deepseek_v3 (MLA) is a ValueError. Everything computes in float32: bf16 weights
-are upcast and FP8 weights dequantized with their 128x128 block scales on use.
+Architectures: those whose module says ``reference_engine`` (llama, qwen2 with
+qkv bias, qwen3 with q/k norm, qwen3_moe, mixtral); deepseek_v3 (MLA) is a
+ValueError. The MoE block's module name is the architecture's
+(``arch.moe_keys.block``: ``mlp``, Mixtral's ``block_sparse_moe``). Everything
+computes in float32: bf16 weights are upcast and FP8 weights dequantized with
+their 128x128 block scales on use.
 Generation is greedy and recomputes the whole prefix at every step, each step
 inside ``step_guard()`` when one is set (the adapter's pause point).
 """
@@ -42,6 +45,7 @@ from reference.ops import (
     rope_cos_sin,
     rope_theta,
 )
+from weight_transfer.arch import architecture_names, get_architecture
 from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import ModelConfig
 from weight_transfer.naming import scale_name
@@ -50,19 +54,24 @@ from weight_transfer.types import ShardSpec
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+def supported_architectures() -> tuple[str, ...]:
+    """Registered architectures the reference engine runs."""
+    return tuple(n for n in architecture_names() if get_architecture(n).reference_engine)
 
 
 class ReferenceEngine:
     """One engine rank: its weights in one buffer, and a TP forward over ``group``."""
 
     def __init__(self, cfg: ModelConfig, shard: ShardSpec, *, fp8: bool, group=None) -> None:
-        if cfg.architecture not in SUPPORTED:
+        if not cfg.arch.reference_engine:
             raise ValueError(
                 f"{cfg.name or cfg.architecture}: architecture {cfg.architecture!r} is not "
-                f"supported by the reference engine (supported: {', '.join(SUPPORTED)})"
+                f"supported by the reference engine "
+                f"(supported: {', '.join(supported_architectures())})"
             )
         self.cfg, self.shard, self.fp8 = cfg, shard, fp8
+        self._moe_block = cfg.arch.moe_keys.block
         self.tp = TensorParallel(group, shard)
         self.act = activation(cfg)
         self.geo = L.geometry(cfg, shard, rms_eps(cfg))
@@ -112,7 +121,7 @@ class ReferenceEngine:
         h = h + L.attention(x, w, self._has, f"{p}.self_attn", self.geo, self.tp, rope)
         x = rms_norm(h, w(f"{p}.post_attention_layernorm.weight"), eps)
         if self.cfg.is_moe_layer(i):
-            return h + L.moe(x, w, f"{p}.mlp", self.geo, self.act, self.tp)
+            return h + L.moe(x, w, f"{p}.{self._moe_block}", self.geo, self.act, self.tp)
         return h + L.dense_mlp(x, w, f"{p}.mlp", self.act, self.tp)
 
     @torch.no_grad()

@@ -1,9 +1,11 @@
 """The trainer's model: a Hugging Face transformers model built from a :class:`ModelConfig`.
 
-Nothing is downloaded: :func:`hf_config` turns our config into a
-``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig``, and
-:func:`build_hf_model` builds the model from it and fills every parameter with
-:func:`weight_transfer.models.random_state_dict` of the same seed, so::
+Nothing is downloaded: :func:`hf_config` turns our config into the transformers
+config class its architecture module names (``arch.hf_config_class``, e.g.
+``LlamaConfig``, ``MixtralConfig``) with the fields every architecture shares
+plus ``arch.hf_fields(cfg)``, and :func:`build_hf_model` builds the model from
+it and fills every parameter with :func:`reference.random_state.random_state_dict`
+of the same seed, so::
 
     model = build_hf_model(cfg, seed=3)
     naming = expert_naming_of(model)   # "stacked" for transformers-5 MoE models
@@ -37,34 +39,29 @@ from reference.ops import (
     rope_theta,
 )
 from reference.random_state import random_state_dict
+from weight_transfer.arch import architecture_names, get_architecture
+from weight_transfer.live_metadata import expert_naming_of
 from weight_transfer.models import ModelConfig, trainer_param_specs
 from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_CLASSES = {
-    "llama": "LlamaConfig",
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-    "qwen3_moe": "Qwen3MoeConfig",
-}
-_MOE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "decoder_sparse_step",
-    "norm_topk_prob",
-)
-
 
 def _config_class(cfg: ModelConfig):
-    try:
-        return getattr(transformers, _CONFIG_CLASSES[cfg.architecture])
-    except KeyError:
+    name = cfg.arch.hf_config_class
+    if name is None:
+        supported = [n for n in architecture_names() if get_architecture(n).hf_config_class]
         raise ValueError(
             f"{cfg.name or cfg.architecture}: architecture {cfg.architecture!r} is not "
-            f"supported by the demo (supported: {sorted(_CONFIG_CLASSES)})"
-        ) from None
+            f"supported by the demo (supported: {supported})"
+        )
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(
+            f"{cfg.name or cfg.architecture}: transformers {transformers.__version__} has no "
+            f"{name} (architecture {cfg.architecture!r})"
+        )
+    return cls
 
 
 def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
@@ -84,29 +81,8 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings or 4096,
     }
-    if cfg.architecture == "qwen2":
-        if cfg.head_size * cfg.num_attention_heads != cfg.hidden_size:
-            raise ValueError(
-                f"{cfg.name or 'qwen2'}: head_dim {cfg.head_size} x {cfg.num_attention_heads} "
-                f"heads != hidden_size {cfg.hidden_size}; transformers' Qwen2 cannot express it"
-            )
-    else:
-        fields["head_dim"] = cfg.head_size
-        fields["attention_bias"] = bool(cfg.attention_bias)
-    if cfg.architecture == "qwen3_moe":
-        if cfg.num_experts_per_tok is None:
-            raise ValueError(f"{cfg.name or 'qwen3_moe'}: num_experts_per_tok is required")
-        fields.update({f: getattr(cfg, f) for f in _MOE_FIELDS})
-        fields["norm_topk_prob"] = bool(cfg.norm_topk_prob)  # the engine's reading of None
-        fields["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    fields.update(cfg.arch.hf_fields(cfg))
     return cls(**fields)
-
-
-def expert_naming_of(model: nn.Module) -> str:
-    """``"stacked"`` if the model holds 3-D expert parameters (transformers 5), else
-    ``"per_expert"`` (also for dense models, whose names are the same either way)."""
-    stacked = any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
-    return "stacked" if stacked else "per_expert"
 
 
 def check_param_names(model: nn.Module, cfg: ModelConfig, expert_naming: str) -> None:

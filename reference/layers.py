@@ -74,7 +74,7 @@ def geometry(cfg: ModelConfig, shard: ShardSpec, eps: float) -> Geometry:
         vocab_per_rank=padded // tp,
         experts=range(shard.ep_rank * per_ep, (shard.ep_rank + 1) * per_ep),
         top_k=cfg.num_experts_per_tok or 0,
-        norm_topk=bool(cfg.norm_topk_prob),
+        norm_topk=cfg.arch.norm_topk(cfg),
         eps=eps,
     )
 
@@ -129,7 +129,8 @@ def dense_mlp(x: torch.Tensor, w: Weights, p: str, act, tp: TensorParallel) -> t
 
 
 def route(x: torch.Tensor, router: torch.Tensor, geo: Geometry) -> tuple:
-    """Qwen3-MoE routing: softmax over experts, top-k, renormalized if norm_topk_prob."""
+    """Qwen3-MoE and Mixtral routing: softmax over experts, top-k, renormalized if the
+    architecture says so (``arch.norm_topk``: Qwen3-MoE's norm_topk_prob, always for Mixtral)."""
     probs = torch.softmax(x @ router.T, dim=-1)
     weights, ids = torch.topk(probs, geo.top_k, dim=-1)
     if geo.norm_topk:

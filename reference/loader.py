@@ -5,14 +5,21 @@ demo engine's loader. It is written the way vLLM's ``load_weights`` does it -
 ``narrow`` each checkpoint tensor to this rank's shard, ``torch.cat`` fused
 parts, ``torch.stack`` local experts - and shares no code with
 ``engine_pieces`` or the rule tables: layer kinds are read off the checkpoint
-keys (``mlp.gate.weight`` present: a MoE layer; ``q_proj.bias``: biases ...).
+keys (``mlp.gate.weight`` present: a MoE layer; ``kv_a_proj_with_mqa``: MLA
+attention; ``q_proj.bias``: biases ...). The one thing it needs per
+architecture, how the checkpoint spells a MoE block (Mixtral:
+``block_sparse_moe.experts.{e}.w1/w3/w2``), is restated in :data:`MOE_SPELLING`
+rather than taken from the architecture module, so a wrong spelling there
+shows up as a difference.
 
-With ``fp8=True`` each projection weight (``*proj*.weight``) is first quantized
-whole, as DeepSeek's FP8 checkpoints store it (``quantize_fp8_blocks``), and the
-loader then narrows the FP8 values and the ``weight_scale_inv`` rows together, as
-vLLM's block-FP8 loader does (offset / 128); a cut inside a block is a ValueError.
+With ``fp8=True`` each projection weight (``*proj*.weight``, Mixtral's
+``w1``/``w2``/``w3``) is first quantized whole, as DeepSeek's FP8 checkpoints
+store it (``quantize_fp8_blocks``), and the loader then narrows the FP8 values
+and the ``weight_scale_inv`` rows together, as vLLM's block-FP8 loader does
+(offset / 128); a cut inside a block is a ValueError.
 Stacked transformers-5 experts (``mlp.experts.gate_up_proj``) are first split
-into per-expert checkpoint tensors (gate rows first).
+into per-expert checkpoint tensors (gate rows first), and the transformers-5
+block ``mlp`` is renamed to the checkpoint's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,24 @@ from weight_transfer.quant import quantize_fp8_blocks
 from weight_transfer.types import ShardSpec
 
 _PAD = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+
+
+@dataclass(frozen=True)
+class MoeSpelling:
+    """Checkpoint (and vLLM) module of a MoE block and its per-expert gate/up/down names."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+# Checkpoint spelling per architecture (default: Qwen/DeepSeek's); vLLM's mixtral.py
+# loads these with ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2", ckpt_up_proj_name="w3".
+MOE_SPELLING: dict[str, MoeSpelling] = {
+    "mixtral": MoeSpelling(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+}
+_HF5_BLOCK = "mlp"  # transformers 5 names every MoE block "mlp"
 
 
 @dataclass
@@ -67,16 +92,20 @@ def _u8cat(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _Loader:
-    def __init__(self, cfg: ModelConfig, state: dict, shard: ShardSpec, fp8: bool):
-        self.cfg, self.state, self.shard, self.fp8 = cfg, state, shard, fp8
+    def __init__(self, cfg: ModelConfig, state: dict, shard: ShardSpec, fp8: bool,
+                 moe: MoeSpelling):
+        self.cfg, self.state, self.shard, self.fp8, self.moe = cfg, state, shard, fp8, moe
         self.dtype = getattr(torch, cfg.torch_dtype)
         self.out: dict[str, torch.Tensor] = {}
         self.used: set[str] = set()
+        self.linear = {moe.gate, moe.up, moe.down}
 
     def get(self, name: str):
         self.used.add(name)
         t = self.state[name]
-        quantize = self.fp8 and name.endswith(".weight") and "proj" in name.split(".")[-2]
+        module = name.split(".")[-2]
+        linear = "proj" in module or module in self.linear
+        quantize = self.fp8 and name.endswith(".weight") and linear
         if quantize:
             return Fp8(*quantize_fp8_blocks(t))
         return t.to(self.dtype)
@@ -160,11 +189,13 @@ def _mla_attention(ld: _Loader, p: str) -> None:
     ld.put(f"{a}o_proj.weight", ld.tp(ld.get(f"{a}o_proj.weight"), 1, a + "o_proj"))
 
 
-def _mlp(ld: _Loader, m: str, **tp) -> tuple:
-    """(gate_up shard, down shard) of a dense MLP module ``m`` (vLLM MergedColumn/Row)."""
-    gate = ld.tp(ld.get(f"{m}.gate_proj.weight"), 0, f"{m}.gate_proj", **tp)
-    up = ld.tp(ld.get(f"{m}.up_proj.weight"), 0, f"{m}.up_proj", **tp)
-    down = ld.tp(ld.get(f"{m}.down_proj.weight"), 1, f"{m}.down_proj", **tp)
+def _mlp(ld: _Loader, m: str, names=("gate_proj", "up_proj", "down_proj"), **tp) -> tuple:
+    """(gate_up shard, down shard) of a SwiGLU module ``m`` whose gate/up/down linears
+    are ``names`` (vLLM MergedColumn/Row)."""
+    gate_n, up_n, down_n = names
+    gate = ld.tp(ld.get(f"{m}.{gate_n}.weight"), 0, f"{m}.{gate_n}", **tp)
+    up = ld.tp(ld.get(f"{m}.{up_n}.weight"), 0, f"{m}.{up_n}", **tp)
+    down = ld.tp(ld.get(f"{m}.{down_n}.weight"), 1, f"{m}.{down_n}", **tp)
     return _cat([gate, up], f"{m}.gate_up_proj"), down
 
 
@@ -182,9 +213,10 @@ def _moe(ld: _Loader, m: str) -> None:
         tp = {"size": 1, "rank": 0}
     else:
         local, tp = range(n_exp), {}
+    names = (ld.moe.gate, ld.moe.up, ld.moe.down)
     for e in set(range(n_exp)) - set(local):  # other EP ranks' experts: skipped, as vLLM does
-        ld.used.update(f"{m}.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down"))
-    w13, w2 = zip(*(_mlp(ld, f"{m}.experts.{e}", **tp) for e in local), strict=True)
+        ld.used.update(f"{m}.experts.{e}.{x}.weight" for x in names)
+    w13, w2 = zip(*(_mlp(ld, f"{m}.experts.{e}", names, **tp) for e in local), strict=True)
     ld.put(f"{m}.experts.w13_weight", _stack(list(w13)))
     ld.put(f"{m}.experts.w2_weight", _stack(list(w2)))
     if f"{m}.shared_experts.gate_proj.weight" in ld.state:
@@ -193,19 +225,22 @@ def _moe(ld: _Loader, m: str) -> None:
         ld.put(f"{m}.shared_experts.down_proj.weight", down)
 
 
-def _unstack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers-5 3-D experts -> the checkpoint's per-expert tensors."""
+def _unstack(state: dict[str, torch.Tensor], moe: MoeSpelling) -> dict[str, torch.Tensor]:
+    """transformers-5 3-D experts (and router) -> the checkpoint's per-expert tensors."""
     out = {}
+    hf5 = f".{_HF5_BLOCK}."
     for name, t in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
+        layer, _, rest = name.partition(hf5)
+        base = f"{layer}.{moe.block}.experts."
+        if rest == "experts.gate_up_proj":
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2, dim=0)
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
+                out[f"{base}{e}.{moe.gate}.weight"], out[f"{base}{e}.{moe.up}.weight"] = gate, up
+        elif rest == "experts.down_proj":
             for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
+                out[f"{base}{e}.{moe.down}.weight"] = t[e]
+        elif rest == "gate.weight":
+            out[f"{layer}.{moe.block}.gate.weight"] = t
         else:
             out[name] = t
     return out
@@ -215,16 +250,17 @@ def load_engine_shard(
     cfg: ModelConfig, hf_state: dict[str, torch.Tensor], shard: ShardSpec, *, fp8: bool
 ) -> dict[str, torch.Tensor]:
     """The engine tensors (vLLM names, local shapes) of ``shard`` from a HF state dict."""
-    ld = _Loader(cfg, _unstack(hf_state), shard, fp8)
+    moe = MOE_SPELLING.get(cfg.architecture, MoeSpelling())
+    ld = _Loader(cfg, _unstack(hf_state, moe), shard, fp8, moe)
     _vocab(ld, "model.embed_tokens.weight")
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        if cfg.architecture == "deepseek_v3":
+        if f"{p}self_attn.kv_a_proj_with_mqa.weight" in ld.state:
             _mla_attention(ld, p)
         else:
             _gqa_attention(ld, p)
-        if f"{p}mlp.gate.weight" in ld.state:
-            _moe(ld, f"{p}mlp")
+        if f"{p}{moe.block}.gate.weight" in ld.state:
+            _moe(ld, f"{p}{moe.block}")
         else:
             gate_up, down = _mlp(ld, f"{p}mlp")
             ld.put(f"{p}mlp.gate_up_proj.weight", gate_up)

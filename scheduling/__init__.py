@@ -10,13 +10,16 @@ plan takes on a cluster::
     plan.validate()
     result = simulate(plan, cluster)   # seconds, per-NIC busy time, lower bound
 
-Modules: cluster (YAML configs), metadata (metas from a model config), match
-(engine tensors -> pieces), assign (pure balancing steps), build and plan (the
-Plan), validate, serialize (msgpack), simulate (discrete-event model).
+Modules: cluster (YAML configs), config_metadata (metas from a model config),
+compute (``compute_plan``: match, then build), match (engine tensors -> pieces),
+assign (pure balancing steps), build (tasks and their order), plan (the Plan's
+data types), validate, tables (numpy columns for build and validate), serialize
+(msgpack), simulate (discrete-event model).
 """
 
 from scheduling.cluster import ClusterConfig, load_cluster_config
-from scheduling.plan import Plan, TrainerGroup, TrainerPlan, compute_plan
+from scheduling.compute import compute_plan
+from scheduling.plan import Plan, TrainerGroup, TrainerPlan
 from scheduling.simulate import SimResult, simulate
 
 __all__ = [

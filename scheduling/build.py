@@ -1,7 +1,8 @@
 """Build a :class:`~scheduling.plan.Plan` from trainer metadata, engine metadata and pieces.
 
-``build_plan`` is the pure core of ``compute_plan``: it takes the pieces of
-each distinct engine shard (replicas with the same shard share them) and
+``build_plan`` is the second half of :func:`scheduling.compute.compute_plan`
+(after :mod:`scheduling.match`): it takes the pieces of each distinct engine
+shard (replicas with the same shard share them) and
 
 1. groups the trainer meshes (:func:`scheduling.assign.mesh_groups`);
 2. splits pieces larger than the group's balance granularity;
@@ -38,6 +39,7 @@ from scheduling.tables import (
     grow_lookup,
     piece_table,
 )
+from weight_transfer.engine_layout import split_piece
 from weight_transfer.types import EngineRankMeta, MeshDesc, ParamMeta, Piece, ShardSpec, TrainerMeta
 
 log = logging.getLogger(__name__)
@@ -46,12 +48,6 @@ SplitFn = Callable[[Piece, int], list[Piece]]
 # interleaved: params of different destination shards alternate (see assign.interleave_order);
 # canonical: the order of the trainer metadata.
 GATHER_ORDERS = ("interleaved", "canonical")
-
-
-def _default_split(piece: Piece, max_bytes: int) -> list[Piece]:
-    from weight_transfer.engine_layout import split_piece
-
-    return split_piece(piece, max_bytes)
 
 
 def _param_index(params: Sequence[ParamMeta]) -> dict[str, int]:
@@ -273,7 +269,7 @@ def build_plan(
     names, dtypes = Interner(), Interner()
     pieces, pt, piece_shard = _split_all(
         tr, [pieces_by_shard[s] for s in shards], copies, names, dtypes,
-        split or _default_split, (pieces_per_nic, min_piece_bytes, max_piece_bytes))
+        split or split_piece, (pieces_per_nic, min_piece_bytes, max_piece_bytes))
     group_params, gpos = _gather_positions(tr, pt, piece_shard, copies,
                                            gather_order == "interleaved")
     piece_order = np.lexsort((np.arange(len(pieces)), gpos[pt.param]))

@@ -32,8 +32,6 @@ from weight_transfer.types import (
     RegionDesc,
     ShardSpec,
     TrainerMeta,
-    dtype_size,
-    numel,
 )
 
 ALIGN = 256
@@ -104,7 +102,7 @@ def engine_metas_from_config(
                 rows, offset = [], 0
                 for s in layout_specs(cfg, shard, fp8=fp8):
                     rows.append((s.name, s.shape, s.dtype, offset))
-                    offset = _align(offset + numel(s.shape) * dtype_size(s.dtype))
+                    offset = _align(offset + s.nbytes)
                 layouts[shard] = (rows, max(offset, ALIGN))
             rows, length = layouts[shard]
             name = cluster.replica_name(replica)

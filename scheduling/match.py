@@ -23,14 +23,13 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from weight_transfer.engine_layout import (
-    EngineTensorSpec,
     check_mapping,
     engine_pieces,
     engine_tensor_specs,
 )
 from weight_transfer.models import ModelConfig, trainer_param_shapes
 from weight_transfer.naming import TIED_ALIASES, canonical_trainer_name, matches
-from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TrainerMeta
+from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TensorSpec, TrainerMeta
 
 MAX_LISTED = 50
 
@@ -43,7 +42,7 @@ def _listing(title: str, problems: list[str]) -> str:
 
 def layout_specs(
     cfg: ModelConfig, shard: ShardSpec, *, fp8: bool, ignore: tuple[str, ...] = ()
-) -> list[EngineTensorSpec]:
+) -> list[TensorSpec]:
     """``engine_tensor_specs`` memoized on the (immutable) config: replicas and the
     metadata builder ask for the same shards again."""
     key = ("scheduling.layout_specs", shard, fp8, tuple(ignore))

@@ -1,8 +1,8 @@
-"""The static transfer plan: who writes which bytes where, in which order.
+"""The static transfer plan as data: who writes which bytes where, in which order.
 
-``compute_plan`` turns gathered metadata into a :class:`Plan`, once::
+:func:`scheduling.compute.compute_plan` builds a :class:`Plan` from gathered
+metadata, once; this module only holds the plan's types and their accessors::
 
-    plan = compute_plan(trainer_meta, engine_metas, cluster, model=cfg)
     plan.validate()                      # every destination byte written exactly once
     tp = plan.trainer_plan(rank)         # what trainer ``rank`` receives (see serialize)
     plan.send_bytes(), plan.recv_bytes() # bytes per mesh group and NIC
@@ -17,12 +17,11 @@ order of ``group_params`` and writes the tasks it was assigned.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from scheduling.validate import validate_plan
 from weight_transfer.types import (
     EngineRankMeta,
     MeshDesc,
@@ -30,12 +29,8 @@ from weight_transfer.types import (
     Piece,
     RankInfo,
     RegionDesc,
-    TrainerMeta,
     WriteTask,
 )
-
-if TYPE_CHECKING:
-    from scheduling.cluster import ClusterConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,53 +195,4 @@ class Plan:
 
     def validate(self) -> None:
         """Raise ValueError if any destination byte is not written exactly once, etc."""
-        from scheduling.validate import validate_plan
-
         validate_plan(self)
-
-
-def compute_plan(
-    trainer_meta: TrainerMeta,
-    engine_metas: Iterable[EngineRankMeta],
-    cluster: ClusterConfig,
-    *,
-    model: object,
-    fp8: bool | None = None,
-    expert_naming: str = "per_expert",
-    ignore: Iterable[str] = (),
-    pieces_per_nic: int = 32,
-    min_piece_bytes: int = 1 << 20,
-    max_piece_bytes: int = 256 << 20,
-    gather_order: str = "interleaved",
-) -> Plan:
-    """Match engine tensors to trainer parameters and build the plan. Pure, deterministic.
-
-    ``model`` is the :class:`~weight_transfer.models.ModelConfig`; ``fp8``
-    defaults to the cluster's ``inference.fp8``. Pieces larger than the
-    balance granularity (a group's bytes per sending NIC / ``pieces_per_nic``,
-    clamped to [``min_piece_bytes``, ``max_piece_bytes``]) are split first.
-    ``gather_order`` is ``"interleaved"`` (destinations alternate, the default)
-    or ``"canonical"`` (the trainer metadata's order).
-    """
-    from scheduling.build import build_plan
-    from scheduling.match import match_engines
-
-    engines = tuple(engine_metas)
-    fp8 = cluster.inference.fp8 if fp8 is None else fp8
-    pieces = match_engines(
-        model,
-        trainer_meta,
-        engines,
-        fp8=fp8,
-        expert_naming=expert_naming,
-        ignore=tuple(ignore),
-    )
-    return build_plan(
-        trainer_meta,
-        engines,
-        pieces,
-        pieces_per_nic=pieces_per_nic,
-        min_piece_bytes=min_piece_bytes,
-        max_piece_bytes=max_piece_bytes,
-        gather_order=gather_order,
-    )

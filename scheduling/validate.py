@@ -1,6 +1,7 @@
 """Check a plan: every destination byte written exactly once, and nothing else.
 
-``validate_plan(plan)`` (also ``plan.validate()``) recomputes everything from
+``validate_plan(plan)`` (also ``plan.validate()``, which calls it: this module
+does not import :mod:`scheduling.plan`) recomputes everything from
 the plan's own data (engine metadata, pieces, task columns) and raises one
 ``ValueError`` listing up to 20 violations, each naming the engine replica,
 rank, tensor and byte range (or the piece and parameter):
@@ -19,18 +20,19 @@ Per-task checks are vectorized; per-piece checks loop over distinct pieces.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from scheduling.tables import Interner, engine_table, grow_lookup, piece_table
+from weight_transfer.fp8_geometry import FP8_DTYPE, SCALE_DTYPE, scale_shape
 from weight_transfer.types import Piece, Transform, dtype_size
 
-if TYPE_CHECKING:
-    from scheduling.plan import Plan
+# A scheduling.plan.Plan. Not imported, not even for typing: plan.py imports this
+# module for Plan.validate(), and the import graph stays one-way.
+PlanData = Any
 
 MAX_SHOWN = 20
-FP8_BLOCK = 128
 
 
 def expected_piece_nbytes(piece: Piece) -> int:
@@ -39,15 +41,14 @@ def expected_piece_nbytes(piece: Piece) -> int:
     if piece.transform == Transform.FP8_SCALE:
         if len(shape) < 2:
             raise ValueError(f"piece {piece.dst_tensor}: FP8 scales need a 2-D source, {shape}")
-        blocks = math.ceil(shape[-2] / FP8_BLOCK) * math.ceil(shape[-1] / FP8_BLOCK)
-        return math.prod(shape[:-2]) * blocks * dtype_size(piece.dst_dtype)
+        shape = scale_shape(shape)
     return math.prod(shape) * dtype_size(piece.dst_dtype)
 
 
-_TRANSFORM_DTYPES = {Transform.FP8_WEIGHT: ("float8_e4m3fn",), Transform.FP8_SCALE: ("float32",)}
+_TRANSFORM_DTYPES = {Transform.FP8_WEIGHT: (FP8_DTYPE,), Transform.FP8_SCALE: (SCALE_DTYPE,)}
 
 
-def _piece_problems(plan: Plan) -> list[str]:
+def _piece_problems(plan: PlanData) -> list[str]:
     out: list[str] = []
     index = {p.name: i for i, p in enumerate(plan.params)}
     for k, piece in enumerate(plan.pieces):
@@ -73,12 +74,12 @@ def _piece_problems(plan: Plan) -> list[str]:
     return out
 
 
-def _where(plan: Plan, names: Interner, engine: int, name: int) -> str:
+def _where(plan: PlanData, names: Interner, engine: int, name: int) -> str:
     e = plan.engines[engine]
     return f"{e.replica} rank {e.rank} tensor {names.values[name]}"
 
 
-def _task_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
+def _task_problems(plan: PlanData, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
     out: list[str] = []
     tp = plan.task_piece
     nb = pt.nbytes[tp]
@@ -120,7 +121,7 @@ def _task_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) -> lis
     return out
 
 
-def _coverage_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
+def _coverage_problems(plan: PlanData, et, pt, names: Interner, rows: np.ndarray) -> list[str]:
     out: list[str] = []
     ok = rows >= 0
     row, start = rows[ok], pt.offset[plan.task_piece[ok]]
@@ -156,7 +157,7 @@ def _coverage_problems(plan: Plan, et, pt, names: Interner, rows: np.ndarray) ->
     return out
 
 
-def validate_plan(plan: Plan) -> None:
+def validate_plan(plan: PlanData) -> None:
     """Raise ValueError listing violations (see the module docstring); return None if sound."""
     problems = _piece_problems(plan)
     names, dtypes = Interner(), Interner()

@@ -16,7 +16,9 @@ mode overlaps the stages under the memory watermark. Both runs are checked
 byte for byte (sha256 of every engine region) against the reference loader::
 
     wt bench pipeline --model configs/models/bench_moe.yaml --fp8 --json out.json
-    python scripts/bench_pipeline.py --help      # the same options
+    python -m scripts.cli bench pipeline --help  # without the console script
+
+The options are defined once, in :mod:`scripts.cli`; this module has only ``run``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from scheduling.config_metadata import engine_metas_from_config, trainer_meta_fr
 from scripts.sizes import parse_size
 from testkit.harness import RemoteTarget
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.executor import TrainerStep
+from weight_transfer.executor import RankTransfer
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 from weight_transfer.transport.simnic import SimNic
@@ -65,25 +67,25 @@ def expected_digests(cfg, state, engines, lengths, fp8: bool) -> list[str]:
 async def run_ranks(plan, trainer_meta, state, targets, *, serial, gbps, watermark) -> float:
     store = dist.HashStore()
     world = [r.rank for r in trainer_meta.ranks]
-    nics, steps = [], []
+    nics, transfers = [], []
     try:
         for r in trainer_meta.ranks:
             nic = SimNic(owner=f"trainer{r.rank}", nic=r.nic, bandwidth_gbps=gbps)
             nics.append(nic)
             for t in targets:
                 nic.connect(t.peer_info)
-            steps.append(TrainerStep(
+            transfers.append(RankTransfer(
                 plan=plan.trainer_plan(r.rank), params=trainer_meta.params,
                 get_param=state.__getitem__, transport=nic, serial=serial,
                 watermark_bytes=watermark,
                 barrier=StoreBarrier(store, rank=r.rank, ranks=world, timeout_s=300),
             ))
         start = time.perf_counter()
-        await asyncio.gather(*(s.run(version=1) for s in steps))
+        await asyncio.gather(*(t.run(version=1) for t in transfers))
         return time.perf_counter() - start
     finally:
-        for s in steps:
-            s.close()
+        for t in transfers:
+            t.close()
         for nic in nics:
             nic.close()
 
@@ -133,11 +135,3 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: 
                                          "bytes": plan.bytes_total, "tasks": plan.num_tasks},
                                         indent=2))
     return 0 if all(r["verified"] for r in results.values()) else 1
-
-
-if __name__ == "__main__":
-    import sys
-
-    from scripts.cli import app
-
-    app(["bench", "pipeline", *sys.argv[1:]])

@@ -27,14 +27,19 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from scheduling import ClusterConfig, Plan, compute_plan, load_cluster_config, simulate
+from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
+from scheduling.simulate import lower_bounds
+from weight_transfer.models import ModelConfig, load_model_config
+
 console = Console()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Planned:
-    plan: Any
-    cluster: Any
-    model: Any
+    plan: Plan
+    cluster: ClusterConfig
+    model: ModelConfig
     timings: dict[str, float]
 
 
@@ -48,10 +53,6 @@ def _gb(n: float) -> str:
 def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
           validate: bool) -> Planned:
     """Load configs, build metadata, compute (and validate) the plan, timing each step."""
-    from scheduling import compute_plan, load_cluster_config
-    from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-    from weight_transfer.models import load_model_config
-
     cfg = load_model_config(model)
     cl = load_cluster_config(cluster)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -71,8 +72,6 @@ def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
 
 def summary(p: Planned) -> dict[str, Any]:
     """The numbers both commands print and write."""
-    from scheduling.simulate import lower_bounds
-
     plan = p.plan
     send, recv = plan.send_bytes(), plan.recv_bytes()
     send_tot, recv_tot = send.sum(axis=0), recv.sum(axis=0)
@@ -155,8 +154,6 @@ def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_namin
 
 def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
                  gather_order: str, inflight: int | None, resolution: float) -> int:
-    from scheduling import simulate
-
     try:
         p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
                   validate=False)

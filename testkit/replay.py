@@ -9,37 +9,32 @@ local byte buffers. The result is every engine rank's tensors as raw bytes::
     engines = replay_in_memory(plan, full_state)          # {(replica, rank): {name: uint8}}
     engines[("engine0", 1)]["model.layers.0.self_attn.qkv_proj.weight"]
 
-A task whose parameter is not in its group's gather order, a prepared piece of
-the wrong size, or a write outside its region is a ValueError: a real
-executor would never gather that parameter, or the NIC would refuse the write.
+Each trainer plan first passes the executor's own check
+(:func:`weight_transfer.executor.check_trainer_plan`: known parameters, tasks
+of this rank and group, no task whose parameter the group never gathers); a
+prepared piece of the wrong size or a write outside its region is a ValueError
+too: the NIC would refuse that write.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from scheduling.plan import Plan, TrainerPlan
+from weight_transfer.executor import check_trainer_plan
 from weight_transfer.prepare import piece_bytes
-from weight_transfer.types import RegionDesc
+from weight_transfer.types import ParamMeta, RegionDesc
 
 
-def _run_trainer(tp: TrainerPlan, state: Mapping[str, torch.Tensor], buffers) -> None:
-    for group in tp.groups:
-        by_param: dict[str, list] = defaultdict(list)
-        for t in group.tasks:
-            by_param[t.piece.src_param].append(t)
-        stray = sorted(set(by_param) - set(group.params))
-        if stray:
-            raise ValueError(
-                f"trainer {tp.rank} group {group.group}: tasks read parameters it never "
-                f"gathers: {stray[:10]}"
-            )
-        for name in group.params:
+def _run_trainer(tp: TrainerPlan, params: Sequence[ParamMeta],
+                 state: Mapping[str, torch.Tensor], buffers) -> None:
+    for group in check_trainer_plan(tp, params):
+        for meta in group.params:
+            name = meta.name
             prepared: dict = {}  # a piece going to several replicas is prepared once
-            for t in by_param.get(name, ()):
+            for t in group.tasks.get(name, ()):
                 data = prepared.get(t.piece)
                 if data is None:
                     data = prepared[t.piece] = piece_bytes(state[name], t.piece)
@@ -74,7 +69,7 @@ def replay_in_memory(
     if trainer_plans is None:
         trainer_plans = (plan.trainer_plan(r.rank) for r in plan.trainer_ranks)
     for tp in trainer_plans:
-        _run_trainer(tp, state, buffers)
+        _run_trainer(tp, plan.params, state, buffers)
     out: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     for e in plan.engines:
         out[(e.replica, e.rank)] = {

@@ -1,14 +1,98 @@
-"""Shared fixtures: simulated NICs and remote target processes that clean up after a test."""
+"""Shared fixtures, the test tiers and the skips for hardware the machine lacks.
+
+Tiers, chosen with markers (declared in pyproject.toml)::
+
+    pytest -m "not slow"       # the fast unit tier alone: pure, no Ray, well under a minute
+    pytest -m integration      # tests/integration/: local Ray, simulated NICs, spawned targets
+    pytest                     # everything (what scripts/test.sh and CI run)
+
+- ``slow``: starts Ray, spawns a process that imports the project (torch, Ray),
+  or takes more than a few seconds. :func:`pytest_collection_modifyitems` puts
+  ``integration`` and ``slow`` on everything under ``tests/integration/`` and
+  ``slow`` on the unit tests in ``SLOW_UNIT_TESTS``; others carry
+  ``@pytest.mark.slow`` themselves.
+- ``pyverbs``: needs pyverbs importable (no device); skipped with
+  "pyverbs not importable: <why>".
+- ``rdma``: needs an RDMA device (``WT_RDMA_DEVICE`` names one, default the
+  first); skipped with "pyverbs not importable: <why>" or "no RDMA device: <why>".
+- ``gpu`` and ``mooncake`` tests skip themselves with the reason.
+
+``WT_TEST_HIDE_PYVERBS=1`` runs the tests as on a machine without pyverbs (the
+pure RDMA tests run, the others skip), where pyverbs is installed.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testkit.harness import RemoteTarget
 from weight_transfer.transport.simnic import SimNic
+
+if os.environ.get("WT_TEST_HIDE_PYVERBS") == "1":
+    sys.modules["pyverbs"] = None  # every `import pyverbs...` now raises ImportError
+
+INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+# Unit tests that take more than a few seconds of CPU on the 2-core machines, or
+# start a fresh interpreter that imports torch or Ray: node ids without their
+# parameters, or whole modules.
+SLOW_UNIT_TESTS = frozenset({
+    "tests/unit/test_plan_exec.py::test_random_models_meshes_and_degrees_land_reference_bytes",
+    "tests/unit/test_layout_properties.py::test_assembled_pieces_equal_the_reference_loader",
+    "tests/unit/test_layout.py::test_kimi_k2_layout_at_scale",
+    "tests/unit/test_engine_reference.py::test_bytes_written_into_the_buffer_are_the_weights_used",
+    "tests/unit/test_engine_reference.py::test_bf16_logits_and_tokens_equal_the_hf_model",
+    "tests/unit/test_engine_hf_model.py::test_greedy_generate_is_argmax_of_float32_logits",
+    "tests/unit/test_mixtral.py::test_per_expert_names_are_the_checkpoint_transformers_saves",
+    "tests/unit/test_mixtral.py::test_plan_lands_reference_bytes",
+    "tests/unit/test_actors_imports.py",  # every test starts a fresh interpreter
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects on the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.slow)
+        elif {item.nodeid.split("[")[0], item.nodeid.split("::")[0]} & SLOW_UNIT_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
+@functools.cache
+def pyverbs_missing() -> str | None:
+    """Why pyverbs cannot be imported here, or None."""
+    from weight_transfer.transport.rdma_verbs import RdmaUnavailableError, import_pyverbs
+
+    try:
+        import_pyverbs()
+    except RdmaUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def rdma_device_missing() -> str | None:
+    """Why there is no usable RDMA device (pyverbs is importable), or None."""
+    from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
+
+    return rdma_unavailable_reason(os.environ.get("WT_RDMA_DEVICE") or None)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    needs_device = item.get_closest_marker("rdma") is not None
+    needs_pyverbs = needs_device or item.get_closest_marker("pyverbs") is not None
+    if needs_pyverbs and (why := pyverbs_missing()) is not None:
+        pytest.skip(f"pyverbs not importable: {why}")
+    if needs_device and (why := rdma_device_missing()) is not None:
+        pytest.skip(f"no RDMA device: {why}")
 
 
 @pytest.fixture

@@ -25,46 +25,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from weight_transfer.fp8_geometry import FP8_BLOCK, FP8_DTYPE, SCALE_DTYPE, block_cuts, scale_shape
 from weight_transfer.models import ModelConfig, check_expert_naming, trainer_param_shapes
 from weight_transfer.naming import name_problems, scale_name
 from weight_transfer.shard_geometry import TensorLayout, gc_paused, tensor_layouts
-from weight_transfer.types import Piece, ShardSpec, Transform, dtype_size
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineTensorSpec:
-    """One tensor of one engine rank: vLLM name, local (per-rank) shape, dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
+from weight_transfer.types import Piece, ShardSpec, TensorSpec, Transform, dtype_size
 
 
 def engine_tensor_specs(
     cfg: ModelConfig, shard: ShardSpec, *, fp8: bool, ignore: Iterable[str] = ()
-) -> list[EngineTensorSpec]:
-    """The tensors of one engine rank; an FP8 weight is followed by its scale tensor."""
+) -> list[TensorSpec]:
+    """The tensors of one engine rank (vLLM name, local shape, dtype); an FP8 weight is
+    followed by its scale tensor."""
     out = []
     for lay in tensor_layouts(cfg, shard, ignore=tuple(ignore)):
         if fp8 and lay.rule.fp8:
-            out.append(EngineTensorSpec(name=lay.rule.engine, shape=lay.shape, dtype=FP8_DTYPE))
+            out.append(TensorSpec(name=lay.rule.engine, shape=lay.shape, dtype=FP8_DTYPE))
             out.append(
-                EngineTensorSpec(
+                TensorSpec(
                     name=scale_name(lay.rule.engine),
                     shape=scale_shape(lay.shape),
                     dtype=SCALE_DTYPE,
                 )
             )
         else:
-            spec = EngineTensorSpec(name=lay.rule.engine, shape=lay.shape, dtype=lay.rule.dtype)
-            out.append(spec)
+            out.append(TensorSpec(name=lay.rule.engine, shape=lay.shape, dtype=lay.rule.dtype))
     return out
 
 

@@ -1,4 +1,4 @@
-"""What one trainer rank runs at every step: its tasks through the stage pipeline.
+"""One trainer rank's part of a weight transfer: its tasks through the stage pipeline.
 
 The unit that flows through the pipeline is one *parameter*, not one task,
 because ``full_tensor()`` is a collective: every rank of a parameter's mesh
@@ -16,12 +16,19 @@ replayed as it is, for each mesh group in order:
    ``write`` (one-sided WRITEs of those pieces, concurrently);
 3. after the group's last parameter, a barrier over all trainer ranks.
 
+A WRITE that fails with a :class:`~weight_transfer.transport.base.TransportError`
+aborts the run, unless ``on_write_error`` is given: then the failed task is
+handed to it and the rank goes on gathering and joining barriers (the other
+ranks of its meshes wait for it in every ``full_tensor()``). The report's
+``bytes_written`` and ``writes`` count only the WRITEs that completed;
+``bytes_planned`` is what the plan asked for.
+
 Usage (the Ray actor is a thin shell around this)::
 
-    step = TrainerStep(plan=plan.trainer_plan(r), params=trainer_meta.params,
-                       get_param=model_params.__getitem__, transport=nic,
-                       barrier=barrier, watermark_bytes=2 << 30)
-    report = await step.run(version=7)
+    transfer = RankTransfer(plan=plan.trainer_plan(r), params=trainer_meta.params,
+                            get_param=model_params.__getitem__, transport=nic,
+                            barrier=barrier, watermark_bytes=2 << 30)
+    report = await transfer.run(version=7)   # a TransferReport
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.prepare import as_bytes, prepare_pieces
+from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
@@ -94,22 +102,28 @@ def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork
     return out
 
 
+WriteErrorHook = Callable[[WriteTask, TransportError], None]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StepReport:
+class TransferReport:
+    """What one rank's transfer of one version did (see the module docstring)."""
+
     rank: int
     version: int
     seconds: float
-    bytes_written: int
-    writes: int
+    bytes_written: int  # bytes of the WRITEs that completed
+    bytes_planned: int  # bytes of the rank's tasks in the plan
+    writes: int  # WRITEs that completed
     params_gathered: int
     barrier_seconds: float
     watermark_peak: int
     spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
-    task_spans: tuple[Span, ...] = ()  # one per WRITE task: key is the task id
+    task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
 
 
-class TrainerStep:
-    """One rank's part of a weight update; see the module docstring."""
+class RankTransfer:
+    """One rank's part of a weight transfer, run once per version; see the module docstring."""
 
     def __init__(
         self,
@@ -123,6 +137,7 @@ class TrainerStep:
         device: torch.device | str | None = None,
         write_concurrency: int = 4,
         serial: bool = False,
+        on_write_error: WriteErrorHook | None = None,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
@@ -133,6 +148,7 @@ class TrainerStep:
         self.device = torch.device(device) if device is not None else None
         self.write_concurrency = write_concurrency
         self.serial = serial
+        self.on_write_error = on_write_error
         self._task_spans: list[Span] = []
         self.device_memory = bool(getattr(transport, "device_memory", False))
         # One thread for gathers: collectives must be issued in order, one at a time.
@@ -190,7 +206,13 @@ class TrainerStep:
 
     async def _write_task(self, buf: torch.Tensor, task: WriteTask) -> None:
         start = time.perf_counter()
-        await self.transport.write(self._source(buf), task.region, task.region_offset)
+        try:
+            await self.transport.write(self._source(buf), task.region, task.region_offset)
+        except TransportError as exc:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(task, exc)
+            return
         self._task_spans.append(
             Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
                  nbytes=task.nbytes)
@@ -209,7 +231,7 @@ class TrainerStep:
             Stage("write", self._write, concurrency=1 if self.serial else self.write_concurrency),
         ]
 
-    async def run(self, version: int) -> StepReport:
+    async def run(self, version: int) -> TransferReport:
         start = time.perf_counter()
         # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
         wm = ByteWatermark(1 if self.serial else self.watermark_bytes)
@@ -222,13 +244,14 @@ class TrainerStep:
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
-        tasks = [t for g in self.groups for ts in g.tasks.values() for t in ts]
-        return StepReport(
+        planned = sum(t.nbytes for g in self.groups for ts in g.tasks.values() for t in ts)
+        return TransferReport(
             rank=self.rank,
             version=version,
             seconds=time.perf_counter() - start,
-            bytes_written=sum(t.nbytes for t in tasks),
-            writes=len(tasks),
+            bytes_written=sum(sp.nbytes for sp in self._task_spans),
+            bytes_planned=planned,
+            writes=len(self._task_spans),
             params_gathered=sum(len(g.params) for g in self.groups),
             barrier_seconds=barrier_s,
             watermark_peak=wm.peak,

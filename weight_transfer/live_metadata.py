@@ -14,6 +14,10 @@ DeepSeek's ``e_score_correction_bias``) is replicated on ``replicated_ranks``
 Engine side, from the engine's state dict::
 
     specs = engine_tensors_from_state(dict(engine_model.named_parameters()))
+
+Expert naming of a live model, from its parameter names alone (no transformers)::
+
+    expert_naming_of(model)   # "stacked" (transformers-5 3-D experts) or "per_expert"
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from weight_transfer.engine_layout import EngineTensorSpec
 from weight_transfer.naming import canonical_trainer_name
-from weight_transfer.types import MeshDesc, ParamMeta, Placement
+from weight_transfer.types import MeshDesc, ParamMeta, Placement, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ def param_metas_from_module(
     return out
 
 
-def engine_tensors_from_state(state: dict[str, torch.Tensor]) -> list[EngineTensorSpec]:
+def engine_tensors_from_state(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     """Name, local shape and dtype of each engine tensor, in ``state`` order.
 
     A name whose tensor aliases an earlier entry's memory exactly (vLLM's tied
@@ -125,5 +128,20 @@ def engine_tensors_from_state(state: dict[str, torch.Tensor]) -> list[EngineTens
         if key in seen:
             continue
         seen.add(key)
-        out.append(EngineTensorSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype)))
+        out.append(TensorSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype)))
     return out
+
+
+# A transformers-5 MoE model holds each layer's experts as one 3-D parameter.
+_STACKED_EXPERTS_SUFFIX = "mlp.experts.gate_up_proj"
+
+
+def expert_naming_of(model: torch.nn.Module) -> str:
+    """``"stacked"`` if the model holds 3-D expert parameters (transformers 5), else
+    ``"per_expert"`` (also for dense models, whose names are the same either way).
+
+    Decided from parameter names alone, so a trainer actor needs no transformers
+    import to report its naming (``TrainerMixin.wt_param_metas``).
+    """
+    stacked = any(n.endswith(_STACKED_EXPERTS_SUFFIX) for n, _ in model.named_parameters())
+    return "stacked" if stacked else "per_expert"

@@ -1,9 +1,11 @@
 """Model architectures by hyper-parameters, and the exact trainer parameters they imply.
 
 A :class:`ModelConfig` holds the fields of a Hugging Face ``config.json`` that
-decide tensor names and shapes, plus ``architecture``. Configs live in
-``configs/models/*.yaml`` and are read with :func:`load_model_config`, which
-turns any problem into a ``ValueError`` naming the file and the field.
+decide tensor names and shapes, plus ``architecture``: a name registered in
+:mod:`weight_transfer.arch`, whose module knows the layers of that family
+(``cfg.arch``). Configs live in ``configs/models/*.yaml`` and are read with
+:func:`load_model_config`, which turns any problem into a ``ValueError`` naming
+the file and the field.
 
 :func:`trainer_param_specs` lists every trainer parameter with its Hugging Face
 checkpoint name and global shape without allocating any tensor (Kimi-K2, 1T
@@ -11,46 +13,43 @@ parameters: well under a second). Two namings of MoE experts are accepted:
 
 * ``"per_expert"`` - the checkpoint's names, one 2-D tensor per expert:
   ``model.layers.3.mlp.experts.7.gate_proj.weight`` ``[moe_inter, hidden]``;
-* ``"stacked"`` - transformers 5 builds ``Qwen3MoeExperts`` / DeepSeek-V3 experts
-  as 3-D parameters without a ``.weight`` suffix:
+* ``"stacked"`` - transformers 5 builds ``Qwen3MoeExperts`` / DeepSeek-V3 / Mixtral
+  experts as 3-D parameters without a ``.weight`` suffix:
   ``mlp.experts.gate_up_proj`` ``[E, 2 * moe_inter, hidden]`` (gate rows first,
   then up: its forward does ``linear(x, gate_up_proj[e]).chunk(2, dim=-1)``) and
   ``mlp.experts.down_proj`` ``[E, hidden, moe_inter]``.
 
-DeepSeek-V3's multi-token-prediction layer (``num_nextn_predict_layers``) is in
-the checkpoint but not in the trained model (transformers and vLLM's main model
-both skip it), so it is not listed. Seeded random weights of a tiny
-config for tests and the demo are in :mod:`reference.random_state`.
+Each architecture module spells its own names (Mixtral's checkpoint:
+``block_sparse_moe.experts.{e}.w1.weight``; see :mod:`weight_transfer.arch.mixtral`).
+:class:`TrainerParamSpec` is a :class:`~weight_transfer.types.TensorSpec` with
+the decoder ``layer`` and, under per_expert naming, the ``expert``. Seeded
+random weights of a tiny config for tests and the demo are in
+:mod:`reference.random_state`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PositiveInt,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
+from weight_transfer.arch import Architecture, get_architecture
+from weight_transfer.arch.common import TrainerParamSpec
 from weight_transfer.config_files import load_yaml
 from weight_transfer.types import DTYPE_SIZES
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 ExpertNaming = Literal["per_expert", "stacked"]
 EXPERT_NAMINGS: tuple[str, ...] = ("per_expert", "stacked")
-MOE_ARCHITECTURES = ("qwen3_moe", "deepseek_v3")
-_REQUIRED: dict[str, tuple[str, ...]] = {
-    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-    "deepseek_v3": (
-        "n_routed_experts",
-        "moe_intermediate_size",
-        "kv_lora_rank",
-        "qk_nope_head_dim",
-        "qk_rope_head_dim",
-        "v_head_dim",
-    ),
-}
 
 
 class ModelConfig(BaseModel):
@@ -64,7 +63,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    architecture: Architecture
+    architecture: str  # a name registered in weight_transfer.arch
     name: str = ""
     hidden_size: PositiveInt
     num_hidden_layers: PositiveInt
@@ -76,9 +75,11 @@ class ModelConfig(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool | None = None
     torch_dtype: str = "bfloat16"
-    # mixture of experts (qwen3_moe: num_experts; deepseek_v3: n_routed_experts)
+    # mixture of experts (qwen3_moe: num_experts; deepseek_v3: n_routed_experts;
+    # mixtral: num_local_experts, each of intermediate_size)
     num_experts: PositiveInt | None = None
     n_routed_experts: PositiveInt | None = None
+    num_local_experts: PositiveInt | None = None
     num_experts_per_tok: PositiveInt | None = None
     moe_intermediate_size: PositiveInt | None = None
     n_shared_experts: int | None = None
@@ -109,13 +110,22 @@ class ModelConfig(BaseModel):
 
     _cache: dict[Any, Any] = PrivateAttr(default_factory=dict)
 
+    @field_validator("architecture")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        get_architecture(name)  # ValueError listing the registered names
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.torch_dtype not in DTYPE_SIZES:
             raise ValueError(f"torch_dtype: unknown dtype {self.torch_dtype!r}")
-        for field in _REQUIRED.get(self.architecture, ()):
+        for field in self.arch.required_fields:
             if getattr(self, field) is None:
                 raise ValueError(f"{field}: required for architecture {self.architecture!r}")
+        problems = self.arch.check(self)
+        if problems:
+            raise ValueError(f"architecture {self.architecture!r}: " + "; ".join(problems))
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
                 f"num_key_value_heads: {self.kv_heads} does not divide "
@@ -132,6 +142,11 @@ class ModelConfig(BaseModel):
 
     # ------------------------------------------------------------ derived sizes
     @property
+    def arch(self) -> Architecture:
+        """The registered architecture object (its module knows the layers)."""
+        return get_architecture(self.architecture)
+
+    @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
@@ -141,7 +156,14 @@ class ModelConfig(BaseModel):
 
     @property
     def n_experts(self) -> int:
-        return self.num_experts or self.n_routed_experts or 0
+        """Routed experts per MoE layer (0 for a dense architecture)."""
+        field = self.arch.experts_field
+        return (getattr(self, field) or 0) if field else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Intermediate size of one routed expert (0 when the config has none)."""
+        return getattr(self, self.arch.expert_size_field) or 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -150,24 +172,18 @@ class ModelConfig(BaseModel):
     @property
     def qkv_bias(self) -> bool:
         """q/k/v biases: always in Qwen2, ``attention_bias`` in Llama and Qwen3."""
-        return self.architecture == "qwen2" or bool(self.attention_bias)
+        return self.arch.qkv_bias(self)
 
     @property
     def o_bias(self) -> bool:
-        return self.architecture in ("llama", "qwen3", "qwen3_moe") and bool(self.attention_bias)
+        return self.arch.o_bias(self)
 
     @property
     def has_router_bias(self) -> bool:
-        return self.architecture == "deepseek_v3" and self.topk_method in (None, "noaux_tc")
+        return self.arch.has_router_bias(self)
 
     def is_moe_layer(self, layer: int) -> bool:
-        if self.architecture == "qwen3_moe":
-            return (
-                layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-            )
-        if self.architecture == "deepseek_v3":
-            return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
-        return False
+        return self.arch.is_moe_layer(self, layer)
 
     def __eq__(self, other: object) -> bool:
         """Equal when the fields are (the memo is not part of the value)."""
@@ -201,113 +217,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
 # --------------------------------------------------------------------------- trainer params
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerParamSpec:
-    """One trainer parameter by its Hugging Face name, global shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    expert: int | None = None
-    layer: int | None = None
-
-
-def _attention(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    h, hd = cfg.hidden_size, cfg.head_size
-    q, kv = cfg.num_attention_heads * hd, cfg.kv_heads * hd
-    out: list[tuple[str, tuple[int, ...]]] = []
-    for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        out.append((f"self_attn.{proj}.weight", (rows, h)))
-        if cfg.qkv_bias:
-            out.append((f"self_attn.{proj}.bias", (rows,)))
-    out.append(("self_attn.o_proj.weight", (h, q)))
-    if cfg.o_bias:
-        out.append(("self_attn.o_proj.bias", (h,)))
-    if cfg.architecture in ("qwen3", "qwen3_moe"):
-        out += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
-    return out
-
-
-def _mla(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    kvl, rope = cfg.kv_lora_rank or 0, cfg.qk_rope_head_dim or 0
-    nope, v = cfg.qk_nope_head_dim or 0, cfg.v_head_dim or 0
-    if cfg.q_lora_rank:
-        ql = cfg.q_lora_rank
-        q = [
-            ("self_attn.q_a_proj.weight", (ql, h)),
-            ("self_attn.q_a_layernorm.weight", (ql,)),
-            ("self_attn.q_b_proj.weight", (nh * cfg.qk_head_dim, ql)),
-        ]
-    else:
-        q = [("self_attn.q_proj.weight", (nh * cfg.qk_head_dim, h))]
-    return [
-        *q,
-        ("self_attn.kv_a_proj_with_mqa.weight", (kvl + rope, h)),
-        ("self_attn.kv_a_layernorm.weight", (kvl,)),
-        ("self_attn.kv_b_proj.weight", (nh * (nope + v), kvl)),
-        ("self_attn.o_proj.weight", (h, nh * v)),
-    ]
-
-
-def _dense_mlp(prefix: str, h: int, inter: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [
-        (f"{prefix}.gate_proj.weight", (inter, h)),
-        (f"{prefix}.up_proj.weight", (inter, h)),
-        (f"{prefix}.down_proj.weight", (h, inter)),
-    ]
-
-
-def _layer_specs(cfg: ModelConfig, i: int, naming: str) -> list[TrainerParamSpec]:
-    p, h, dt = f"model.layers.{i}.", cfg.hidden_size, cfg.torch_dtype
-    attn = _mla(cfg) if cfg.architecture == "deepseek_v3" else _attention(cfg)
-    out = [TrainerParamSpec(name=p + n, shape=s, dtype=dt, layer=i) for n, s in attn]
-    if not cfg.is_moe_layer(i):
-        out += [
-            TrainerParamSpec(name=p + n, shape=s, dtype=dt, layer=i)
-            for n, s in _dense_mlp("mlp", h, cfg.intermediate_size)
-        ]
-    else:
-        out += _moe_specs(cfg, i, naming)
-    out += [
-        TrainerParamSpec(name=p + n, shape=(h,), dtype=dt, layer=i)
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
-    ]
-    return out
-
-
-def _moe_specs(cfg: ModelConfig, i: int, naming: str) -> list[TrainerParamSpec]:
-    p, h, dt = f"model.layers.{i}.mlp.", cfg.hidden_size, cfg.torch_dtype
-    e_count, inter = cfg.n_experts, cfg.moe_intermediate_size or 0
-    out = [TrainerParamSpec(name=p + "gate.weight", shape=(e_count, h), dtype=dt, layer=i)]
-    if cfg.has_router_bias:
-        out.append(
-            TrainerParamSpec(
-                name=p + "gate.e_score_correction_bias", shape=(e_count,), dtype="float32", layer=i
-            )
-        )
-    if naming == "stacked":
-        out += [
-            TrainerParamSpec(name=p + "experts.gate_up_proj", shape=(e_count, 2 * inter, h),
-                             dtype=dt, layer=i),
-            TrainerParamSpec(name=p + "experts.down_proj", shape=(e_count, h, inter),
-                             dtype=dt, layer=i),
-        ]
-    else:
-        shapes = _dense_mlp("", h, inter)
-        out += [
-            TrainerParamSpec(name=f"{p}experts.{e}{n}", shape=s, dtype=dt, expert=e, layer=i)
-            for e in range(e_count)
-            for n, s in shapes
-        ]
-    if cfg.architecture == "deepseek_v3" and cfg.n_shared_experts:
-        out += [
-            TrainerParamSpec(name=p + n, shape=s, dtype=dt, layer=i)
-            for n, s in _dense_mlp("shared_experts", h, inter * cfg.n_shared_experts)
-        ]
-    return out
-
-
 def check_expert_naming(expert_naming: str) -> None:
     if expert_naming not in EXPERT_NAMINGS:
         raise ValueError(f"expert_naming must be one of {EXPERT_NAMINGS}, not {expert_naming!r}")
@@ -326,10 +235,10 @@ def trainer_param_specs(
 
 
 def _build(cfg: ModelConfig, naming: str) -> tuple[TrainerParamSpec, ...]:
-    v, h, dt = cfg.vocab_size, cfg.hidden_size, cfg.torch_dtype
+    v, h, dt, arch = cfg.vocab_size, cfg.hidden_size, cfg.torch_dtype, cfg.arch
     out = [TrainerParamSpec(name="model.embed_tokens.weight", shape=(v, h), dtype=dt)]
     for i in range(cfg.num_hidden_layers):
-        out += _layer_specs(cfg, i, naming)
+        out += arch.layer_params(cfg, i, naming)
     out.append(TrainerParamSpec(name="model.norm.weight", shape=(h,), dtype=dt))
     if not cfg.tie_word_embeddings:
         out.append(TrainerParamSpec(name="lm_head.weight", shape=(v, h), dtype=dt))

@@ -21,6 +21,10 @@ The cuts are vLLM's (see :mod:`weight_transfer.naming` for the tables):
   ``E / ep_size`` whole experts; with ``ep_size == 1`` every rank holds all
   experts cut by TP on the intermediate dimension (vLLM without expert
   parallelism). ``w13_weight`` is ``[E_local, 2*inter_local, hidden]``, gate then up;
+  ``inter`` is the architecture's expert size (``cfg.expert_intermediate_size``).
+
+Sources are the trainer names of the chosen expert naming (:func:`rule_sources`):
+under ``stacked`` naming a rule may read other names than its checkpoint sources.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from weight_transfer.naming import (
     bound_rules,
     expert_sources,
     matches,
+    rule_sources,
 )
 from weight_transfer.types import ShardSpec
 
@@ -69,9 +74,11 @@ def _cut(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
     return rank * size, size
 
 
-def _rows(cfg: ModelConfig, rule: BoundRule, part: int, n: int, s: ShardSpec) -> tuple[int, int]:
+def _rows(
+    cfg: ModelConfig, rule: BoundRule, part: int, src: str, n: int, s: ShardSpec
+) -> tuple[int, int]:
     """(start, length) of a fused part's rows that rank ``s`` holds."""
-    what = f"{rule.engine} part {part} ({rule.sources[part]}) over tp_size={s.tp_size}"
+    what = f"{rule.engine} part {part} ({src}) over tp_size={s.tp_size}"
     if rule.split in (Split.REPLICATED, Split.ROW):
         return 0, n
     if rule.split == Split.COLUMN:
@@ -93,11 +100,13 @@ def _rows(cfg: ModelConfig, rule: BoundRule, part: int, n: int, s: ShardSpec) ->
     return start * hd, heads * hd
 
 
-def _dense_layout(cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict) -> TensorLayout:
+def _dense_layout(
+    cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict, naming: str
+) -> TensorLayout:
     segments, local_rows, cols = [], 0, None
-    for part, src in enumerate(rule.sources):
+    for part, src in enumerate(rule_sources(rule, naming)):
         shape = _shape(shapes, src, rule)
-        start, n = _rows(cfg, rule, part, shape[0], s)
+        start, n = _rows(cfg, rule, part, src, shape[0], s)
         rect = ((start, start + n),)
         if len(shape) == 2:
             c0, nc = (0, shape[1])
@@ -115,14 +124,15 @@ def _dense_layout(cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict)
 def _expert_layout(
     cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict, naming: str
 ) -> TensorLayout:
-    n_exp, inter, h = cfg.n_experts, cfg.moe_intermediate_size or 0, cfg.hidden_size
-    what = f"{rule.engine} over ep_size={s.ep_size}"
+    n_exp, inter, h = cfg.n_experts, cfg.expert_intermediate_size, cfg.hidden_size
     if s.ep_size > 1:  # whole experts per EP rank, no TP inside the MoE
-        e0, el = _cut(n_exp, s.ep_size, s.ep_rank, what + " (experts)")
+        what = f"{rule.engine} over ep_size={s.ep_size} (experts)"
+        e0, el = _cut(n_exp, s.ep_size, s.ep_rank, what)
         mt, mr = 1, 0
     else:
         e0, el, mt, mr = 0, n_exp, s.tp_size, s.tp_rank
-    c0, il = _cut(inter, mt, mr, f"{rule.engine} moe_intermediate_size over tp_size={mt}")
+    what = f"{rule.engine} {cfg.arch.expert_size_field} over tp_size={mt}"
+    c0, il = _cut(inter, mt, mr, what)
     column = rule.split == Split.EXPERTS_COLUMN
     segments: list[Segment] = []
     if naming == "stacked":
@@ -198,7 +208,7 @@ def _layouts(cfg: ModelConfig, shard: ShardSpec, expert_naming: str, ignore: tup
             if rule.split in EXPERT_SPLITS:
                 out.append(_expert_layout(cfg, rule, shard, shapes, expert_naming))
             else:
-                layout = _dense_layout(cfg, rule, shard, shapes)
+                layout = _dense_layout(cfg, rule, shard, shapes, expert_naming)
                 if layout.shape[0]:
                     out.append(layout)
     return tuple(out)

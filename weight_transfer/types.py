@@ -7,6 +7,8 @@ Nothing here imports torch: dtypes travel as their torch attribute names
 
 How the pieces fit together::
 
+    one record:    TensorSpec (name, shape, dtype, nbytes); ParamMeta and
+                   EngineTensorMeta extend it, layouts list it
     trainer side:  ParamMeta (global shape, dtype, mesh, placements) x RankInfo
     engine side:   EngineRankMeta (replica, TP/EP shard, NIC) -> EngineTensorMeta
                    (local shape, dtype, region + offset where it lives)
@@ -49,6 +51,24 @@ def dtype_size(dtype: str) -> int:
 
 def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec:
+    """A tensor by name, shape and dtype: the one record the richer metadata extends.
+
+    :class:`ParamMeta`, :class:`EngineTensorMeta`, the engine layout's tensor
+    lists and the trainer parameter specs all are (or subclass) this, so the
+    byte size is computed in one place.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * dtype_size(self.dtype)
 
 
 # --------------------------------------------------------------------------- data plane
@@ -134,18 +154,12 @@ class MeshDesc:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ParamMeta:
-    """One trainer parameter: name as the trainer holds it, global shape and dtype."""
+class ParamMeta(TensorSpec):
+    """One trainer parameter: name as the trainer holds it, global shape and dtype,
+    and the mesh and placements it is sharded with."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
     mesh: MeshDesc
     placements: tuple[Placement, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,18 +197,11 @@ class ShardSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EngineTensorMeta:
+class EngineTensorMeta(TensorSpec):
     """One tensor as an engine rank holds it: local shape/dtype and where it lives."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
     region: RegionDesc
     offset: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

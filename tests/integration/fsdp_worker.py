@@ -1,4 +1,4 @@
-"""A trainer rank for the multi-process tests: FSDP2 over a CPU gloo mesh, then TrainerStep.
+"""A trainer rank for the multi-process tests: FSDP2 over a CPU gloo mesh, then RankTransfer.
 
 Run by ``torch.multiprocessing``/``multiprocessing`` spawn from a test. The rank
 builds the model from a seeded random state dict (every rank the same values),
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from reference.random_state import random_state_dict
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.executor import TrainerStep
+from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import param_metas_from_module
 from weight_transfer.models import load_model_config
 from weight_transfer.transport.simnic import SimNic
@@ -89,12 +89,13 @@ def run_rank(rank: int, world: int, port: int, cfg_path: str, seed: int, ep: int
             with SimNic(owner=f"trainer{rank}", nic=f"trainer-nic{rank}", **opts) as nic:
                 for peer in peers:
                     nic.connect(peer)
-                step = TrainerStep(plan=loads_trainer_plan(blob), params=metas,
-                                   get_param=params.__getitem__, transport=nic, barrier=barrier)
+                transfer = RankTransfer(plan=loads_trainer_plan(blob), params=metas,
+                                        get_param=params.__getitem__, transport=nic,
+                                        barrier=barrier)
                 try:
-                    report = asyncio.run(step.run(version=version))
+                    report = asyncio.run(transfer.run(version=version))
                 finally:
-                    step.close()
+                    transfer.close()
             conn.send(report)
     except BaseException as exc:
         conn.send(exc)

@@ -1,7 +1,8 @@
 """Real RDMA WRITEs through pyverbs: in-process loopback and a target in another process.
 
-Needs an RDMA device (InfiniBand, RoCE or rxe); skipped with the reason without
-one. ``WT_RDMA_DEVICE`` and ``WT_RDMA_GID_INDEX`` choose the device and GID
+Needs an RDMA device (InfiniBand, RoCE or rxe): the ``rdma`` marker makes
+tests/conftest.py skip with "pyverbs not importable: ..." or "no RDMA device:
+..." without one. ``WT_RDMA_DEVICE`` and ``WT_RDMA_GID_INDEX`` choose the device and GID
 (RoCE needs a GID that carries an address). The cross-process tests use
 :class:`~testkit.harness.RemoteTarget`: a spawned process
 registers the middle of a guarded buffer; the writer writes into it while the
@@ -25,13 +26,10 @@ from weight_transfer.transport import (
     RemoteAccessError,
     make_transport,
 )
-from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
 
 DEVICE = os.environ.get("WT_RDMA_DEVICE") or None
 GID_INDEX = int(os.environ.get("WT_RDMA_GID_INDEX", "0"))
-REASON = rdma_unavailable_reason(DEVICE)
-pytestmark = [pytest.mark.rdma,
-              pytest.mark.skipif(REASON is not None, reason=f"no RDMA device: {REASON}")]
+pytestmark = pytest.mark.rdma  # skipped by tests/conftest.py without pyverbs or a device
 
 MiB = 1 << 20
 GUARD = 4096

@@ -127,6 +127,7 @@ def test_plan_replayed_by_fsdp_ranks_lands_exactly(cluster_run, fp8):
             pipe.send((1, dumps_trainer_plan(plan.trainer_plan(r)), peers, {}))
         reports = [_recv(p) for p in pipes]
     assert sum(r.bytes_written for r in reports) == plan.bytes_total
+    assert all(r.bytes_written == r.bytes_planned for r in reports)
     assert all(r.params_gathered > 0 for r in reports)
     state = random_state_dict(cfg, seed=SEED)
     for e, t in zip(engines, targets, strict=True):

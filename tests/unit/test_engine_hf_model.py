@@ -33,7 +33,7 @@ def cfg_of(name: str) -> ModelConfig:
 @pytest.mark.parametrize(
     "name, naming",
     [("tiny_llama", "per_expert"), ("tiny_qwen2", "per_expert"), ("tiny_qwen3", "per_expert"),
-     ("tiny_moe", "stacked")],
+     ("tiny_moe", "stacked"), ("tiny_mixtral", "stacked")],
 )
 def test_parameters_are_the_trainer_specs(name, naming):
     cfg = cfg_of(name)

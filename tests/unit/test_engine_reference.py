@@ -38,7 +38,7 @@ TINY_QWEN3 = ModelConfig(
 )
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
-ARCHS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_moe"]
+ARCHS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_moe", "tiny_mixtral"]
 TP1 = ShardSpec()
 
 

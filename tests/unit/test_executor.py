@@ -1,4 +1,4 @@
-"""TrainerStep: a real plan replayed through the stage pipeline into simnic regions.
+"""RankTransfer: a real plan replayed through the stage pipeline into simnic regions.
 
 Parameters here are plain full tensors (``full_tensor`` is the identity); the
 multi-process FSDP2 test in tests/integration covers DTensor gathers.
@@ -16,9 +16,11 @@ from reference.loader import load_engine_shard
 from reference.random_state import random_state_dict
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.executor import TrainerStep, check_trainer_plan
+from weight_transfer.executor import RankTransfer, check_trainer_plan
 from weight_transfer.models import load_model_config
+from weight_transfer.pipeline import PipelineError
 from weight_transfer.prepare import as_bytes
+from weight_transfer.transport.base import RemoteAccessError
 from weight_transfer.transport.simnic import SimNic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -49,8 +51,8 @@ class Setup:
         for target in self.targets.values():
             self.writer.connect(target.peer_info("trainers"))
 
-    def step(self, rank, **kw):
-        return TrainerStep(
+    def transfer(self, rank, **kw):
+        return RankTransfer(
             plan=self.plan.trainer_plan(rank),
             params=self.trainer_meta.params,
             get_param=self.state.__getitem__,
@@ -74,7 +76,7 @@ def test_every_engine_byte_equals_reference(model, fp8):
     s = Setup(model, fp8=fp8)
     try:
         async def run_all():
-            return [await s.step(r.rank, watermark_bytes=4 << 20).run(version=1)
+            return [await s.transfer(r.rank, watermark_bytes=4 << 20).run(version=1)
                     for r in s.trainer_meta.ranks]
 
         reports = asyncio.run(run_all())
@@ -94,13 +96,15 @@ def test_watermark_peak_bounded_and_oversized_params_still_run():
     try:
         biggest = max(p.nbytes for p in s.trainer_meta.params)
         limit = biggest // 2  # smaller than the embedding: it must run alone, not deadlock
-        reports = [asyncio.run(asyncio.wait_for(s.step(r.rank, watermark_bytes=limit).run(1), 60))
-                   for r in s.trainer_meta.ranks]
+        reports = [
+            asyncio.run(asyncio.wait_for(s.transfer(r.rank, watermark_bytes=limit).run(1), 60))
+            for r in s.trainer_meta.ranks
+        ]
         for rep in reports:
             assert rep.params_gathered > 0
         # A rank's peak exceeds the limit only by an item admitted alone.
         assert any(rep.watermark_peak > limit for rep in reports)
-        roomy = asyncio.run(s.step(0, watermark_bytes=1 << 30).run(2))
+        roomy = asyncio.run(s.transfer(0, watermark_bytes=1 << 30).run(2))
         assert roomy.watermark_peak <= 1 << 30
     finally:
         s.close()
@@ -109,7 +113,7 @@ def test_watermark_peak_bounded_and_oversized_params_still_run():
 def test_capped_writes_overlap_with_later_prepares():
     s = Setup("tiny_llama", fp8=False, bandwidth_gbps=0.02)
     try:
-        rep = asyncio.run(s.step(0, watermark_bytes=64 << 20).run(version=1))
+        rep = asyncio.run(s.transfer(0, watermark_bytes=64 << 20).run(version=1))
         spans = {(sp.key, sp.stage): sp for sp in rep.spans}
         order = [sp.key for sp in rep.spans if sp.stage == "prepare"]
         overlapped = [
@@ -117,7 +121,7 @@ def test_capped_writes_overlap_with_later_prepares():
             if (a, "write") in spans and spans[(b, "prepare")].start < spans[(a, "write")].end
         ]
         assert overlapped, "no prepare ran while an earlier write was in flight"
-        serial = asyncio.run(s.step(0, serial=True).run(version=2))
+        serial = asyncio.run(s.transfer(0, serial=True).run(version=2))
         sp2 = sorted(serial.spans, key=lambda x: x.start)
         for a, b in itertools.pairwise(sp2):
             assert b.start >= a.end - 1e-9  # serial mode: nothing overlaps
@@ -157,10 +161,10 @@ def test_each_rank_gathers_its_meshes_params_once_in_plan_order():
             log = []
             params = {n: CountingParam(n, t, log) for n, t in s.state.items()}
             tp = s.plan.trainer_plan(r.rank)
-            step = TrainerStep(plan=tp, params=s.trainer_meta.params,
-                               get_param=params.__getitem__, transport=s.writer)
-            asyncio.run(step.run(version=1))
-            step.close()
+            transfer = RankTransfer(plan=tp, params=s.trainer_meta.params,
+                                    get_param=params.__getitem__, transport=s.writer)
+            asyncio.run(transfer.run(version=1))
+            transfer.close()
             # Every parameter of the rank's meshes exactly once, in the plan's gather order,
             # including parameters this rank writes none of (fused parts read by other ranks).
             assert log == [n for g in tp.groups for n in g.params]
@@ -175,10 +179,10 @@ def test_each_rank_gathers_its_meshes_params_once_in_plan_order():
         lean = dataclasses.replace(tp, groups=(g0, *tp.groups[1:]))
         log = []
         params = {n: CountingParam(n, t, log) for n, t in s.state.items()}
-        step = TrainerStep(plan=lean, params=s.trainer_meta.params,
-                           get_param=params.__getitem__, transport=s.writer)
-        rep = asyncio.run(step.run(version=2))
-        step.close()
+        transfer = RankTransfer(plan=lean, params=s.trainer_meta.params,
+                                get_param=params.__getitem__, transport=s.writer)
+        rep = asyncio.run(transfer.run(version=2))
+        transfer.close()
         assert log.count(skip) == 1
         assert rep.writes == len(lean.tasks)
     finally:
@@ -189,7 +193,7 @@ def test_every_task_records_a_write_span_inside_its_parameters_write_span():
     s = Setup("tiny_moe", fp8=True, bandwidth_gbps=0.5)
     try:
         tp = s.plan.trainer_plan(1)
-        rep = asyncio.run(s.step(1).run(version=1))
+        rep = asyncio.run(s.transfer(1).run(version=1))
         by_id = {sp.key: sp for sp in rep.task_spans}
         assert sorted(by_id) == sorted(t.task_id for t in tp.tasks)
         param_write = {sp.key: sp for sp in rep.spans if sp.stage == "write"}
@@ -198,5 +202,31 @@ def test_every_task_records_a_write_span_inside_its_parameters_write_span():
             assert sp.nbytes == t.nbytes and sp.end >= sp.start
             assert outer.start <= sp.start and sp.end <= outer.end
         assert sum(sp.nbytes for sp in rep.task_spans) == rep.bytes_written
+    finally:
+        s.close()
+
+
+def test_failed_writes_are_not_counted_as_written_and_the_transfer_goes_on():
+    s = Setup("tiny_llama", fp8=False)
+    try:
+        engine = s.engines[0]
+        revoked = engine.tensors[0].region
+        s.targets[revoked.nic].deregister(revoked)  # no write into it lands any more
+        tp = s.plan.trainer_plan(0)
+        lost = [t for t in tp.tasks if t.region == revoked]
+        assert 0 < len(lost) < len(tp.tasks)
+        failed = []
+        transfer = s.transfer(0, on_write_error=lambda task, exc: failed.append((task, exc)))
+        rep = asyncio.run(transfer.run(version=1))
+        assert sorted(t.task_id for t, _ in failed) == sorted(t.task_id for t in lost)
+        assert all(isinstance(exc, RemoteAccessError) for _, exc in failed)
+        assert rep.bytes_planned == sum(t.nbytes for t in tp.tasks)
+        landed = s.writer.bytes_written
+        assert rep.bytes_written == landed == rep.bytes_planned - sum(t.nbytes for t in lost)
+        assert rep.bytes_written < rep.bytes_planned
+        assert rep.writes == len(tp.tasks) - len(lost) == len(rep.task_spans)
+        assert not s.buffers[(engine.replica, engine.rank)].any()
+        with pytest.raises(PipelineError, match="no live region"):  # no hook: abort
+            asyncio.run(s.transfer(0).run(version=2))
     finally:
         s.close()

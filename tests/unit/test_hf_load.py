@@ -112,3 +112,20 @@ def test_unknown_checkpoint_tensors_are_reported():
     sd["model.layers.0.mlp.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"not loaded: \['model.layers.0.mlp.extra.weight'\]"):
         load_engine_shard(c, sd, ShardSpec(), fp8=False)
+
+
+def test_mixtral_checkpoint_spelling_w1_gate_w3_up_w2_down():
+    c = cfg("tiny_mixtral")  # 4 experts, intermediate_size 256 per expert
+    sd = random_state_dict(c, seed=6)  # per_expert: block_sparse_moe.experts.{e}.w1 ...
+    out = load_engine_shard(c, sd, ShardSpec(tp_rank=1, tp_size=2), fp8=False)
+    m = "model.layers.1.block_sparse_moe."
+    w13 = out[m + "experts.w13_weight"]  # rank 1's rows of w1, then of w3
+    assert w13.shape == (4, 256, 256)
+    assert torch.equal(w13[3, :128], sd[m + "experts.3.w1.weight"][128:])
+    assert torch.equal(w13[3, 128:], sd[m + "experts.3.w3.weight"][128:])
+    assert torch.equal(out[m + "experts.w2_weight"][3], sd[m + "experts.3.w2.weight"][:, 128:])
+    assert torch.equal(out[m + "gate.weight"], sd[m + "gate.weight"])
+    fp8 = load_engine_shard(c, sd, ShardSpec(ep_rank=1, ep_size=2), fp8=True)
+    assert fp8[m + "experts.w13_weight"].dtype == torch.float8_e4m3fn  # w1/w3 are linears
+    assert fp8[m + "experts.w13_weight_scale_inv"].shape == (2, 4, 2)
+    assert fp8[m + "gate.weight"].dtype == torch.bfloat16  # the router stays bf16

@@ -141,6 +141,7 @@ def test_fp8_weight_and_scale_pieces_share_the_source_rectangle():
     ("name", "s", "message"),
     [
         ("tiny_moe", shard(0, 4), "blocks cut .*w13_weight"),
+        ("tiny_mixtral", shard(0, 4), "blocks cut .*block_sparse_moe.experts.w13_weight"),
         ("tiny_deepseek_v3", shard(1, 4), "blocks cut .*kv_b_proj"),
     ],
 )
@@ -155,6 +156,7 @@ def test_fp8_cut_inside_a_block_is_an_error_naming_the_tensor(name, s, message):
     [
         ("tiny_qwen2", shard(0, 4), "num_attention_heads=2"),
         ("tiny_moe", shard(0, 1, 0, 3), "ep_size=3 does not divide 8 experts"),
+        ("tiny_mixtral", shard(0, 1, 0, 3), "ep_size=3 does not divide 4 experts"),
         ("tiny_llama", shard(0, 8), "num_attention_heads=4"),
     ],
 )
@@ -167,7 +169,8 @@ def test_indivisible_shards_are_errors(name, s, message):
     ("name", "tp", "ep", "fp8"),
     [("tiny_llama", 4, 1, True), ("tiny_qwen2", 2, 1, True), ("tiny_moe", 2, 4, True),
      ("tiny_moe", 4, 1, False), ("tiny_deepseek_v3", 2, 8, True),
-     ("tiny_deepseek_v3", 4, 1, False)],
+     ("tiny_deepseek_v3", 4, 1, False), ("tiny_mixtral", 2, 1, True),
+     ("tiny_mixtral", 2, 2, True), ("tiny_mixtral", 4, 4, False)],
 )
 @pytest.mark.parametrize("naming", ["per_expert", "stacked"])
 def test_every_byte_covered_exactly_once(name, tp, ep, fp8, naming):

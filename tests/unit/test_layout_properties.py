@@ -23,9 +23,10 @@ from weight_transfer.types import ShardSpec
 
 @st.composite
 def setups(draw):
-    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]))
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3",
+                                 "mixtral"]))
     fp8, tp = draw(st.booleans()), draw(st.sampled_from([1, 2, 4]))
-    moe = arch in ("qwen3_moe", "deepseek_v3")
+    moe = arch in ("qwen3_moe", "deepseek_v3", "mixtral")
     ep = draw(st.sampled_from([1, 2, 4])) if moe else 1
     unit = 128 if fp8 else 32
     heads = tp * draw(st.integers(1, 2))
@@ -47,6 +48,9 @@ def setups(draw):
         experts = ep * draw(st.integers(1, 2))
     if arch == "qwen3_moe":
         fields.update(num_experts=experts, mlp_only_layers=draw(st.sampled_from([(), (0,)])))
+    if arch == "mixtral":  # the experts' size is intermediate_size
+        fields.update(num_local_experts=experts, num_experts_per_tok=1,
+                      intermediate_size=fields.pop("moe_intermediate_size"))
     if arch == "deepseek_v3":
         fields.update(
             num_key_value_heads=heads,

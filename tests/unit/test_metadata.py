@@ -118,3 +118,34 @@ def test_engine_tensors_from_state():
     ]
     with pytest.raises(ValueError, match="'x' is a list"):
         engine_tensors_from_state({"x": [1]})
+
+
+def test_one_tensor_record_for_every_kind_of_metadata():
+    import dataclasses
+    import pickle
+
+    from reference.buffer import TensorSlot
+    from weight_transfer.models import TrainerParamSpec
+    from weight_transfer.types import EngineTensorMeta, ParamMeta, RegionDesc, TensorSpec
+
+    mesh = MeshDesc(ranks=(0, 1), shape=(2,))
+    region = RegionDesc(owner="e/tp0", nic="n0", addr=0, length=64, rkey=1)
+    records = [
+        TensorSpec(name="w", shape=(4, 8), dtype="bfloat16"),
+        ParamMeta(name="w", shape=(4, 8), dtype="bfloat16", mesh=mesh),
+        EngineTensorMeta(name="w", shape=(4, 8), dtype="bfloat16", region=region, offset=0),
+        TensorSlot(name="w", shape=(4, 8), dtype="bfloat16", offset=128),
+        TrainerParamSpec(name="w", shape=(4, 8), dtype="bfloat16", expert=1, layer=2),
+    ]
+    for r in records:
+        assert isinstance(r, TensorSpec) and r.nbytes == 64
+        assert not hasattr(r, "__dict__")  # slotted all the way down
+        assert pickle.loads(pickle.dumps(r)) == r
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            r.name = "x"
+    assert ParamMeta(name="w", shape=(3,), dtype="float32", mesh=mesh).placements == ()
+    assert records[0] != records[1]  # a ParamMeta is not equal to its bare spec
+    with pytest.raises(TypeError):
+        TensorSpec("w", (1,), "float32")  # keyword arguments only
+    assert engine_tensors_from_state({"x": torch.zeros(2, dtype=torch.float16)}) == [
+        TensorSpec(name="x", shape=(2,), dtype="float16")]

@@ -11,13 +11,14 @@ from weight_transfer.naming import (
     all_sources,
     bound_rules,
     canonical_trainer_name,
+    expert_sources,
     layer_blocks,
     name_problems,
     scale_name,
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
-TINY = ["tiny_llama", "tiny_qwen2", "tiny_moe", "tiny_deepseek_v3"]
+TINY = ["tiny_llama", "tiny_qwen2", "tiny_moe", "tiny_deepseek_v3", "tiny_mixtral"]
 
 
 def cfg(name):
@@ -65,6 +66,13 @@ def test_stacked_params_mapping_is_vllms():
          Split.COLUMN),
         ("tiny_deepseek_v3", 0, "self_attn.kv_b_proj.weight", ("self_attn.kv_b_proj.weight",),
          Split.COLUMN),
+        ("tiny_mixtral", 0, "block_sparse_moe.experts.w13_weight",
+         ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+         Split.EXPERTS_COLUMN),
+        ("tiny_mixtral", 1, "block_sparse_moe.experts.w2_weight",
+         ("block_sparse_moe.experts.{e}.w2.weight",), Split.EXPERTS_ROW),
+        ("tiny_mixtral", 0, "block_sparse_moe.gate.weight", ("block_sparse_moe.gate.weight",),
+         Split.REPLICATED),
     ],
 )
 def test_layer_tables(name, layer, engine, sources, split):
@@ -82,6 +90,30 @@ def test_what_stays_bf16_under_fp8():
             assert rule.fp8 == linear, rule.engine
     bias = next(r for r in bound_rules(cfg("tiny_deepseek_v3")) if "correction" in r.engine)
     assert bias.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("name", "engine", "per_expert", "stacked"),
+    [
+        ("tiny_moe", "model.layers.1.mlp.experts.w13_weight",
+         ("model.layers.1.mlp.experts.3.gate_proj.weight",
+          "model.layers.1.mlp.experts.3.up_proj.weight"),
+         ("model.layers.1.mlp.experts.gate_up_proj",)),
+        ("tiny_mixtral", "model.layers.1.block_sparse_moe.experts.w2_weight",
+         ("model.layers.1.block_sparse_moe.experts.3.w2.weight",),
+         ("model.layers.1.mlp.experts.down_proj",)),
+        ("tiny_mixtral", "model.layers.0.block_sparse_moe.gate.weight",
+         ("model.layers.0.block_sparse_moe.gate.weight",), ("model.layers.0.mlp.gate.weight",)),
+    ],
+)
+def test_sources_under_each_expert_naming(name, engine, per_expert, stacked):
+    rule = next(r for r in bound_rules(cfg(name)) if r.engine == engine)
+    if rule.split in (Split.EXPERTS_COLUMN, Split.EXPERTS_ROW):
+        assert expert_sources(rule, 3, "per_expert") == per_expert
+        assert expert_sources(rule, 3, "stacked") == stacked
+    else:
+        assert all_sources(cfg(name), rule, "per_expert") == per_expert
+        assert all_sources(cfg(name), rule, "stacked") == stacked
 
 
 def test_dense_and_moe_layers_of_deepseek():

@@ -7,6 +7,7 @@ compare every engine tensor byte for byte with ``load_engine_shard`` - an
 independent, vLLM-style loader that shares no code with the layout.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,17 @@ def test_random_models_meshes_and_degrees_land_reference_bytes(setup):
     event(f"{base} fp8={shape['fp8']} {naming} tp={shape['tp']} engine_ep={shape['iep']}")
     cfg = model(base, **changes)
     run_and_compare(cfg, cluster(**shape), expert_naming=naming, seed=seed, **plan_kw)
+
+
+def test_replay_refuses_a_task_whose_parameter_the_group_never_gathers():
+    cfg, cl = model("tiny_llama"), cluster()
+    tm = trainer_meta_from_config(cfg, cl)
+    plan = compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg)
+    tp = plan.trainer_plan(0)
+    g0 = tp.groups[0]
+    dropped = next(t.piece.src_param for t in g0.tasks)
+    lean = dataclasses.replace(
+        tp, groups=(dataclasses.replace(g0, params=tuple(p for p in g0.params if p != dropped)),
+                    *tp.groups[1:]))
+    with pytest.raises(ValueError, match="never gathers"):
+        replay_in_memory(plan, random_state_dict(cfg, seed=0), trainer_plans=[lean])

@@ -21,9 +21,11 @@ REGION = RegionDesc(owner="engine0/tp1", nic="mlx5_2", addr=0x7F0000000000, leng
                     rkey=0x1A2B, transport="rdma")
 
 
+@pytest.mark.pyverbs
 def test_status_table_matches_the_installed_pyverbs():
-    e = pytest.importorskip("pyverbs.enums")
-    cq = pytest.importorskip("pyverbs.cq")
+    import pyverbs.cq as cq
+    import pyverbs.enums as e
+
     for status, (name, text) in WC_STATUS.items():
         assert getattr(e, name) == status
         assert cq.cqe_status_to_str(status) == text

@@ -7,8 +7,13 @@ back to the writer with matching PSNs; the target MR must exist in the target's
 PD (rkey), cover the range and allow remote write; the source must lie in an
 MR of the writer's PD (lkey). A failed WRITE completes with the verbs status
 and moves both QPs to ERR; later WRs are flushed. The send queue and the CQ
-assert they never overflow. Plain pyverbs classes that need no device
-(``QPAttr``, ``AHAttr``, ``GID``, ``QPCap``, the enums) are the real ones.
+assert they never overflow.
+
+The plain pyverbs classes that need no device (``QPAttr``, ``AHAttr``, ``GID``,
+``QPCap``, the errors) come from ``plain``: stand-ins defined here, so that the
+model runs without pyverbs, and the real pyverbs classes where pyverbs imports
+(the ``pyverbs`` variant of every test), which checks that the transport calls
+them with pyverbs' signatures. The enum values are libibverbs' (checked below).
 """
 
 from __future__ import annotations
@@ -26,21 +31,86 @@ from rich.console import Console
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError, make_transport
 from weight_transfer.transport.rdma_verbs import RdmaUnavailableError
 
-pytest.importorskip("pyverbs.qp", reason="pyverbs not importable")
-import pyverbs.addr as pv_addr
-import pyverbs.device as pv_device
-import pyverbs.enums as e
-import pyverbs.pyverbs_error as pv_error
-import pyverbs.qp as pv_qp
-
 MiB = 1 << 20
 OK, LOC_PROT, FLUSH, REM_ACCESS, RETRY_EXC = 0, 4, 5, 10, 12
+
+# libibverbs enum values (the same in every rdma-core; compared with pyverbs below)
+e = SimpleNamespace(
+    IBV_QPS_RESET=0, IBV_QPS_INIT=1, IBV_QPS_RTR=2, IBV_QPS_RTS=3, IBV_QPS_ERR=6,
+    IBV_QP_STATE=1, IBV_QPT_RC=2, IBV_WR_RDMA_WRITE=0, IBV_SEND_SIGNALED=2,
+    IBV_PORT_ACTIVE=4, IBV_MTU_4096=5, IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2,
+)
+
+
+class Attrs(SimpleNamespace):
+    """Stand-in for pyverbs' keyword-built attribute classes (QPAttr, QPCap, AHAttr...)."""
+
+
+class PyverbsError(Exception):
+    pass
+
+
+class PyverbsRDMAError(PyverbsError):
+    def __init__(self, msg, error_code=-1):
+        super().__init__(msg)
+        self.error_code = error_code
+
+
+class GID(str):
+    pass
+
+
+PORT_STATES = {1: "Down", 2: "Init", 3: "Armed", 4: "Active", 5: "Defer"}
+
+
+def stand_in_plain_verbs() -> SimpleNamespace:
+    return SimpleNamespace(
+        addr=SimpleNamespace(GID=GID, GlobalRoute=Attrs, AHAttr=Attrs),
+        enums=e,
+        pyverbs_error=SimpleNamespace(PyverbsError=PyverbsError,
+                                      PyverbsRDMAError=PyverbsRDMAError),
+        port_state_to_str=lambda state: f"{PORT_STATES.get(state, 'Unknown')} ({state})",
+        QPCap=Attrs,
+        QPAttr=Attrs,
+    )
+
+
+def pyverbs_plain_verbs() -> SimpleNamespace:
+    import pyverbs.addr
+    import pyverbs.device
+    import pyverbs.enums
+    import pyverbs.pyverbs_error
+    import pyverbs.qp
+
+    return SimpleNamespace(addr=pyverbs.addr, enums=pyverbs.enums,
+                           pyverbs_error=pyverbs.pyverbs_error,
+                           port_state_to_str=pyverbs.device.port_state_to_str,
+                           QPCap=pyverbs.qp.QPCap, QPAttr=pyverbs.qp.QPAttr)
+
+
+@pytest.fixture(params=[pytest.param("stand-ins"),
+                        pytest.param("pyverbs", marks=pytest.mark.pyverbs)])
+def plain(request) -> SimpleNamespace:
+    """The device-free verbs classes the model uses: stand-ins, or pyverbs' own."""
+    return stand_in_plain_verbs() if request.param == "stand-ins" else pyverbs_plain_verbs()
+
+
+@pytest.mark.pyverbs
+def test_the_stand_ins_match_pyverbs():
+    pv = pyverbs_plain_verbs()
+    for name, value in vars(e).items():
+        assert getattr(pv.enums, name) == value, name
+    for state in PORT_STATES:
+        assert stand_in_plain_verbs().port_state_to_str(state) == pv.port_state_to_str(state)
+    gid = "fe80:0000:0000:0000:0000:0000:0000:0007"
+    assert str(pv.addr.GID(gid)) == str(GID(gid))
 
 
 class Fabric:
     """What every fake device shares: QPs by number, MRs by key."""
 
-    def __init__(self, devices=("fake0",), max_msg_sz=MiB):
+    def __init__(self, plain, devices=("fake0",), max_msg_sz=MiB):
+        self.plain = plain
         self.devices, self.max_msg_sz = list(devices), max_msg_sz
         self.qps: dict[int, FakeQP] = {}
         self.mrs: dict[int, FakeMR] = {}
@@ -61,7 +131,7 @@ class FakeContext:
                                lid=7, link_layer=1, max_msg_sz=self.fabric.max_msg_sz)
 
     def query_gid(self, port, index):
-        return pv_addr.GID("fe80:0000:0000:0000:0000:0000:0000:0007")
+        return self.fabric.plain.addr.GID("fe80:0000:0000:0000:0000:0000:0000:0007")
 
     def close(self):
         pass
@@ -116,7 +186,7 @@ class FakeQP:
         self.resets = 0
 
     def query(self, mask):
-        return pv_qp.QPAttr(qp_state=self.state), None
+        return self.pd.fabric.plain.QPAttr(qp_state=self.state), None
 
     def modify(self, attr, mask):
         assert mask == e.IBV_QP_STATE and attr.qp_state == e.IBV_QPS_RESET
@@ -124,7 +194,8 @@ class FakeQP:
 
     def _step(self, frm, to):
         if self.state != frm:
-            raise pv_error.PyverbsRDMAError(f"bad transition {self.state} -> {to}", 22)
+            raise self.pd.fabric.plain.pyverbs_error.PyverbsRDMAError(
+                f"bad transition {self.state} -> {to}", 22)
         self.state = to
 
     def to_init(self, attr):
@@ -143,7 +214,7 @@ class FakeQP:
         assert wr.send_flags & e.IBV_SEND_SIGNALED and wr.opcode == e.IBV_WR_RDMA_WRITE
         assert self.unpolled < self.cap, "send queue overflow"
         if self.state not in (e.IBV_QPS_RTS, e.IBV_QPS_ERR):
-            raise pv_error.PyverbsRDMAError("Failed to post send", 22)
+            raise self.pd.fabric.plain.pyverbs_error.PyverbsRDMAError("Failed to post send", 22)
         self.unpolled += 1
         status = FLUSH if self.state == e.IBV_QPS_ERR else self._execute(wr)
         if status != OK:
@@ -187,16 +258,17 @@ def fake_verbs(fabric: Fabric) -> SimpleNamespace:
         assert qp_type == e.IBV_QPT_RC and scq is rcq and sq_sig_all == 0
         return SimpleNamespace(scq=scq, cap=cap)
 
+    plain = fabric.plain
     return SimpleNamespace(
-        addr=pv_addr, enums=e, pyverbs_error=pv_error,
+        addr=plain.addr, enums=plain.enums, pyverbs_error=plain.pyverbs_error,
         device=SimpleNamespace(
             get_device_list=lambda: [SimpleNamespace(name=n.encode()) for n in fabric.devices],
             Context=lambda name: FakeContext(fabric, name),
-            port_state_to_str=pv_device.port_state_to_str),
+            port_state_to_str=plain.port_state_to_str),
         pd=SimpleNamespace(PD=FakePD),
         cq=SimpleNamespace(CQ=FakeCQ),
         mr=SimpleNamespace(MR=FakeMR),
-        qp=SimpleNamespace(QP=FakeQP, QPCap=pv_qp.QPCap, QPAttr=pv_qp.QPAttr,
+        qp=SimpleNamespace(QP=FakeQP, QPCap=plain.QPCap, QPAttr=plain.QPAttr,
                            QPInitAttr=init_attr),
         wr=SimpleNamespace(SGE=lambda a, n, k: SimpleNamespace(addr=a, length=n, lkey=k),
                            SendWR=FakeSendWR),
@@ -204,8 +276,8 @@ def fake_verbs(fabric: Fabric) -> SimpleNamespace:
 
 
 @pytest.fixture
-def fabric():
-    return Fabric()
+def fabric(plain):
+    return Fabric(plain)
 
 
 def nic(fabric, owner, **kw):
@@ -237,8 +309,8 @@ def test_bytes_land_in_chunks_through_a_bounded_window(fabric):
     assert set(fabric.mrs) == {desc.rkey}  # the per-write source MR is gone again
 
 
-def test_chunks_never_exceed_the_port_max_message_size():
-    fabric = Fabric(max_msg_sz=64 * 1024)
+def test_chunks_never_exceed_the_port_max_message_size(plain):
+    fabric = Fabric(plain, max_msg_sz=64 * 1024)
     w, t = pair(fabric, chunk_bytes=16 * MiB)
     assert w.chunk_bytes == 64 * 1024
     dst = np.zeros(MiB, dtype=np.uint8)
@@ -277,14 +349,14 @@ def test_wrong_rkey_then_recovery_by_connecting_again(fabric):
     assert np.array_equal(dst, src)
 
 
-def test_deregistered_region_and_closed_peer_fail_with_the_right_class(fabric):
+def test_deregistered_region_and_closed_peer_fail_with_the_right_class(fabric, plain):
     w, t = pair(fabric)
     dst = np.zeros(MiB, dtype=np.uint8)
     desc = t.register(dst)
     t.deregister(desc)
     with pytest.raises(RemoteAccessError, match="remote access error"):
         asyncio.run(w.write(rand(100), desc, 0))
-    w2, t2 = pair(Fabric())
+    w2, t2 = pair(Fabric(plain))
     desc2 = t2.register(np.zeros(100, dtype=np.uint8))
     t2.close()
     with pytest.raises(PeerUnreachableError, match="retry exceeded error"):
@@ -332,13 +404,13 @@ def test_local_checks_before_anything_is_posted(fabric):
     asyncio.run(w.write(b"", desc, 100))  # empty writes are a no-op
 
 
-def test_construction_errors(fabric):
+def test_construction_errors(fabric, plain):
     with pytest.raises(ValueError, match=r"max_inflight 65 must be in \[1, 64\]"):
         nic(fabric, "x", max_inflight=65)
     with pytest.raises(RdmaUnavailableError, match=r"'mlx5_1' not found; available: .'fake0'"):
         nic(fabric, "x", device="mlx5_1")
     with pytest.raises(RdmaUnavailableError, match=r"no RDMA device found.*simnic"):
-        nic(Fabric(devices=()), "x")
+        nic(Fabric(plain, devices=()), "x")
 
 
 def test_close_releases_every_qp_and_mr(fabric):
@@ -351,11 +423,11 @@ def test_close_releases_every_qp_and_mr(fabric):
     assert fabric.qps == {} and fabric.mrs == {}
 
 
-def test_selftest_loopback_on_the_model_device(monkeypatch):
+def test_selftest_loopback_on_the_model_device(monkeypatch, plain):
     from scripts import selftest
     from weight_transfer.transport import rdma
 
-    fabric = Fabric(max_msg_sz=MiB)
+    fabric = Fabric(plain, max_msg_sz=MiB)
     monkeypatch.setattr(rdma, "import_pyverbs", lambda: fake_verbs(fabric))
     console = Console(width=200, record=True)
     assert selftest.run(None, "3M", 0, repeats=2, console=console) == 0

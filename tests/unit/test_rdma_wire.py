@@ -124,8 +124,10 @@ def test_qp_attrs_refuse_unroutable_peers():
     assert ok.is_global == 1  # RoCE routes by GID; LID 0 is normal there
 
 
+@pytest.mark.pyverbs
 def test_enum_values_match_the_installed_pyverbs():
-    e = pytest.importorskip("pyverbs.enums")
+    import pyverbs.enums as e
+
     assert IBV_ACCESS_LOCAL_WRITE == e.IBV_ACCESS_LOCAL_WRITE
     assert IBV_ACCESS_REMOTE_WRITE == e.IBV_ACCESS_REMOTE_WRITE
     for nbytes, value in MTU_ENUM.items():

@@ -1,7 +1,8 @@
-"""Update reports: stage busy times, byte counts after failed writes, combining ranks."""
+"""Update reports: stage busy times, compact rank reports, combining ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -15,7 +16,7 @@ from actors.reports import (
     rank_report_of,
     stage_seconds,
 )
-from weight_transfer.executor import StepReport
+from weight_transfer.executor import TransferReport
 from weight_transfer.pipeline import Span
 
 
@@ -43,10 +44,11 @@ def _span(key, stage, start, end):
     return Span(key=key, stage=stage, start=start, end=end, nbytes=10)
 
 
-def _step(rank=0, version=3, spans=(), barrier=0.5):
-    return StepReport(rank=rank, version=version, seconds=2.0, bytes_written=1000, writes=10,
-                      params_gathered=4, barrier_seconds=barrier, watermark_peak=77,
-                      spans=tuple(spans))
+def _transfer(rank=0, version=3, spans=(), barrier=0.5, nbytes=700, writes=7, seconds=2.0):
+    return TransferReport(rank=rank, version=version, seconds=seconds, bytes_written=nbytes,
+                          bytes_planned=1000, writes=writes, params_gathered=4,
+                          barrier_seconds=barrier, watermark_peak=77, spans=tuple(spans),
+                          task_spans=tuple(spans))
 
 
 def test_stage_seconds_per_stage_and_barrier():
@@ -57,12 +59,14 @@ def test_stage_seconds_per_stage_and_barrier():
     assert got == {"h2d": 0.0, "prepare": 2.0, "write": 3.0, "barrier": 0.25}
 
 
-def test_rank_report_subtracts_failed_writes_and_keeps_size_constant():
+def test_rank_report_keeps_the_executors_counts_drops_spans_and_keeps_size_constant():
     fail = WriteFailure(replica="engine1", owner="engine1/tp0", count=3, nbytes=300, error="x")
-    few = rank_report_of(_step(spans=[_span("p", "write", 0, 1)]), failures=[fail])
-    assert (few.bytes_written, few.writes) == (700, 7)
+    few = rank_report_of(_transfer(spans=[_span("p", "write", 0, 1)]), failures=[fail])
+    t = few.transfer
+    assert (few.rank, t.bytes_written, t.bytes_planned, t.writes) == (0, 700, 1000, 7)
+    assert t.spans == t.task_spans == () and t.watermark_peak == 77
     assert not few.ok and few.failed_replicas == ("engine1",)
-    many = rank_report_of(_step(spans=[_span(f"p{i}", "write", i, i + 1) for i in range(500)]),
+    many = rank_report_of(_transfer(spans=[_span(f"p{i}", "write", i, i + 1) for i in range(500)]),
                           failures=[fail])
     assert many.stages["write"] == pytest.approx(500.0)
     # Per-stage sums, not spans: the report does not grow with the parameter count.
@@ -70,8 +74,9 @@ def test_rank_report_subtracts_failed_writes_and_keeps_size_constant():
 
 
 def _rank(rank, seconds, stages, nbytes=100, version=5):
-    return RankReport(rank=rank, version=version, seconds=seconds, bytes_written=nbytes,
-                      writes=1, params_gathered=1, stages=stages)
+    transfer = _transfer(rank=rank, version=version, seconds=seconds, nbytes=nbytes, writes=1)
+    return RankReport(transfer=dataclasses.replace(transfer, spans=(), task_spans=()),
+                      stages=stages)
 
 
 def test_combine_sums_bytes_and_takes_the_slowest_rank_per_stage():
@@ -84,6 +89,9 @@ def test_combine_sums_bytes_and_takes_the_slowest_rank_per_stage():
     assert [r.rank for r in rep.per_rank] == [0, 1]
     assert rep.gb_per_s == pytest.approx(200 / 4.0 / 1e9)
     assert rep.as_dict()["control_bytes"] == 123
+    assert rep.as_dict()["per_rank"][1] == {"rank": 1, "seconds": 2.0, "bytes": 100, "writes": 1,
+                                            "stages": {"prepare": 1.0, "write": 0.5,
+                                                       "barrier": 0.1}}
 
 
 def test_combine_refuses_mixed_versions_and_nothing():

@@ -3,7 +3,6 @@ records, the call ledger, the config checks, and the trainer's loss and batch sp
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from pathlib import Path
@@ -22,7 +21,7 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer.models import load_model_config
 from weight_transfer.transport.base import PeerUnreachableError
-from weight_transfer.types import MeshDesc, ParamMeta, Placement, RegionDesc
+from weight_transfer.types import MeshDesc, ParamMeta, Piece, Placement, RegionDesc, WriteTask
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHARD0 = (Placement(kind="shard", dim=0),)
@@ -75,38 +74,23 @@ def test_summary_counts_bytes_per_rank_replica_and_nic():
     assert set(s.replicas_by_rank) == {0, 1, 2, 3}
 
 
-class _Nic:
-    """Fails writes into regions of one owner, like a NIC whose peer went away."""
-
-    label = "fake nic"
-
-    def __init__(self, bad_owner):
-        self.bad_owner, self.written = bad_owner, 0
-
-    async def write(self, src, dst, dst_offset=0):
-        if dst.owner == self.bad_owner:
-            raise PeerUnreachableError(f"peer {dst.owner} is gone")
-        self.written += len(src)
+def _task(task_id, replica, owner, nbytes=100):
+    region = RegionDesc(owner=owner, nic="n0", addr=4096, length=1 << 20, rkey=task_id + 1)
+    piece = Piece(dst_tensor="w", dst_offset=0, nbytes=nbytes, src_param="w",
+                  src_slice=((0, nbytes // 2),), dst_dtype="bfloat16")
+    return WriteTask(task_id=task_id, mesh_group=0, src_rank=0, piece=piece, dst_replica=replica,
+                     dst_rank=0, region=region, region_offset=0)
 
 
-def _region(owner, rkey):
-    return RegionDesc(owner=owner, nic="n0", addr=4096, length=1 << 20, rkey=rkey)
-
-
-def test_write_guard_records_failures_per_replica_and_lets_the_rest_land():
-    good, bad = _region("engine0/tp0", 1), _region("engine1/tp1", 2)
-    nic = _Nic("engine1/tp1")
-    guard = WriteGuard(nic, replica_of={good: "engine0", bad: "engine1"})
-
-    async def run():
-        for dst in (good, bad, bad, good):
-            await guard.write(bytearray(100), dst, 0)
-
-    asyncio.run(run())
-    assert nic.written == 200
-    (f,) = guard.failures()
-    assert (f.replica, f.owner, f.count, f.nbytes) == ("engine1", "engine1/tp1", 2, 200)
-    assert f.error.startswith("PeerUnreachableError: peer engine1/tp1 is gone")
+def test_write_guard_records_failures_per_replica_with_the_first_error():
+    guard = WriteGuard(label="trainer rank 0")
+    guard.record(_task(1, "engine1", "engine1/tp1"), PeerUnreachableError("peer engine1 is gone"))
+    guard.record(_task(2, "engine1", "engine1/tp1"), PeerUnreachableError("later"))
+    guard.record(_task(3, "engine0", "engine0/tp0", nbytes=40), PeerUnreachableError("x"))
+    f0, f1 = guard.failures()
+    assert (f0.replica, f0.owner, f0.count, f0.nbytes) == ("engine0", "engine0/tp0", 1, 40)
+    assert (f1.replica, f1.owner, f1.count, f1.nbytes) == ("engine1", "engine1/tp1", 2, 200)
+    assert f1.error == "PeerUnreachableError: peer engine1 is gone"
     guard.reset()
     assert guard.failures() == []
 

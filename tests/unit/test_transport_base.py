@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from weight_transfer.transport import (
     BACKENDS,
+    PeerUnreachableError,
     RemoteAccessError,
     Transport,
     TransportError,
@@ -104,11 +106,39 @@ def test_write_range_inside(offset, n):
 
 
 @pytest.mark.parametrize("offset,n", [(-1, 1), (0, 101), (100, 1), (99, 2), (2**64, 1)])
-def test_write_range_outside_names_the_region(offset, n):
+def test_write_range_outside_names_the_write_and_the_region(offset, n):
     with pytest.raises(RemoteAccessError) as err:
         check_write_range(REGION, offset, n)
-    assert REGION.describe() in str(err.value) and f"offset {offset}" in str(err.value)
-    assert isinstance(err.value, TransportError) and isinstance(err.value, RuntimeError)
+    msg = str(err.value)
+    assert f"write of {n} B at offset {offset} is outside" in msg
+    assert REGION.describe() in msg  # the owner, NIC, address, length and rkey of the target
+    for field in ("owner=eng0", "nic=nic1", "addr=0x10000", "length=100", "rkey=0xabc"):
+        assert field in msg, field
+
+
+def test_error_classes_are_runtime_errors_callers_can_tell_apart():
+    # Callers catch TransportError (or RuntimeError: a failed peer or device) and
+    # tell a refused write from a dead peer by class.
+    for cls in (RemoteAccessError, PeerUnreachableError):
+        assert issubclass(cls, TransportError) and issubclass(cls, RuntimeError)
+    assert not issubclass(RemoteAccessError, PeerUnreachableError)
+    assert not issubclass(PeerUnreachableError, RemoteAccessError)
+    assert not issubclass(TransportError, ValueError)  # bad input stays a ValueError
+
+
+def test_write_outside_the_region_is_refused_before_any_byte_moves(make_simnic):
+    target = make_simnic(owner="eng0", nic="t0")
+    writer = make_simnic(owner="trainer0", nic="w0")
+    buf = np.full(100, 0x5C, np.uint8)
+    desc = target.register(buf)
+    writer.connect(target.peer_info("trainer0"))
+    with pytest.raises(RemoteAccessError) as err:
+        asyncio.run(writer.write(np.zeros(8, np.uint8), desc, 96))
+    assert "write of 8 B at offset 96 is outside" in str(err.value)
+    assert desc.describe() in str(err.value)
+    assert (buf == 0x5C).all() and writer.writes == 0
+    asyncio.run(writer.write(np.zeros(4, np.uint8), desc, 96))  # the link is still usable
+    assert not buf[96:].any() and (buf[:96] == 0x5C).all()
 
 
 def test_make_transport_knows_its_backends():

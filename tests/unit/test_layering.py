@@ -1,0 +1,233 @@
+"""The layering rule, read from the source: ``scripts -> actors -> scheduling -> weight_transfer``.
+
+Every .py file of the project's packages is parsed with ``ast`` (imports inside
+functions included) into an import graph between project modules:
+
+- ``weight_transfer/`` (the core) imports no scheduling, actors, scripts,
+  reference or testkit, and no ``ray``;
+- ``scheduling/`` (pure planning) imports no actors, scripts, reference or
+  testkit, and no ``ray``, ``torch`` or ``transformers``;
+- ``actors/`` does not import ``scripts``;
+- no import cycle between project modules (imports under ``if TYPE_CHECKING:``
+  do not run, so they count for the layers but not for cycles).
+
+A subprocess then imports ``scheduling`` and every submodule and checks that
+neither torch nor ray was loaded on the way.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("weight_transfer", "scheduling", "actors", "reference", "testkit", "scripts")
+
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "weight_transfer": frozenset({"scheduling", "actors", "scripts", "reference", "testkit",
+                                  "ray"}),
+    "scheduling": frozenset({"actors", "scripts", "reference", "testkit", "ray", "torch",
+                             "transformers"}),
+    "actors": frozenset({"scripts"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    importer: str  # module name of the importing file
+    target: str  # dotted name imported (a project module where it resolves to one)
+    line: int
+    runtime: bool  # False under `if TYPE_CHECKING:`
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def resolve(name: str, path: Path, node: ast.ImportFrom) -> list[str]:
+    """Dotted names a ``from ... import ...`` statement loads."""
+    base = node.module or ""
+    if node.level:
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    modules = project_modules()
+    out = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+    return out or [base]
+
+
+def imports_of(name: str, path: Path) -> list[Import]:
+    found: list[Import] = []
+
+    def visit(node: ast.AST, runtime: bool) -> None:
+        if isinstance(node, ast.If) and is_type_checking(node.test):
+            for child in node.body:
+                visit(child, False)
+            for child in node.orelse:
+                visit(child, runtime)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(Import(name, a.name, node.lineno, runtime) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.extend(Import(name, t, node.lineno, runtime) for t in resolve(name, path, node))
+        for child in ast.iter_child_nodes(node):
+            visit(child, runtime)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), True)
+    return found
+
+
+@cache
+def all_imports() -> tuple[Import, ...]:
+    return tuple(i for name, path in project_modules().items() for i in imports_of(name, path))
+
+
+def project_target(target: str) -> str | None:
+    """The project module ``target`` names (the longest existing prefix), or None."""
+    modules = project_modules()
+    parts = target.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in modules:
+            return ".".join(parts[:n])
+    return None
+
+
+def test_the_sources_are_found_and_parsed():
+    modules = project_modules()
+    for name in ("weight_transfer.transport.base", "scheduling.plan", "actors.controller",
+                 "reference.loader", "testkit.harness", "scripts.cli"):
+        assert name in modules, name
+    graph = import_graph()
+    assert {"ray", "actors.schedule_actor", "weight_transfer.types"} <= {
+        i.target for i in all_imports() if i.importer == "actors.controller"}
+    assert {"actors.schedule_actor", "weight_transfer.types"} <= graph["actors.controller"]
+    assert "ray" not in graph["actors.controller"]  # third-party names are no graph nodes
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_nothing_above_it(layer):
+    bad = [
+        f"{ROOT.joinpath(*i.importer.split('.'))}: line {i.line} imports {i.target}"
+        for i in all_imports()
+        if i.importer.split(".")[0] == layer and i.target.split(".")[0] in FORBIDDEN[layer]
+    ]
+    assert not bad, f"{layer}/ may not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components of more than one module or a self-loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp.append(member)
+                    if member == node:
+                        break
+                if len(comp) > 1 or node in graph[node]:
+                    out.append(sorted(comp))
+    return out
+
+
+def one_cycle(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
+    """A shortest cycle through the first module of a strongly connected component."""
+    members, start = set(comp), comp[0]
+    parent: dict[str, str | None] = {start: None}
+    queue = [start]
+    for node in queue:  # breadth first
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                path = [node]
+                while (up := parent[path[-1]]) is not None:
+                    path.append(up)
+                return [*reversed(path), start]
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    raise AssertionError(f"{comp} is not strongly connected")
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in project_modules()}
+    for i in all_imports():
+        target = project_target(i.target)
+        if i.runtime and target is not None and target != i.importer:
+            graph[i.importer].add(target)
+    return graph
+
+
+def test_strongly_connected_finds_cycles_and_only_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert strongly_connected(graph) == [["a", "b", "c"], ["e"]]
+    assert one_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycles_between_project_modules():
+    graph = import_graph()
+    cycles = strongly_connected(graph)
+    assert not cycles, "import cycles between project modules:\n" + "\n".join(
+        f"  {sorted(comp)}: {' -> '.join(one_cycle(graph, comp))}" for comp in cycles)
+
+
+@pytest.mark.slow  # a fresh interpreter that imports the whole package
+def test_importing_scheduling_loads_neither_torch_nor_ray():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import scheduling\n"
+        "names = [m.name for m in pkgutil.walk_packages(scheduling.__path__, 'scheduling.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(names), sorted(m for m in ('torch', 'ray', 'transformers')"
+        " if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    count, loaded = done.stdout.split(" ", 1)
+    assert int(count) >= 8, done.stdout  # every submodule was imported
+    assert loaded.strip() == "[]", f"importing scheduling loaded {loaded.strip()}"
