@@ -37,6 +37,7 @@ class TransferConfig:
     watermark_bytes: int = 1 << 30
     nic_gbps: float | None = None  # cap every simulated NIC (GB/s); None: memcpy speed
     actor_cpus: float = 0.1  # logical CPUs per actor (Ray only uses them to place actors)
+    metrics: str = "auto"  # metrics backend: auto (ray inside Ray), ray, prometheus, null
 
     def __post_init__(self) -> None:
         for name in ("setup_timeout_s", "update_timeout_s", "barrier_timeout_s", "lr"):

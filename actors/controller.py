@@ -7,6 +7,11 @@
     report = ctl.update(version=1)   # pause, "go", collect reports, resume
     ctl.weights_version()            # {"engine0": 1, "engine1": 1}
     ctl.add_replica(new_actors)      # filled from a peer replica, then in the plan
+    ctl.update(version=2, trace="v2.json")   # also a Chrome trace of the update (Perfetto)
+
+Every update records metrics (:mod:`weight_transfer.metrics`, backend
+``config.metrics``); ``ctl.progress = hook`` is called ``hook(phase, done,
+total)`` while the controller waits on actors (see :mod:`actors.telemetry`).
 
 ``engines`` is a list of replicas (each a list of its TP ranks' actors) or a
 flat list of engine actors; each actor says which replica and rank it is.
@@ -23,6 +28,7 @@ torn version, until a later update succeeds. The error names the ranks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,9 +40,18 @@ from actors.groups import LOOPBACK, host_store
 from actors.inference import layout_key
 from actors.ledger import ControlLedger
 from actors.messages import PlanSummary, TrainerRankMeta
+from actors.metrics_ray import actor_metrics
 from actors.placement import trainer_rank_infos
 from actors.reports import RankReport, UpdateReport
 from actors.schedule_actor import ScheduleActor
+from actors.telemetry import (
+    ProgressHook,
+    UpdateClock,
+    record_failure,
+    record_success,
+    update_trace,
+)
+from weight_transfer.trace import write_chrome_trace
 from weight_transfer.types import EngineRankMeta, PeerInfo
 
 log = logging.getLogger(__name__)
@@ -89,6 +104,8 @@ class WeightTransferController:
         self._store = None
         self._attempted: int | None = None
         self._current: int | None = None
+        self.metrics = actor_metrics(config.metrics)
+        self.progress: ProgressHook | None = None  # hook(phase, done, total) while waiting
 
     # ------------------------------------------------------------------ helpers
 
@@ -96,7 +113,7 @@ class WeightTransferController:
                 timeout: float | None = None) -> list:
         """Results in order; errors and timeouts name the phase and the actors."""
         timeout = self.config.setup_timeout_s if timeout is None else timeout
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        pending = self._wait(refs, timeout, phase)
         if pending:
             late = [label for ref, label in zip(refs, labels, strict=True) if ref in pending]
             raise TimeoutError(f"{phase}: {', '.join(late)} did not answer within {timeout:g} s")
@@ -107,6 +124,20 @@ class WeightTransferController:
             except ray.exceptions.RayError as err:
                 raise RuntimeError(f"{phase}: {label} failed: {_cause(err)}") from err
         return out
+
+    def _wait(self, refs: list, timeout: float, phase: str) -> list:
+        """The refs still pending after ``timeout``; reports progress to ``self.progress``."""
+        if self.progress is None:
+            return ray.wait(refs, num_returns=len(refs), timeout=timeout)[1]
+        deadline, pending = time.monotonic() + timeout, list(refs)
+        self.progress(phase, 0, len(refs))
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            self.progress(phase, len(refs) - len(pending), len(refs))
+        return pending
 
     def _each_engine(self, method: str, *args: Any, replicas: Sequence[str], phase: str) -> list:
         refs, labels = [], []
@@ -178,7 +209,8 @@ class WeightTransferController:
         refs = [
             self.ledger.call(t.wt_connect, result.blobs[r], peers, store=store,
                              rank_info=rank_infos[r], barrier_timeout_s=cfg.barrier_timeout_s,
-                             watermark_bytes=cfg.watermark_bytes, nic_gbps=cfg.nic_gbps)
+                             watermark_bytes=cfg.watermark_bytes, nic_gbps=cfg.nic_gbps,
+                             metrics=cfg.metrics)
             for r, t in enumerate(self.trainers)
         ]
         self._gather(refs, [f"trainer rank {r}" for r in range(len(refs))],
@@ -198,10 +230,15 @@ class WeightTransferController:
             raise ValueError(f"version {version} must be greater than {self._attempted}, "
                              "the last version attempted")
 
-    def update(self, version: int) -> UpdateReport:
-        """Move the trainers' current weights into every replica as ``version``."""
+    def update(self, version: int, *, trace: bool | str | os.PathLike = False) -> UpdateReport:
+        """Move the trainers' current weights into every replica as ``version``.
+
+        ``trace``: True brings every rank's spans back in ``report.trace``; a path
+        also writes them there as a Chrome trace (Perfetto-readable JSON).
+        """
         self._check_version(version)
         self._attempted = version
+        offset = UpdateClock.wall_offset()
         snap, start = self.ledger.snapshot(), time.perf_counter()
         names = list(self.replicas)
         if self.pause_during_update:
@@ -209,7 +246,7 @@ class WeightTransferController:
                               phase=f"pause before version {version}")
             self._paused.update(names)
         paused_at = time.perf_counter()
-        reports, errors = self._run_trainers(version)
+        reports, errors = self._run_trainers(version, bool(trace))
         transfer_done = time.perf_counter()
         torn = set()
         for rank in errors:
@@ -219,17 +256,34 @@ class WeightTransferController:
         good = [n for n in names if n not in torn]
         self._finish(version, good, sorted(torn))
         if errors or torn:
+            record_failure(self.metrics, errors, reports, sorted(torn), self._versions)
             raise self._update_error(version, reports, errors, sorted(torn))
         self._current = version
         nbytes, calls = self.ledger.since(snap)
-        return UpdateReport.combine(
-            version=version, seconds=time.perf_counter() - start, per_rank=list(reports.values()),
-            pause_seconds=paused_at - start, resume_seconds=time.perf_counter() - transfer_done,
-            control_bytes=nbytes, control_calls=calls, replicas=tuple(names))
+        end = time.perf_counter()
+        clock = UpdateClock(start=start, paused=paused_at, transferred=transfer_done, end=end,
+                            offset=offset)
+        report = UpdateReport.combine(
+            version=version, seconds=end - start, per_rank=list(reports.values()),
+            pause_seconds=paused_at - start, resume_seconds=end - transfer_done,
+            control_bytes=nbytes, control_calls=calls, replicas=tuple(names),
+            trace=self._trace(version, clock, list(reports.values())) if trace else None)
+        record_success(self.metrics, report, self._versions)
+        if trace and not isinstance(trace, bool):
+            write_chrome_trace(trace, [report.trace])
+        return report
 
-    def _run_trainers(self, version: int) -> tuple[dict[int, RankReport], dict[int, str]]:
+    def _trace(self, version: int, clock: UpdateClock, reports: list[RankReport]):
+        cluster, cap = self.config.cluster, self.config.nic_gbps
+        send = min(cluster.send_bytes_per_s, cap * 1e9) if cap else cluster.send_bytes_per_s
+        return update_trace(version=version, clock=clock, reports=reports, summary=self.summary,
+                            send_bytes_per_s=send, recv_bytes_per_s=cluster.recv_bytes_per_s)
+
+    def _run_trainers(self, version: int,
+                      trace: bool = False) -> tuple[dict[int, RankReport], dict[int, str]]:
         """Send "go"; stop waiting at the first rank that raised (others may wait for it)."""
-        refs = {self.ledger.call(t.wt_update, version): r for r, t in enumerate(self.trainers)}
+        args = (version, True) if trace else (version,)  # only the version, unless traced
+        refs = {self.ledger.call(t.wt_update, *args): r for r, t in enumerate(self.trainers)}
         pending, reports, errors = list(refs), {}, {}
         deadline = time.monotonic() + self.config.update_timeout_s
         while pending and not errors:

@@ -4,7 +4,9 @@ Every trainer rank turns its executor's
 :class:`~weight_transfer.executor.TransferReport` into a :class:`RankReport`
 before it crosses the object store: the executor's report without its spans,
 plus per-stage busy times, the failed writes and wall-clock times, so the
-report of a rank has the same size for a 1 MB and a 1 TB model. The controller
+report of a rank has the same size for a 1 MB and a 1 TB model (unless the
+update was traced: then ``RankReport.trace`` holds the rank's spans and
+``UpdateReport.trace`` the whole update's, see :mod:`weight_transfer.trace`). The controller
 folds the ranks' reports into one :class:`UpdateReport`::
 
     rank_report = rank_report_of(transfer_report, failures=..., started_at=..., finished_at=...)
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the executor imports torch; this module stays light to import
     from weight_transfer.executor import TransferReport
+    from weight_transfer.trace import RankTrace, UpdateTrace
 
 STAGES: tuple[str, ...] = ("h2d", "prepare", "write", "barrier")
 
@@ -55,6 +58,7 @@ class RankReport:
     started_at: float = 0.0  # time.time() when the rank got "go"
     finished_at: float = 0.0  # time.time() after its last write and barrier
     failures: tuple[WriteFailure, ...] = ()
+    trace: RankTrace | None = field(default=None, hash=False, repr=False)  # only when asked
 
     @property
     def rank(self) -> int:
@@ -102,10 +106,13 @@ def rank_report_of(
     failures: Sequence[WriteFailure] = (),
     started_at: float = 0.0,
     finished_at: float = 0.0,
+    trace: RankTrace | None = None,
 ) -> RankReport:
-    """Compact a TransferReport: stage busy times instead of spans."""
+    """Compact a TransferReport: stage busy times instead of spans (``trace``, the spans of
+    a traced update, is kept only when given)."""
     return RankReport(
-        transfer=dataclasses.replace(transfer, spans=(), task_spans=()),
+        transfer=dataclasses.replace(transfer, spans=(), task_spans=(), barrier_spans=()),
+        trace=trace,
         stages=stage_seconds(transfer.spans, transfer.barrier_seconds),
         started_at=started_at,
         finished_at=finished_at,
@@ -136,6 +143,7 @@ class UpdateReport:
     control_calls: int = 0
     replicas: tuple[str, ...] = ()
     per_rank: tuple[RankReport, ...] = ()
+    trace: UpdateTrace | None = field(default=None, hash=False, repr=False)  # update(trace=)
 
     @property
     def gb_per_s(self) -> float:

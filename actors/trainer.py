@@ -40,6 +40,7 @@ import torch
 from actors.config import TransferConfig
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import TrainerRankMeta
+from actors.metrics_ray import actor_metrics
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_model import (
     build_sharded_model,
@@ -53,6 +54,7 @@ from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
+from weight_transfer.trace import rank_trace_of
 from weight_transfer.transport.simnic import SimNic
 from weight_transfer.types import PeerInfo, RankInfo
 
@@ -112,6 +114,7 @@ class TrainerMixin:
         barrier_timeout_s: float = 60.0,
         watermark_bytes: int = 1 << 30,
         nic_gbps: float | None = None,
+        metrics: str = "auto",
     ) -> int:
         """Take this rank's plan, open its NIC, connect to every engine NIC. Returns its tasks."""
         model = self._wt_require_model()
@@ -140,7 +143,7 @@ class TrainerMixin:
         metas = param_metas_from_module(model)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
                                 transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
-                                on_write_error=guard.record)
+                                on_write_error=guard.record, metrics=actor_metrics(metrics))
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
@@ -149,22 +152,26 @@ class TrainerMixin:
     def _wt_param(self, name: str) -> Any:
         return self._wt_params[name]
 
-    def wt_update(self, version: int) -> RankReport:
-        """Replay the plan for ``version``: gather, prepare, write, barrier per mesh group."""
+    def wt_update(self, version: int, trace: bool = False) -> RankReport:
+        """Replay the plan for ``version``: gather, prepare, write, barrier per mesh group.
+
+        ``trace``: the report keeps this rank's spans (:mod:`weight_transfer.trace`).
+        """
         link = self._wt_link
         if link is None:
             raise RuntimeError(f"trainer rank {self._wt_rank}: wt_update before wt_connect")
         model = self._wt_require_model()
         self._wt_params = {canonical_trainer_name(k): v
                            for k, v in model.state_dict(keep_vars=True).items()}
-        started = time.time()
+        started, offset = time.time(), time.time() - time.perf_counter()
         link.guard.reset()
         try:
             transfer = asyncio.run(link.transfer.run(version=version))
         finally:
             self._wt_params = {}
+        spans = rank_trace_of(transfer, nic=link.nic.nic, clock_offset=offset) if trace else None
         report = rank_report_of(transfer, failures=link.guard.failures(), started_at=started,
-                                finished_at=time.time())
+                                finished_at=time.time(), trace=spans)
         log.info("trainer rank %d wrote version %d: %d of %d B in %.3f s (%d failed writes)",
                  self._wt_rank, version, transfer.bytes_written, transfer.bytes_planned,
                  transfer.seconds, sum(f.count for f in report.failures))

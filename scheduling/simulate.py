@@ -19,6 +19,7 @@ million-task plan to about a hundred thousand events::
 
     result = simulate(plan, cluster)
     result.seconds, result.lower_bound_seconds, result.per_nic_busy_seconds
+    simulate(plan, cluster, record=True).task_start   # per task, for a timeline
 
 ``lower_bound_seconds`` is the issue's bound, max over NICs of bytes /
 bandwidth; ``barrier_lower_bound_seconds`` sums that bound per group, which is
@@ -51,6 +52,9 @@ class SimResult:
     group_lower_bounds: tuple[float, ...]
     per_nic_busy_seconds: dict[str, float] = field(hash=False)
     events: int
+    # With record=True: when each task (plan row) started and ended, seconds from the start.
+    task_start: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
+    task_end: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
 
     @property
     def efficiency(self) -> float:
@@ -75,6 +79,7 @@ class _Flows:
     snd: np.ndarray
     rcv: np.ndarray
     live: np.ndarray
+    task: np.ndarray  # plan row of the task in each slot
 
 
 def _rates(s: np.ndarray, r: np.ndarray, cap_s: np.ndarray, cap_r: np.ndarray, rounds: int):
@@ -96,7 +101,8 @@ def _rates(s: np.ndarray, r: np.ndarray, cap_s: np.ndarray, cap_r: np.ndarray, r
     return rate
 
 
-def _refill(done: np.ndarray, flows: _Flows, cursor, end, tasks, inflight: int) -> None:
+def _refill(done: np.ndarray, flows: _Flows, cursor, end, tasks, inflight: int,
+            now: float = 0.0, times: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Start the next tasks of the trainers whose slots in ``done`` just freed."""
     trainer = done // inflight
     order = np.argsort(trainer, kind="stable")
@@ -110,11 +116,19 @@ def _refill(done: np.ndarray, flows: _Flows, cursor, end, tasks, inflight: int) 
     nbytes, snd, rcv = tasks
     flows.rem[slots], flows.snd[slots], flows.rcv[slots] = nbytes[idx], snd[idx], rcv[idx]
     flows.live[slots] = True
+    flows.task[slots] = idx
+    if times is not None:
+        times[0][idx] = now
     cursor += np.bincount(trainer[ok], minlength=len(cursor))
 
 
-def _run_group(tasks, cursor, end, caps, inflight: int, delta: float, rounds: int):
-    """Simulate one group; returns (seconds, sender busy, receiver busy, events)."""
+def _run_group(tasks, cursor, end, caps, inflight: int, delta: float, rounds: int,
+               times: tuple[np.ndarray, np.ndarray] | None = None, offset: float = 0.0):
+    """Simulate one group; returns (seconds, sender busy, receiver busy, events).
+
+    With ``times`` (start, end arrays over the plan's tasks), each task's times
+    are written there, ``offset`` added (the group's start).
+    """
     cap_s, cap_r = caps
     n_slots = len(cursor) * inflight
     flows = _Flows(
@@ -122,9 +136,10 @@ def _run_group(tasks, cursor, end, caps, inflight: int, delta: float, rounds: in
         snd=np.zeros(n_slots, dtype=np.int64),
         rcv=np.zeros(n_slots, dtype=np.int64),
         live=np.zeros(n_slots, dtype=bool),
+        task=np.zeros(n_slots, dtype=np.int64),
     )
     busy_s, busy_r = np.zeros(len(cap_s)), np.zeros(len(cap_r))
-    _refill(np.arange(n_slots), flows, cursor, end, tasks, inflight)
+    _refill(np.arange(n_slots), flows, cursor, end, tasks, inflight, offset, times)
     now, events = 0.0, 0
     while True:
         li = np.flatnonzero(flows.live)
@@ -142,7 +157,9 @@ def _run_group(tasks, cursor, end, caps, inflight: int, delta: float, rounds: in
         now += dt
         done = li[window]
         flows.live[done] = False
-        _refill(done, flows, cursor, end, tasks, inflight)
+        if times is not None:
+            times[1][flows.task[done]] = offset + now
+        _refill(done, flows, cursor, end, tasks, inflight, offset + now, times)
         events += 1
 
 
@@ -153,6 +170,7 @@ def simulate(
     max_inflight: int | None = None,
     resolution: float = 1e-5,
     fill_rounds: int = 4,
+    record: bool = False,
 ) -> SimResult:
     """Predict the execution time of ``plan`` on ``cluster`` (see the module docstring)."""
     inflight = max_inflight or cluster.sim.max_inflight
@@ -169,12 +187,14 @@ def simulate(
     key = plan.task_src.astype(np.int64) * plan.num_groups + plan.task_group
     busy_s, busy_r = np.zeros(len(plan.send_nics)), np.zeros(len(plan.recv_nics))
     group_s, events = [], 0
+    times = (np.zeros(plan.num_tasks), np.zeros(plan.num_tasks)) if record else None
     for g in range(plan.num_groups):
         base = np.arange(n_tr, dtype=np.int64) * plan.num_groups + g
         cursor = np.searchsorted(key, base, side="left")
         end = np.searchsorted(key, base, side="right")
         delta = resolution * float(group_lb[g])
-        secs, bs, br, ev = _run_group(tasks, cursor, end, caps, inflight, delta, fill_rounds)
+        secs, bs, br, ev = _run_group(tasks, cursor, end, caps, inflight, delta, fill_rounds,
+                                      times, float(sum(group_s)))
         log.debug("simulate: group %d took %.4fs (bound %.4fs, %d events)", g, secs,
                   group_lb[g], ev)
         group_s.append(secs)
@@ -191,4 +211,6 @@ def simulate(
         group_lower_bounds=tuple(float(x) for x in group_lb),
         per_nic_busy_seconds=busy,
         events=events,
+        task_start=None if times is None else times[0],
+        task_end=None if times is None else times[1],
     )

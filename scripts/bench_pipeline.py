@@ -27,19 +27,18 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 from reference.loader import load_engine_shard
 from reference.random_state import random_state_dict
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
+from scripts.progress import command_console, emit_json, json_to_stdout, steps
 from scripts.sizes import parse_size
 from testkit.harness import RemoteTarget
 from weight_transfer.barrier import StoreBarrier
@@ -49,7 +48,6 @@ from weight_transfer.prepare import as_bytes
 from weight_transfer.transport.simnic import SimNic
 
 ROOT = Path(__file__).resolve().parents[1]
-console = Console()
 
 
 def expected_digests(cfg, state, engines, lengths, fp8: bool) -> list[str]:
@@ -92,6 +90,7 @@ async def run_ranks(plan, trainer_meta, state, targets, *, serial, gbps, waterma
 
 def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: str,
         json_path: Path | None) -> int:
+    console = command_console(json_path)
     cfg = load_model_config(model)
     cluster = load_cluster_config(cluster_path)
     console.print(f"[bold]pipeline benchmark[/]: {cfg.name}, {cluster.name}, "
@@ -101,6 +100,9 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: 
     layout = engine_metas_from_config(cfg, cluster, fp8=fp8)
     lengths = [e.tensors[0].region.length for e in layout]
     with contextlib.ExitStack() as stack:
+        step = stack.enter_context(steps(console, "pipeline benchmark", 4,
+                                         quiet=json_to_stdout(json_path)))
+        step("start engine processes")
         targets = [stack.enter_context(RemoteTarget(
             nbytes=n, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
             transport_opts={"nic": e.tensors[0].region.nic})) for e, n in zip(layout, lengths,
@@ -108,11 +110,13 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: 
         engines = [dataclasses.replace(e, tensors=tuple(
             dataclasses.replace(t, region=tg.region) for t in e.tensors))
             for e, tg in zip(layout, targets, strict=True)]
+        step("plan and reference digests")
         plan = compute_plan(trainer_meta, engines, cluster, model=cfg, fp8=fp8)
         plan.validate()
         want = expected_digests(cfg, state, engines, lengths, fp8)
         results = {}
         for mode in ("serial", "pipelined"):
+            step(f"run {mode}")
             for t in targets:
                 t.fill(0)
             seconds = asyncio.run(run_ranks(plan, trainer_meta, state, targets,
@@ -130,8 +134,6 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: 
         table.add_row(mode, f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", str(r["verified"]))
     console.print(table)
     console.print(f"speedup of pipelining: [bold]{speedup:.2f}x[/]")
-    if json_path is not None:
-        json_path.write_text(json.dumps({**results, "speedup": speedup,
-                                         "bytes": plan.bytes_total, "tasks": plan.num_tasks},
-                                        indent=2))
+    emit_json(json_path, {**results, "speedup": speedup, "bytes": plan.bytes_total,
+                          "tasks": plan.num_tasks}, console)
     return 0 if all(r["verified"] for r in results.values()) else 1

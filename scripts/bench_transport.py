@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
+from scripts.progress import command_console, emit_json, json_to_stdout, progress_bar
 from scripts.sizes import format_size, parse_sizes
 from testkit.harness import RemoteTarget
 from weight_transfer.transport import make_transport
@@ -169,7 +168,7 @@ def render(results: dict[str, Results], unavailable: dict[str, str], sizes: list
 def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
         backends: str = ",".join(BACKENDS), json_path: Path | None = None) -> int:
     """Measure, print a table, optionally write JSON; returns the exit status."""
-    console = Console()
+    console = command_console(json_path)
     try:
         size_list, names = sorted(set(parse_sizes(sizes))), parse_backends(backends)
         if repeats < 1:
@@ -179,8 +178,7 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
         return 2
     mapping, _, src = alloc_buffer(max(size_list), fill=0x5A)
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as progress:
+        with progress_bar(console, quiet=json_to_stdout(json_path)) as progress:
             results, unavailable = measure(names, size_list, repeats, src, progress)
     finally:
         mapping.close()
@@ -190,8 +188,7 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
     if json_path is not None:
         doc: dict[str, Any] = {n: {str(s): v for s, v in r.items()} for n, r in results.items()}
         doc["unavailable"] = unavailable
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+        emit_json(json_path, doc, console)
     return 1 if any(name in unavailable for name in REQUIRED) else 0
 
 

@@ -13,6 +13,9 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a baseline beside us.")
 app.add_typer(bench_app, name="bench")
+config_app = typer.Typer(no_args_is_help=True, help="Check configuration files.")
+app.add_typer(config_app, name="config")
+JSON_HELP = "Also write the result as JSON (- : to stdout, the rest to stderr)."
 
 
 @app.command("demo")
@@ -23,7 +26,9 @@ def demo(
         None, help="Cluster YAML [default: configs/clusters/local_cpu.yaml, from --config]."),
     fp8: bool | None = typer.Option(None, "--fp8/--no-fp8", help="FP8 engines [default: no]."),
     updates: int | None = typer.Option(None, min=1, help="Train-step + update cycles [3]."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Write a Chrome trace of every update (Perfetto; `wt trace`)."),
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config to start from."),
     corrupt_version: int | None = typer.Option(
         None, hidden=True, help="Test hook: flip one engine byte after this update."),
@@ -33,7 +38,30 @@ def demo(
 
     raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
                              updates=updates, json_path=json_path,
-                             corrupt_version=corrupt_version))
+                             corrupt_version=corrupt_version, trace_path=trace))
+
+
+@app.command("trace")
+def trace(
+    path: Path = typer.Argument(..., help="A trace written by `wt demo --trace PATH`."),
+    png: Path | None = typer.Option(None, "--png", help="Draw a Gantt chart here (PNG)."),
+    version: int | None = typer.Option(None, help="Only this update [default: every one]."),
+) -> None:
+    """Draw a Chrome trace of updates: stages per trainer rank, the NIC bound marked."""
+    from scripts.trace_cmd import run_trace
+
+    raise typer.Exit(run_trace(path, png=png, version=version))
+
+
+@config_app.command("check")
+def config_check(
+    path: Path = typer.Argument(..., help="A model, cluster or run YAML."),
+    kind: str | None = typer.Option(None, help="model|cluster|run [default: from content]."),
+) -> None:
+    """Validate a config file and print what it resolved to (exit 2 when invalid)."""
+    from scripts.config_cmd import run_check
+
+    raise typer.Exit(run_check(path, kind=kind))
 
 
 @bench_app.command("transport")
@@ -45,7 +73,7 @@ def bench_transport(
     backends: str = typer.Option(
         "memcpy,simnic,mooncake_tcp", help="Which of memcpy, simnic, mooncake_tcp to run."
     ),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """GB/s of memcpy, simnic and mooncake-tcp, side by side, 1 MiB to 1 GiB."""
     from scripts.bench_transport import run
@@ -60,7 +88,7 @@ def bench_pipeline(
     fp8: bool = typer.Option(True, help="FP8 engines (quantize while writing)."),
     nic_gbps: float = typer.Option(0.1, help="Trainer NIC cap in GB/s (see the docstring)."),
     watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """The same plan run serially and pipelined, with the speedup."""
     from scripts.bench_pipeline import run
@@ -84,7 +112,7 @@ def selftest(
 def plan(
     model: Path = typer.Option(..., help="Model YAML (configs/models/*.yaml)."),
     cluster: Path = typer.Option(..., help="Cluster YAML (configs/clusters/*.yaml)."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write the summary as JSON."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
     expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
     gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
     validate: bool = typer.Option(True, help="Check every destination byte is written once."),
@@ -101,18 +129,19 @@ def plan(
 def simulate(
     model: Path = typer.Option(..., help="Model YAML (configs/models/*.yaml)."),
     cluster: Path = typer.Option(..., help="Cluster YAML (configs/clusters/*.yaml)."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write the result as JSON."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
     expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
     gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
     inflight: int | None = typer.Option(None, help="Writes in flight per rank (default: cluster)."),
     resolution: float = typer.Option(1e-5, help="Event window, fraction of a group's bound."),
+    png: Path | None = typer.Option(None, "--png", help="Draw the simulated timeline (PNG)."),
 ) -> None:
     """Predict the transfer time of the plan (discrete-event model) beside the NIC bound."""
     from scripts.plan_cmd import run_simulate
 
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
-                                  inflight=inflight, resolution=resolution))
+                                  inflight=inflight, resolution=resolution, png=png))
 
 
 def main() -> None:

@@ -18,8 +18,13 @@
    replica at version ``v``. Checks move digests, tokens and logits only:
    digests are computed inside the actors (``__ray_call__``), so no weights
    cross Ray's object store, for the update or for its verification;
-4. prints a rich table per update, writes ``--json`` and returns 0 only when
-   every update verified (the exit code of ``wt demo`` and of the job).
+4. prints a rich table per update, writes ``--json`` (``-``: standard output,
+   everything else to standard error) and ``--trace`` (a Chrome trace of every
+   update, :mod:`weight_transfer.trace`) and returns 0 only when every update
+   verified (the exit code of ``wt demo`` and of the job).
+
+Progress bars (:mod:`scripts.progress`) show the set-up and the updates on a
+terminal; logs and ``--json -`` get none.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import ray
 import torch
 from rich.console import Console
+from rich.progress import Progress
 
 from scheduling.cluster import load_cluster_config
 from scripts.demo_checks import (
@@ -42,15 +48,23 @@ from scripts.demo_checks import (
     byte_problems,
     expected_digests,
     logits_problems,
-    make_console,
     render_table,
+    summary,
     tensor_digests,
     token_problems,
     write_json,
 )
+from scripts.progress import (
+    PhaseBars,
+    command_console,
+    emit_json,
+    json_to_stdout,
+    progress_bar,
+)
 from scripts.run_config import RunConfig, load_run_config
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
+from weight_transfer.trace import write_chrome_trace
 
 log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
@@ -146,7 +160,7 @@ class Fleet:
             ray.util.remove_placement_group(pg)
 
 
-def start_fleet(run: RunConfig) -> Fleet:
+def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     """Actors as the cluster config places them, and the controller after setup()."""
     from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 
@@ -156,10 +170,19 @@ def start_fleet(run: RunConfig) -> Fleet:
         pause_during_update=run.transfer.pause_during_update,
         setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s)
     start = time.perf_counter()
+    bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
+    bars("start trainer ranks", 0, 1)
     trainers = launch_trainers(config)
-    engines = launch_engines(config)
+    bars("start trainer ranks", 1, 1)
+    engines = []
+    for i in range(config.cluster.inference.replicas):
+        bars("start engine replicas", i, config.cluster.inference.replicas)
+        engines += launch_engines(config, replicas=[i])
+    bars("start engine replicas", len(engines), len(engines))
     ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
+    ctl.progress = bars if progress is not None else None
     ctl.setup()
+    ctl.progress = None
     names = [config.cluster.replica_name(i) for i in range(len(engines))]
     return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
                  strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
@@ -285,16 +308,22 @@ def verify(fleet: Fleet, version: int, prompts: list[list[int]],
 
 
 def run_cycles(fleet: Fleet, console: Console,
-               after_update: Callable[[Fleet, int], None] | None = None) -> list[UpdateCheck]:
+               after_update: Callable[[Fleet, int], None] | None = None, *,
+               traces: list | None = None,
+               progress: Progress | None = None) -> list[UpdateCheck]:
+    """The train-step + update + verify cycles; ``traces`` collects each update's trace."""
     run, cfg = fleet.run, fleet.config.model
     prompts = token_batch(cfg.vocab_size, run.verify.prompts, run.verify.prompt_len,
                           seed=run.seed + 99)
     rows, previous = [], None
+    bar = progress.add_task("updates", total=run.updates) if progress is not None else None
     for version in range(1, run.updates + 1):
         batch = token_batch(cfg.vocab_size, run.train.batch_size, run.train.seq_len,
                             seed=run.seed * 1000 + version)
         loss = _first(ray.get([t.train_step.remote(batch) for t in fleet.trainers]))
-        report = fleet.controller.update(version)
+        report = fleet.controller.update(version, trace=traces is not None)
+        if traces is not None:
+            traces.append(report.trace)
         if after_update is not None:
             after_update(fleet, version)
         start = time.perf_counter()
@@ -309,6 +338,8 @@ def run_cycles(fleet: Fleet, console: Console,
                       f" loss {loss:.4f}, {verdict}")
         for p in problems:
             console.print(f"  [red]{p}[/]")
+        if bar is not None:
+            progress.advance(bar)
     return rows
 
 
@@ -316,16 +347,18 @@ def run_cycles(fleet: Fleet, console: Console,
 
 
 def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | None = None,
-            after_update: Callable[[Fleet, int], None] | None = None) -> int:
+            after_update: Callable[[Fleet, int], None] | None = None,
+            trace_path: Path | None = None) -> int:
     """The whole job; 0 when every update verified, 1 otherwise."""
-    console = console or make_console()
+    console = console or command_console(run.json_path)
     start = time.perf_counter()
     started = connect_ray(run, join_existing=join_existing)
-    fleet = None
+    fleet, traces = None, ([] if trace_path is not None else None)
     try:
-        fleet = start_fleet(run)
-        console.print(fleet.describe())
-        rows = run_cycles(fleet, console, after_update)
+        with progress_bar(console, quiet=json_to_stdout(run.json_path)) as progress:
+            fleet = start_fleet(run, progress)
+            console.print(fleet.describe())
+            rows = run_cycles(fleet, console, after_update, traces=traces, progress=progress)
         info = fleet.info()
     finally:
         if fleet is not None:
@@ -335,8 +368,14 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
     engines = "fp8" if info["fp8"] else "bf16"
     console.print(render_table(rows, title=f"{run.name}: {info['model']}, {engines} engines"))
     info["total_seconds"] = total = time.perf_counter() - start
-    if run.json_path is not None:
+    if json_to_stdout(run.json_path):
+        emit_json("-", summary(rows, **info), console)
+    elif run.json_path is not None:
         write_json(Path(run.json_path), rows, **info)
+    if trace_path is not None:
+        write_chrome_trace(trace_path, traces)
+        console.print(f"wrote {trace_path} (open in https://ui.perfetto.dev; "
+                      f"`wt trace {trace_path} --png OUT` draws it)")
     ok = bool(rows) and all(r.verified for r in rows)
     verdict = "[green]all updates verified[/]" if ok else "[bold red]verification FAILED[/]"
     console.print(f"{verdict} in {total:.1f} s")
@@ -344,9 +383,10 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
 
 
 def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
-            updates: int | None, json_path: Path | None, corrupt_version: int | None) -> int:
+            updates: int | None, json_path: Path | None, corrupt_version: int | None,
+            trace_path: Path | None = None) -> int:
     """``wt demo``: the run config with the command line's options applied."""
-    console = make_console()
+    console = command_console(json_path)
     try:
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
@@ -359,7 +399,7 @@ def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool
         def hook(fleet: Fleet, version: int) -> None:
             if version == corrupt_version:
                 corrupt_one_byte(fleet, version)
-    return run_job(run, console=console, after_update=hook)
+    return run_job(run, console=console, after_update=hook, trace_path=trace_path)
 
 
 __all__ = ["LOCAL_NODE_IP", "Fleet", "connect_ray", "run_cli", "run_job", "start_fleet"]

@@ -8,6 +8,11 @@ imbalance, the NIC lower bound, time to plan and peak memory.
 ``wt simulate`` does the same, then runs the discrete-event model and prints
 the predicted seconds beside the lower bound.
 
+``--json -`` writes the JSON to standard output (the table goes to standard
+error); ``wt simulate --png OUT`` draws the simulated timeline per trainer rank
+(:mod:`scheduling.sim_timeline`), the way ``wt trace --png`` draws a measured one.
+On a terminal a progress bar names the step being computed.
+
 JSON keys (both): ``tasks``, ``bytes_total``, ``nic_imbalance`` (max/mean
 bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
 ``plan_seconds`` (metadata + plan, wall clock), and more; ``simulate`` adds
@@ -16,23 +21,21 @@ bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
 
 from __future__ import annotations
 
-import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from scheduling import ClusterConfig, Plan, compute_plan, load_cluster_config, simulate
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.simulate import lower_bounds
+from scripts.progress import command_console, emit_json, json_to_stdout, steps
 from weight_transfer.models import ModelConfig, load_model_config
-
-console = Console()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,20 +54,27 @@ def _gb(n: float) -> str:
 
 
 def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
-          validate: bool) -> Planned:
-    """Load configs, build metadata, compute (and validate) the plan, timing each step."""
+          validate: bool, step: Callable[[str], None] = lambda _: None) -> Planned:
+    """Load configs, build metadata, compute (and validate) the plan, timing each step.
+
+    ``step(name)`` is called as each step starts (a progress bar).
+    """
+    step("read configs")
     cfg = load_model_config(model)
     cl = load_cluster_config(cluster)
     t0, c0 = time.perf_counter(), time.process_time()
+    step("trainer and engine metadata")
     tm = trainer_meta_from_config(cfg, cl, expert_naming=expert_naming)
     em = engine_metas_from_config(cfg, cl)
     t1 = time.perf_counter()
+    step("compute the plan")
     plan = compute_plan(tm, em, cl, model=cfg, expert_naming=expert_naming,
                         gather_order=gather_order)
     t2, c2 = time.perf_counter(), time.process_time()
     timings = {"metadata_seconds": t1 - t0, "compute_seconds": t2 - t1,
                "plan_seconds": t2 - t0, "plan_cpu_seconds": c2 - c0}
     if validate:
+        step("validate every byte")
         plan.validate()
         timings["validate_seconds"] = time.perf_counter() - t2
     return Planned(plan=plan, cluster=cl, model=cfg, timings=timings)
@@ -132,36 +142,46 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
     return t
 
 
-def _write_json(path: Path | None, data: dict[str, Any]) -> None:
-    if path is not None:
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        console.print(f"wrote {path}")
-
-
 def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
              gather_order: str, validate: bool) -> int:
+    console = command_console(json_path)
     try:
-        p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                  validate=validate)
+        with steps(console, "planning", 4 if validate else 3,
+                   quiet=json_to_stdout(json_path)) as step:
+            p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
+                      validate=validate, step=step)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
     s = summary(p)
     console.print(_table(s))
-    _write_json(json_path, s)
+    emit_json(json_path, s, console)
     return 0
 
 
 def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
-                 gather_order: str, inflight: int | None, resolution: float) -> int:
+                 gather_order: str, inflight: int | None, resolution: float,
+                 png: Path | None = None) -> int:
+    console = command_console(json_path)
+    if png is not None:
+        from scripts.plots import MissingExtraError, import_pyplot
+
+        try:
+            import_pyplot()
+        except MissingExtraError as err:
+            console.print(f"[red]cannot draw {png}:[/red] {err}")
+            return 2
     try:
-        p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                  validate=False)
+        with steps(console, "simulating", 4, quiet=json_to_stdout(json_path)) as step:
+            p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
+                      validate=False, step=step)
+            step("simulate the NICs")
+            t0 = time.perf_counter()
+            r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution,
+                         record=png is not None)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
-    t0 = time.perf_counter()
-    r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution)
     s = summary(p)
     busy = np.array(list(r.per_nic_busy_seconds.values()))
     s.update({
@@ -185,5 +205,11 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         ("simulation", f"{r.events:,} events in {s['simulate_seconds']:.1f} s"),
     ]
     console.print(_table(s, extra))
-    _write_json(json_path, s)
+    emit_json(json_path, s, console)
+    if png is not None:
+        from scheduling.sim_timeline import sim_timeline
+        from scripts.plots import draw_gantt
+
+        draw_gantt([sim_timeline(p.plan, r)], png)
+        console.print(f"wrote {png}")
     return 0

@@ -21,10 +21,20 @@ ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:
-    """``field a.b: message; field c: message`` for every error of ``exc``."""
+    """``field a.b: message (got value); field c: message`` for every error of ``exc``."""
     return "; ".join(
-        f"field {'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors()
+        f"field {'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}{_got(e)}"
+        for e in exc.errors()
     )
+
+
+def _got(error: Any) -> str:
+    """`` (got 0)`` for a wrong scalar value; nothing for a missing field or a section."""
+    value = error.get("input")
+    if error.get("type") == "missing" or isinstance(value, dict | list | tuple):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 40 else text[:37] + '...'})"
 
 
 def validate_mapping(cls: type[ConfigT], data: Any, *, kind: str, source: str) -> ConfigT:

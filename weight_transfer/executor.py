@@ -21,7 +21,10 @@ aborts the run, unless ``on_write_error`` is given: then the failed task is
 handed to it and the rank goes on gathering and joining barriers (the other
 ranks of its meshes wait for it in every ``full_tensor()``). The report's
 ``bytes_written`` and ``writes`` count only the WRITEs that completed;
-``bytes_planned`` is what the plan asked for.
+``bytes_planned`` is what the plan asked for. Given ``metrics`` (a
+:class:`~weight_transfer.metrics.TransferMetrics`), the rank records the
+watermark bytes it holds as they change, its NIC's bytes and GB/s after each
+run, and each failed WRITE by error class.
 
 Usage (the Ray actor is a thin shell around this)::
 
@@ -44,6 +47,7 @@ from typing import Any
 
 import torch
 
+from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.prepare import as_bytes, prepare_pieces
 from weight_transfer.transport.base import TransportError
@@ -120,6 +124,7 @@ class TransferReport:
     watermark_peak: int
     spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
     task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
+    barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
 
 
 class RankTransfer:
@@ -138,6 +143,7 @@ class RankTransfer:
         write_concurrency: int = 4,
         serial: bool = False,
         on_write_error: WriteErrorHook | None = None,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
@@ -149,6 +155,7 @@ class RankTransfer:
         self.write_concurrency = write_concurrency
         self.serial = serial
         self.on_write_error = on_write_error
+        self.metrics = metrics
         self._task_spans: list[Span] = []
         self.device_memory = bool(getattr(transport, "device_memory", False))
         # One thread for gathers: collectives must be issued in order, one at a time.
@@ -209,6 +216,8 @@ class RankTransfer:
         try:
             await self.transport.write(self._source(buf), task.region, task.region_offset)
         except TransportError as exc:
+            if self.metrics is not None:
+                self.metrics.failure(type(exc).__name__)
             if self.on_write_error is None:
                 raise
             self.on_write_error(task, exc)
@@ -234,8 +243,10 @@ class RankTransfer:
     async def run(self, version: int) -> TransferReport:
         start = time.perf_counter()
         # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
-        wm = ByteWatermark(1 if self.serial else self.watermark_bytes)
+        wm = ByteWatermark(1 if self.serial else self.watermark_bytes,
+                           on_change=self._watermark_changed)
         spans: list[Span] = []
+        barriers: list[Span] = []
         self._task_spans: list[Span] = []
         barrier_s = 0.0
         for group in self.groups:
@@ -243,9 +254,12 @@ class RankTransfer:
             await pipe.run(self._items(group))
             spans.extend(pipe.spans)
             if self.barrier is not None:
+                t0 = time.perf_counter()
                 barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
+                barriers.append(Span(key=group.group, stage="barrier", start=t0,
+                                     end=time.perf_counter(), nbytes=0))
         planned = sum(t.nbytes for g in self.groups for ts in g.tasks.values() for t in ts)
-        return TransferReport(
+        report = TransferReport(
             rank=self.rank,
             version=version,
             seconds=time.perf_counter() - start,
@@ -257,7 +271,17 @@ class RankTransfer:
             watermark_peak=wm.peak,
             spans=tuple(spans),
             task_spans=tuple(self._task_spans),
+            barrier_spans=tuple(barriers),
         )
+        if self.metrics is not None:
+            self.metrics.nic_transfer(nic=str(getattr(self.transport, "nic", "?")),
+                                      rank=self.rank, nbytes=report.bytes_written,
+                                      seconds=report.seconds)
+        return report
+
+    def _watermark_changed(self, held: int) -> None:
+        if self.metrics is not None:
+            self.metrics.watermark_in_use(rank=self.rank, nbytes=held)
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=False)

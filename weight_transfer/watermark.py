@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 
 class ByteWatermark:
     """FIFO byte budget; see the module docstring."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, on_change: Callable[[int], None] | None = None) -> None:
         if limit <= 0:
             raise ValueError(f"watermark limit must be positive, got {limit}")
         self.limit = limit
+        self.on_change = on_change  # called with the bytes held after each grant and release
         self.held = 0
         self.peak = 0
         self.oversized = 0  # reservations admitted alone because they exceed the limit
@@ -43,6 +44,8 @@ class ByteWatermark:
             self.oversized += 1
         self.held += nbytes
         self.peak = max(self.peak, self.held)
+        if self.on_change is not None:
+            self.on_change(self.held)
 
     async def acquire(self, nbytes: int) -> None:
         if nbytes < 0:
@@ -67,6 +70,8 @@ class ByteWatermark:
         if nbytes > self.held:
             raise RuntimeError(f"watermark release of {nbytes} B exceeds the {self.held} B held")
         self.held -= nbytes
+        if self.on_change is not None:
+            self.on_change(self.held)
         self._wake()
 
     def _wake(self) -> None:

@@ -23,6 +23,7 @@ from scripts.demo_checks import STAGES
 from scripts.run_config import ROOT, load_run_config
 from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import load_model_config
+from weight_transfer.trace import read_chrome_trace
 from weight_transfer.types import ShardSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -41,10 +42,10 @@ def local_ray():
     ray.shutdown()
 
 
-def _run(tmp_path, local_ray, **changes):
+def _run(tmp_path, local_ray, trace_path=None, **changes):
     out = tmp_path / "demo.json"
     run = load_run_config("configs/runs/demo.yaml").with_overrides(json_path=str(out), **changes)
-    rc = run_job(run)
+    rc = run_job(run, trace_path=trace_path)
     return rc, json.loads(out.read_text())
 
 
@@ -65,8 +66,11 @@ def _check_common(doc, *, fp8, updates):
 
 
 def test_bf16_updates_are_byte_exact_and_generate_the_trainers_tokens(tmp_path, local_ray):
-    rc, doc = _run(tmp_path, local_ray, updates=2, fp8=False)
+    trace = tmp_path / "trace.json"
+    rc, doc = _run(tmp_path, local_ray, trace_path=trace, updates=2, fp8=False)
     assert rc == 0, doc
+    updates = read_chrome_trace(trace)["otherData"]["updates"]  # `wt demo --trace PATH`
+    assert [u["version"] for u in updates] == [1, 2] and len(updates[0]["ranks"]) == 4
     assert doc["verified"] is True
     _check_common(doc, fp8=False, updates=2)
     for u in doc["updates"]:

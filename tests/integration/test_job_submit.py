@@ -1,15 +1,24 @@
-"""``ray job submit`` of scripts/launch.py against a ``ray start --head`` cluster on loopback.
+"""The README's Ray job sequence, run as written, on loopback.
 
-The head runs in a temporary directory with token authentication on (Ray 2.60's
-default for local clusters, set explicitly here): ``RAY_AUTH_MODE=token`` and
-a fresh token in a file named by ``RAY_AUTH_TOKEN_PATH``, which ``ray start``,
-``ray job submit`` and the job's driver all read. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
-makes Ray take 127.0.0.1 as the node address (it would otherwise resolve
-"127.0.0.1" to the host's interface address), so nothing leaves loopback.
+The fenced block of README.md that contains ``ray job submit`` is read from the
+file and run line by line as a new user would, in one shell state carried from
+line to line (``source``, ``export``). Only what must differ on a shared test
+machine is substituted, never the commands themselves:
 
-The head is stopped by signalling its own ``ray start --block`` process, not
-with ``ray stop``, which would stop every Ray instance on the machine,
-including those of other test sessions.
+- ``HOME`` is a fresh temporary directory (a machine that never ran Ray: no
+  ``~/.ray/auth_token``, so the README's ``ray get-auth-token --generate`` is
+  what makes the token);
+- ``ray start --head`` gets ``--block``, free loopback ports and a temporary
+  ``--temp-dir`` (the test owns the process, so it can stop it), and
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take 127.0.0.1 as the node
+  address (it would otherwise resolve it to the host's interface address), so
+  nothing leaves loopback;
+- ``ray job submit`` finds that head through ``RAY_ADDRESS`` in the environment;
+- ``ray stop`` (which stops every Ray instance on the machine, including those
+  of other test sessions) is replaced by signalling our own ``ray start --block``.
+
+Then the cluster must refuse a client without ``RAY_AUTH_MODE=token`` (what the
+README warns about) and one with a wrong token.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -31,13 +40,21 @@ import pytest
 
 from scripts.run_config import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BIN = Path(sys.executable).parent
 
 
 def _plain(text: str) -> str:
     """Without terminal colour codes."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def readme_job_block() -> list[str]:
+    """The command lines of README.md's fenced bash block that submits the job."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "ray job submit" in b]
+    return [line for line in block.splitlines() if line.strip() and
+            not line.lstrip().startswith("#")]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -51,26 +68,40 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _ray_env(tmp: Path) -> dict[str, str]:
-    token = tmp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    return env
+def _shell(lines: list[str], env: dict[str, str], tmp: Path) -> tuple[str, dict[str, str]]:
+    """Run ``lines`` in bash (stop at the first failure); output and the environment after."""
+    env_file = tmp / "env.out"
+    script = "set -eo pipefail\n" + "\n".join(lines) + f"\nenv -0 > {shlex.quote(str(env_file))}\n"
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=700)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"README lines failed ({proc.returncode}):\n{lines}\n{out[-5000:]}"
+    pairs = (item.split("=", 1) for item in env_file.read_text().split("\0") if "=" in item)
+    return out, dict(pairs)
 
 
-def _wait_for_dashboard(port: int, head: subprocess.Popen, log: Path, timeout: float = 120):
-    deadline = time.monotonic() + timeout
+def _start_head(line: str, env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, int, Path]:
+    """The README's ``ray start --head`` with --block and this test's ports and temp dir."""
+    gcs, dash, client, agent = _free_ports(4)
+    argv = shlex.split(line)
+    argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
+    argv += ["--block", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+             "--dashboard-port", str(dash), "--ray-client-server-port", str(client),
+             "--dashboard-agent-listen-port", str(agent), "--temp-dir", str(tmp / "ray"),
+             "--num-cpus", "8", "--disable-usage-stats"]
+    log = tmp / "head.log"
+    with log.open("w") as out:
+        head = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if head.poll() is not None:
-            pytest.fail(f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-            return
+            pytest.fail(f"{line} exited with {head.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", dash), 1):
+            return head, dash, log
         time.sleep(0.5)
-    pytest.fail(f"the Ray dashboard did not listen on 127.0.0.1:{port}:\n{log.read_text()[-3000:]}")
+    _stop(head)
+    pytest.fail(f"the Ray dashboard did not listen on 127.0.0.1:{dash}:\n{log.read_text()[-3000:]}")
 
 
 def _stop(head: subprocess.Popen) -> None:
@@ -87,60 +118,64 @@ def _stop(head: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
+def readme_run():
+    """Run the README block; yields (job output, final env, head log); stops the head."""
     # Short: Ray's unix socket paths under the temp dir must stay within 107 bytes.
-    tmp_path = Path(tempfile.mkdtemp(prefix="wtray", dir="/tmp"))
-    env = _ray_env(tmp_path)
-    gcs, dash, client, agent = _free_ports(4)
-    log = tmp_path / "head.log"
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs),
-           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-           "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-           "--temp-dir", str(tmp_path / "ray"), "--num-cpus", "8", "--disable-usage-stats"]
-    with log.open("w") as out:
-        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    tmp = Path(tempfile.mkdtemp(prefix="wtrm", dir="/tmp"))
+    (tmp / "home").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV"))}
+    env.update(HOME=str(tmp / "home"), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_USAGE_STATS_ENABLED="0")
+    head, pending, output = None, [], []
     try:
-        _wait_for_dashboard(dash, head, log)
-        yield env, f"http://127.0.0.1:{dash}", log
+        for line in readme_job_block():
+            cmd = shlex.split(line)[:3]
+            if cmd[:3] == ["ray", "start", "--head"]:
+                if pending:
+                    out, env = _shell(pending, env, tmp)
+                    output.append(out)
+                    pending = []
+                head, dash, log = _start_head(line, env, tmp)
+                env["RAY_ADDRESS"] = f"http://127.0.0.1:{dash}"
+            elif cmd[:2] == ["ray", "stop"]:
+                out, env = _shell(pending, env, tmp)
+                output.append(out)
+                pending = []
+                yield "\n".join(output), env, log
+                _stop(head)
+            else:
+                pending.append(line)
+        assert head is not None and not pending, "the README block must start and stop Ray"
     finally:
-        _stop(head)
-        shutil.rmtree(tmp_path, ignore_errors=True)
+        if head is not None:
+            _stop(head)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_the_demo_and_succeeds(ray_head):
-    env, address, head_log = ray_head
+def test_the_readme_block_starts_a_head_and_the_job_succeeds(readme_run):
+    out, env, head_log = readme_run
+    said = _plain(out)
     assert "Local node IP: 127.0.0.1" in _plain(head_log.read_text())
-    job_id = f"wt_demo_{secrets.token_hex(4)}"
-    submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", job_id,
-         "--working-dir", ".", "--", "python", "scripts/launch.py",
-         "--config", "configs/runs/demo.yaml", "--updates", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    logs = submit.stdout + submit.stderr
-    assert submit.returncode == 0, logs[-5000:]
-    status = subprocess.run(
-        [str(BIN / "ray"), "job", "status", "--address", address, job_id],
-        env=env, capture_output=True, text=True, timeout=60)
-    said = _plain(status.stdout + status.stderr)
-    assert f"Job '{job_id}' succeeded" in said, said  # the CLI's words for SUCCEEDED
-    job_logs = subprocess.run(
-        [str(BIN / "ray"), "job", "logs", "--address", address, job_id],
-        env=env, capture_output=True, text=True, timeout=60).stdout
-    assert "all updates verified" in job_logs, job_logs[-5000:]
-    assert "update 2:" in job_logs and "verified" in job_logs
+    assert (Path(env["HOME"]) / ".ray" / "auth_token").is_file()  # made by the README's line
+    assert re.search(r"Job '\w+' succeeded", said), said[-5000:]
+    assert "all updates verified" in said and "update 3:" in said
     for column in ("version", "GB/s", "h2d", "prepare", "write", "barrier"):
-        assert column in job_logs, column
+        assert column in said, column
 
 
-def test_the_cluster_refuses_a_wrong_token(ray_head):
-    env, address, _ = ray_head
+def _job_list(env: dict[str, str], **changes: str | None) -> subprocess.CompletedProcess:
+    env = {**env, **changes}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([shutil.which("ray", path=env["PATH"]), "job", "list"], env=env,
+                          capture_output=True, text=True, timeout=60)
 
-    def job_list(**extra):
-        return subprocess.run([str(BIN / "ray"), "job", "list", "--address", address],
-                              env={**env, **extra}, capture_output=True, text=True, timeout=60)
 
-    assert job_list().returncode == 0
-    wrong = job_list(RAY_AUTH_TOKEN="not-the-token")  # RAY_AUTH_TOKEN wins over the file
+def test_the_cluster_refuses_clients_without_the_token_mode_or_with_a_wrong_token(readme_run):
+    _, env, _ = readme_run
+    assert _job_list(env).returncode == 0
+    plain = _job_list(env, RAY_AUTH_MODE=None)  # what the README's export line is for
+    assert plain.returncode != 0
+    assert "Authentication required" in _plain(plain.stdout + plain.stderr)
+    wrong = _job_list(env, RAY_AUTH_TOKEN="not-the-token")  # RAY_AUTH_TOKEN wins over the file
     assert wrong.returncode != 0
     assert "Invalid authentication token" in _plain(wrong.stdout + wrong.stderr)
