@@ -10,15 +10,31 @@ or from loaded configs::
 ``fp8=None`` takes the cluster's ``inference.fp8``. Timeouts bound each phase
 the controller waits for; a phase that overruns raises naming the ranks that
 did not answer.
+
+``transport`` names the data plane every trainer and engine NIC uses
+(``simnic``, the default, within one host; ``mooncake``; ``rdma``) and
+``transport_options`` its options, checked here against that transport's typed
+options (:mod:`weight_transfer.transport.options`): an unknown transport, an
+unknown option name or a value of the wrong type is a ``ValueError`` naming
+the field before any actor is asked anything::
+
+    cfg = TransferConfig.from_files(model, cluster, transport="mooncake",
+                                    transport_options={"protocol": "tcp"})
+    cfg.transport_spec          # TransportSpec(kind="mooncake", options=MooncakeOptions(...))
+
+``nic_gbps`` is a shortcut for the simnic option ``bandwidth_gbps``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from scheduling.cluster import ClusterConfig, load_cluster_config
 from weight_transfer.models import ModelConfig, load_model_config
+from weight_transfer.transport.options import TransportOptions, TransportSpec, parse_transport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +54,8 @@ class TransferConfig:
     nic_gbps: float | None = None  # cap every simulated NIC (GB/s); None: memcpy speed
     actor_cpus: float = 0.1  # logical CPUs per actor (Ray only uses them to place actors)
     metrics: str = "auto"  # metrics backend: auto (ray inside Ray), ray, prometheus, null
+    transport: str = "simnic"  # the data plane of every trainer and engine NIC
+    transport_options: Mapping[str, Any] | TransportOptions | None = None  # checked, then typed
 
     def __post_init__(self) -> None:
         for name in ("setup_timeout_s", "update_timeout_s", "barrier_timeout_s", "lr"):
@@ -52,10 +70,29 @@ class TransferConfig:
             raise ValueError(f"TransferConfig.nic_gbps must be None or > 0, not {self.nic_gbps}")
         if not self.actor_cpus > 0:
             raise ValueError(f"TransferConfig.actor_cpus must be > 0, not {self.actor_cpus}")
+        spec = parse_transport(self.transport, self.transport_options, where="TransferConfig")
+        object.__setattr__(self, "transport_options", spec.options)  # typed from here on
+        if self.nic_gbps is not None and self.transport != "simnic":
+            raise ValueError(
+                f"TransferConfig.nic_gbps caps simulated NICs only; transport is "
+                f"{self.transport!r} (every trainer and engine NIC): leave nic_gbps None")
+        if self.nic_gbps is not None and spec.options.bandwidth_gbps not in (None, self.nic_gbps):
+            raise ValueError(
+                f"TransferConfig.nic_gbps={self.nic_gbps} and transport_options.bandwidth_gbps="
+                f"{spec.options.bandwidth_gbps} disagree (the cap of every trainer and engine "
+                "NIC); set one of them")
 
     @classmethod
     def from_files(cls, model: str | Path, cluster: str | Path, **kwargs) -> TransferConfig:
         return cls(model=load_model_config(model), cluster=load_cluster_config(cluster), **kwargs)
+
+    @property
+    def transport_spec(self) -> TransportSpec:
+        """The validated transport of every trainer and engine NIC (``nic_gbps`` applied)."""
+        options = self.transport_options
+        if self.nic_gbps is not None:
+            options = options.model_copy(update={"bandwidth_gbps": self.nic_gbps})
+        return TransportSpec(kind=self.transport, options=options)
 
     @property
     def engine_fp8(self) -> bool:

@@ -16,6 +16,16 @@ total)`` while the controller waits on actors (see :mod:`actors.telemetry`).
 ``engines`` is a list of replicas (each a list of its TP ranks' actors) or a
 flat list of engine actors; each actor says which replica and rank it is.
 
+Setup: the trainers' and engines' metadata and hosts are gathered (the
+engines register their weight buffers with NICs of ``config.transport``);
+a transport that cannot reach a peer (simnic across hosts) is refused here,
+naming the actors and their hosts; the plan is computed once; then every
+(trainer NIC, engine NIC) pair the plan writes through exchanges endpoint
+information in both directions in one round for the whole cluster
+(:mod:`actors.connections`): every actor is asked at once for its peer info
+made for each peer NIC named, and each side gets the other's with the next
+call (the trainers with their plan), then connects.
+
 An update: every replica is paused (unless ``pause_during_update`` is off);
 every trainer gets ``wt_update(version)`` (the only argument that crosses
 Ray) and replays its static plan with one-sided writes; a replica is resumed
@@ -36,7 +46,8 @@ from typing import Any
 import ray
 
 from actors.config import TransferConfig
-from actors.groups import LOOPBACK, host_store
+from actors.connections import Connector, copy_links, plan_links
+from actors.groups import host_store, node_ip
 from actors.inference import layout_key
 from actors.ledger import ControlLedger
 from actors.messages import PlanSummary, TrainerRankMeta
@@ -52,7 +63,8 @@ from actors.telemetry import (
     update_trace,
 )
 from weight_transfer.trace import write_chrome_trace
-from weight_transfer.types import EngineRankMeta, PeerInfo
+from weight_transfer.transport.handshake import Connection
+from weight_transfer.types import EngineRankMeta, RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +107,16 @@ class WeightTransferController:
         self.ledger = ControlLedger()
         self.replicas: dict[str, list[Any]] = {}
         self._engine_metas: dict[str, list[EngineRankMeta]] = {}
-        self._peers: dict[str, list[list[PeerInfo]]] = {}
+        self._connector = Connector(config.transport_spec, call=self.ledger.call,
+                                    gather=self._gather)  # NIC owners, hosts, links
+        self._rank_infos: tuple[RankInfo, ...] = ()
         self._versions: dict[str, int | None] = {}
         self._paused: set[str] = set()
         self._trainer_metas: list[TrainerRankMeta] = []
         self.summary: PlanSummary | None = None
         self.scheduler = None
         self._store = None
+        self._store_host = ""
         self._attempted: int | None = None
         self._current: int | None = None
         self.metrics = actor_metrics(config.metrics)
@@ -164,12 +179,19 @@ class WeightTransferController:
         order = sorted(range(len(metas)), key=lambda i: metas[i].rank)
         self.trainers = [self.trainers[i] for i in order]
         self._trainer_metas = [metas[i] for i in order]
-        engine_metas = self._gather([call(e.wt_engine_meta) for e in self._engine_handles],
-                                    [f"engine actor {i}" for i in range(len(self._engine_handles))],
-                                    phase="gather engine metadata")
-        for name, actors, ranks in self._group_replicas(self._engine_handles, engine_metas):
+        for meta, actor in zip(self._trainer_metas, self.trainers, strict=True):
+            self._connector.add_trainer(meta.rank, actor, meta.host)
+        engine_metas = self._connector.gather_engines(self._engine_handles, label="engine actor")
+        groups = list(self._group_replicas(self._engine_handles, engine_metas))
+        self._connector.check_engines([m.rank for m in self._trainer_metas],
+                                      [m for _, _, ranks in groups for m in ranks])
+        for name, actors, ranks in groups:
             self._add_replica_entry(name, actors, ranks)
-        self._store = host_store(timeout_s=self.config.setup_timeout_s)
+        self._rank_infos = trainer_rank_infos(self.config.cluster,
+                                              [m.node for m in self._trainer_metas])
+        # The trainers' barrier store, on the address other nodes reach this one by.
+        self._store_host = node_ip()
+        self._store = host_store(host=self._store_host, timeout_s=self.config.setup_timeout_s)
         self.scheduler = ScheduleActor.remote(self.config.model, self.config.cluster,
                                               fp8=self.config.engine_fp8)
         self._replan()
@@ -191,30 +213,36 @@ class WeightTransferController:
     def _add_replica_entry(self, name: str, actors: list, metas: list[EngineRankMeta]) -> None:
         if name in self.replicas:
             raise ValueError(f"replica {name} is already part of this controller")
-        peers = self._gather([self.ledger.call(a.wt_peer_info) for a in actors],
-                             [f"{name}/tp{r}" for r in range(len(actors))],
-                             phase=f"peer info of {name}")
-        self.replicas[name], self._engine_metas[name], self._peers[name] = actors, metas, peers
+        self.replicas[name], self._engine_metas[name] = actors, metas
+        for actor, meta in zip(actors, metas, strict=True):
+            self._connector.add_engine(meta, actor)
+
+    def _drop_replica_entry(self, name: str) -> None:
+        for meta in self._engine_metas.pop(name, []):
+            self._connector.drop_engine(meta)
+        self.replicas.pop(name, None)
 
     def _replan(self) -> None:
-        """Plan over every replica, send each trainer its blob, connect its NIC to every engine."""
+        """Plan over every replica; connect the NIC pairs it writes through (both ways) while
+        each trainer gets its blob."""
         cfg = self.config
-        rank_infos = trainer_rank_infos(cfg.cluster, [m.node for m in self._trainer_metas])
         engines = [m for metas in self._engine_metas.values() for m in metas]
         result = self._gather(
-            [self.ledger.call(self.scheduler.plan, self._trainer_metas, rank_infos, engines)],
+            [self.ledger.call(self.scheduler.plan, self._trainer_metas, self._rank_infos,
+                              engines)],
             ["schedule actor"], phase="compute the plan")[0]
-        peers = [p for per_rank in self._peers.values() for ps in per_rank for p in ps]
-        store = (LOOPBACK, self._store.port)
-        refs = [
-            self.ledger.call(t.wt_connect, result.blobs[r], peers, store=store,
-                             rank_info=rank_infos[r], barrier_timeout_s=cfg.barrier_timeout_s,
-                             watermark_bytes=cfg.watermark_bytes, nic_gbps=cfg.nic_gbps,
-                             metrics=cfg.metrics)
-            for r, t in enumerate(self.trainers)
-        ]
-        self._gather(refs, [f"trainer rank {r}" for r in range(len(refs))],
-                     phase="distribute the plan")
+        store = (self._store_host, self._store.port)
+
+        def trainer_call(rank: int, conns: tuple[Connection, ...]) -> Any:
+            return self.ledger.call(
+                self.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
+                rank_info=self._rank_infos[rank], barrier_timeout_s=cfg.barrier_timeout_s,
+                watermark_bytes=cfg.watermark_bytes, transport=cfg.transport_spec,
+                metrics=cfg.metrics)
+
+        links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
+        self._connector.connect(links, phase="distribute the plan and connect (round 2)",
+                                rank_infos=self._rank_infos, trainer_call=trainer_call)
         self.summary = result.summary
         log.info("plan %d: %d B in %d tasks over %d trainer ranks -> replicas %s",
                  self.summary.plan_id, self.summary.bytes_total, self.summary.num_tasks,
@@ -274,7 +302,8 @@ class WeightTransferController:
         return report
 
     def _trace(self, version: int, clock: UpdateClock, reports: list[RankReport]):
-        cluster, cap = self.config.cluster, self.config.nic_gbps
+        cluster = self.config.cluster
+        cap = getattr(self.config.transport_spec.options, "bandwidth_gbps", None)  # simnic only
         send = min(cluster.send_bytes_per_s, cap * 1e9) if cap else cluster.send_bytes_per_s
         return update_trace(version=version, clock=clock, reports=reports, summary=self.summary,
                             send_bytes_per_s=send, recv_bytes_per_s=cluster.recv_bytes_per_s)
@@ -355,9 +384,7 @@ class WeightTransferController:
         if source is None:
             raise RuntimeError(f"add_replica(): no replica holds version {self._current}")
         actors = _flatten(engine_actors)
-        metas = self._gather([self.ledger.call(a.wt_engine_meta) for a in actors],
-                             [f"new engine actor {i}" for i in range(len(actors))],
-                             phase="gather metadata of the new replica")
+        metas = self._connector.gather_engines(actors, label="new engine actor")
         groups = list(self._group_replicas(actors, metas))
         if len(groups) != 1:
             raise ValueError(f"add_replica() takes the actors of one replica, got "
@@ -366,17 +393,20 @@ class WeightTransferController:
         src = self._engine_metas[source]
         if [layout_key(m) for m in metas] != [layout_key(m) for m in src]:
             raise ValueError(f"replica {name} does not have the TP layout of {source}")
+        if name in self.replicas:
+            raise ValueError(f"replica {name} is already part of this controller")
+        self._connector.check_engines([m.rank for m in self._trainer_metas], metas, sources=src)
         self._add_replica_entry(name, actors, metas)
         try:
             self._each_engine("wt_pause", replicas=[name], phase=f"hold {name} until filled")
-            refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, metas[r],
-                                     self._peers[name][r]) for r in range(len(metas))]
+            self._connector.connect(copy_links(src, metas), phase=f"connect {source} to {name}")
+            refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, metas[r])
+                    for r in range(len(metas))]
             self._gather(refs, [f"{source}/tp{r} -> {name}/tp{r}" for r in range(len(refs))],
                          phase=f"copy version {self._current} from {source} to {name}")
             self._replan()
         except Exception:
-            for table in (self.replicas, self._engine_metas, self._peers):
-                table.pop(name, None)
+            self._drop_replica_entry(name)
             raise
         self._each_engine("wt_resume", self._current, replicas=[name], phase=f"resume {name}")
         self._versions[name] = self._current

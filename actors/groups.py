@@ -1,33 +1,54 @@
 """Key-value stores and gloo process groups for actors, formed over the control plane.
 
-A group's rank 0 hosts a ``TCPStore`` on a free port and reports it; every
-member then joins a gloo process group on that store. Ray carries only the
-(host, port) pair::
+A group's rank 0 hosts a ``TCPStore`` on a free port of its node's address
+(the IP Ray reports for that node, :func:`node_ip`, which every node of the
+cluster reaches) and reports it; every member then joins a gloo process group
+on that store. Ray carries only the (host, port) pair::
 
     host, port = ray.get(actors[0].wt_host_store.remote())      # rank 0 only
     ray.get([a.wt_join.remote(host, port) for a in actors])     # all ranks at once
 
 The controller hosts one more store of its own for the trainers' barriers
-between mesh groups (:func:`host_store`), so an existing trainer with its own
-process group needs nothing else.
+between mesh groups (:func:`host_store` on :func:`node_ip` of the driver), so
+an existing trainer with its own process group needs nothing else.
+
+A store listens on exactly the address it advertises (not on every
+interface): a client that dials any other address, loopback included, fails
+to connect, so a wrong address shows up on one host too.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import socket
 
 import ray
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 
 
-def host_store(*, host: str = LOOPBACK, timeout_s: float = 300.0) -> dist.TCPStore:
-    """A TCPStore server on a free port of ``host`` (read it from ``.port``)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+def node_ip() -> str:
+    """The address Ray reports for this process's node: the one other nodes reach it by."""
+    return ray.util.get_node_ip_address()
+
+
+def host_store(*, host: str, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A TCPStore server listening on a free port of ``host`` only (read it from ``.port``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot host a store on {host!r}: {exc}") from exc
+    port = sock.getsockname()[1]
+    # The store's server takes the listening socket over (it closes it on shutdown).
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach(),
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -67,6 +88,7 @@ class GroupMember:
         return ray.get_runtime_context().get_node_id()
 
     def host_store(self) -> tuple[str, int]:
-        """Group rank 0: serve the group's TCPStore on loopback; returns (host, port)."""
-        self._store = host_store(timeout_s=self.config.setup_timeout_s)
-        return LOOPBACK, self._store.port
+        """Group rank 0: serve the group's TCPStore on this node's address; (host, port)."""
+        host = node_ip()
+        self._store = host_store(host=host, timeout_s=self.config.setup_timeout_s)
+        return host, self._store.port

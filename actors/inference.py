@@ -11,13 +11,17 @@ buffers, and pause/resume hooks)::
             self.wt_attach_engine(adapter=ReferenceEngineAdapter(engine), replica="engine0",
                                   rank=tp_rank, shard=shard, nics=["inode0/nic0"])
 
-At setup the controller gathers ``wt_engine_meta()`` (the engine's buffers
-registered with one simulated NIC per NIC the cluster gives this rank: real
-addresses, lengths and rkeys) and ``wt_peer_info()``. During an update the
-rank runs no code: trainers write straight into the registered memory; the
-controller only calls ``wt_pause()`` before and ``wt_resume(version)`` after.
-``wt_copy_to(meta, peers)`` writes this rank's registered buffers into the same
-layout of another replica (a new replica fetches a version from a peer).
+At setup the controller gathers ``wt_engine_meta(transport)`` (the engine's
+buffers registered with one NIC of the configured transport, built through the
+registry, per NIC the cluster gives this rank: real addresses, lengths and
+rkeys) and ``wt_host()``; then, for the two-way connection set-up,
+``wt_endpoints(requests)`` (this rank's peer info made for each trainer NIC
+named) and ``wt_connect_peers(conns)`` (connect to the trainers' infos made
+for these NICs). During an update the rank runs no code: trainers write
+straight into the registered memory; the controller only calls ``wt_pause()``
+before and ``wt_resume(version)`` after. ``wt_copy_to(meta)`` writes this
+rank's registered buffers into the same layout of another replica, connected
+the same way (a new replica fetches a version from a peer).
 
 ``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
@@ -38,8 +42,16 @@ import torch
 import torch.distributed as dist
 
 from actors.config import TransferConfig
+from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.handshake import (
+    Connection,
+    HostId,
+    InfoRequest,
+    answer_requests,
+    connect_peers,
+)
+from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,
@@ -72,14 +84,18 @@ class InferenceMixin:
     _wt_meta: EngineRankMeta | None = None
 
     def wt_attach_engine(
-        self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[str]
+        self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[str],
+        transport: TransportSpec | None = None,
     ) -> None:
-        """Declare the engine (through its adapter) and the NICs this rank may use."""
+        """Declare the engine (through its adapter) and the NICs this rank may use;
+        ``transport``: the NICs' default until the controller names one (else simnic)."""
         if not nics:
             raise ValueError(f"{replica}/tp{rank}: needs at least one NIC name")
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
         self._wt_shard, self._wt_nic_names = shard, list(nics)
-        self._wt_nics: dict[str, SimNic] = {}
+        self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
+        self._wt_spec: TransportSpec | None = None
+        self._wt_default_spec = transport or DEFAULT_TRANSPORT
         self._wt_meta = None
         self._wt_version: int | None = None
         self._wt_events: list[tuple[str, int | None, float]] = []
@@ -93,22 +109,38 @@ class InferenceMixin:
         if self._wt_adapter is None:
             raise RuntimeError(f"{type(self).__name__}: call wt_attach_engine() first")
 
-    def wt_engine_meta(self) -> EngineRankMeta:
-        """Register the engine's buffers (once) and describe them: real regions, offsets."""
+    def wt_engine_meta(self, transport: TransportSpec | None = None) -> EngineRankMeta:
+        """Register the engine's buffers (once, with NICs of ``transport``; default: the one
+        given to :meth:`wt_attach_engine`) and describe them: real regions, offsets."""
         self._wt_require()
         with self._wt_lock:
             if self._wt_meta is None:
-                self._wt_meta = self._wt_register()
+                self._wt_meta = self._wt_register(transport or self._wt_default_spec)
+            elif transport is not None and transport != self._wt_spec:
+                raise ValueError(
+                    f"{self._wt_owner}: buffers are registered with {self._wt_spec.describe()} "
+                    f"NICs, not {transport.describe()}; wt_close() first to change transport")
             return self._wt_meta
 
-    def _wt_register(self) -> EngineRankMeta:
-        node = ray.get_runtime_context().get_node_id()
+    def wt_host(self) -> HostId:
+        """The host this rank runs on (hostname and address; a simnic reaches only its own)."""
+        return this_host()
+
+    def wt_node_id(self) -> str:
+        """The Ray node this rank runs on (the plan's ``node``; not a host: see wt_host)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def _wt_register(self, spec: TransportSpec) -> EngineRankMeta:
+        node = self.wt_node_id()
+        address = self.wt_host().address
+        self._wt_spec = spec
         tensors = []
         for i, (buf, entries) in enumerate(self._wt_adapter.region_buffers()):
             name = self._wt_nic_names[i % len(self._wt_nic_names)]
             nic = self._wt_nics.get(name)
             if nic is None:
-                nic = self._wt_nics[name] = SimNic(owner=self._wt_owner, nic=name, node=node)
+                nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
+                                                      address=address)
             region = nic.register(buf)
             tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
                                          offset=offset) for n, shape, dtype, offset in entries]
@@ -118,10 +150,15 @@ class InferenceMixin:
                               nic=self._wt_nic_names[0], shard=self._wt_shard,
                               tensors=tuple(tensors))
 
-    def wt_peer_info(self) -> list[PeerInfo]:
-        """How writers reach this rank's NICs (after :meth:`wt_engine_meta`)."""
+    def wt_endpoints(self, requests: list[InfoRequest]) -> tuple[PeerInfo, ...]:
+        """Connection set-up, round 1: this rank's peer info for each remote NIC named."""
         self.wt_engine_meta()
-        return [nic.peer_info() for nic in self._wt_nics.values()]
+        return answer_requests(self._wt_nics, requests, owner=self._wt_owner)
+
+    def wt_connect_peers(self, conns: list[Connection]) -> int:
+        """Connection set-up, round 2: connect these NICs to the peer infos made for them."""
+        self.wt_engine_meta()
+        return connect_peers(self._wt_nics, conns, owner=self._wt_owner)
 
     # ------------------------------------------------------------------ pause and versions
 
@@ -163,22 +200,18 @@ class InferenceMixin:
 
     # ------------------------------------------------------------------ peer copy
 
-    def wt_copy_to(self, dst: EngineRankMeta, peers: Sequence[PeerInfo]) -> int:
-        """Write this rank's registered buffers into ``dst`` (same layout); returns bytes."""
+    def wt_copy_to(self, dst: EngineRankMeta) -> int:
+        """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
+        The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
         mine = self.wt_engine_meta()
         if layout_key(mine) != layout_key(dst):
             raise ValueError(
                 f"{self._wt_owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "
                 "layout (a new replica must have the TP layout of its peer)"
             )
-        by_nic = {(p.owner, p.nic): p for p in peers}
         jobs = []
         for src_region, dst_region in zip(regions_of(mine), regions_of(dst), strict=True):
-            peer = by_nic.get((dst_region.owner, dst_region.nic))
-            if peer is None:
-                raise ValueError(f"no peer info for {dst_region.describe()}")
             nic = self._wt_nics[src_region.nic]
-            nic.connect(peer)
             jobs.append((nic, (src_region.addr, src_region.length), dst_region))
 
         async def run() -> None:
@@ -190,8 +223,13 @@ class InferenceMixin:
         return nbytes
 
     def wt_nic_stats(self) -> dict[str, int]:
-        return {"bytes_written": sum(n.bytes_written for n in self._wt_nics.values()),
-                "writes": sum(n.writes for n in self._wt_nics.values())}
+        nics = self._wt_nics.values()
+        return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
+                "writes": sum(getattr(n, "writes", 0) for n in nics)}
+
+    def wt_transport(self) -> str | None:
+        """The transport of this rank's NICs (``simnic``, ``mooncake``, ``rdma``), once open."""
+        return None if self._wt_spec is None else self._wt_spec.kind
 
     def wt_deregister(self) -> None:
         """Fault injection: revoke every registered region (later writes into it fail)."""
@@ -202,7 +240,7 @@ class InferenceMixin:
     def wt_close(self) -> None:
         for nic in self._wt_nics.values():
             nic.close()
-        self._wt_nics, self._wt_meta = {}, None
+        self._wt_nics, self._wt_meta, self._wt_spec = {}, None, None
 
 
 class InferenceWorker(InferenceMixin, GroupMember):
@@ -232,7 +270,7 @@ class InferenceWorker(InferenceMixin, GroupMember):
                                       group=dist.group.WORLD)
         self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
                               replica=self.replica_name, rank=self.local, shard=self.shard,
-                              nics=self.nic_names)
+                              nics=self.nic_names, transport=self.config.transport_spec)
         return self.node_id()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -2,12 +2,16 @@
 
 Frozen, slotted, keyword-only dataclasses: everything that crosses Ray's
 object store besides the version number and the reports. Weights never do.
+The connection set-up sends the records of
+:mod:`weight_transfer.transport.handshake` (``InfoRequest``, ``PeerInfo``,
+``Connection``) and the transport's ``TransportSpec``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weight_transfer.transport.handshake import HostId
 from weight_transfer.types import ParamMeta, RankInfo
 
 
@@ -20,6 +24,7 @@ class TrainerRankMeta:
     node: str  # Ray node id the rank runs on
     expert_naming: str
     params: tuple[ParamMeta, ...]
+    host: HostId | None = None  # hostname and address (several Ray nodes may share a host)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,3 +52,4 @@ class PlanResult:
 
     blobs: tuple[bytes, ...]
     summary: PlanSummary
+

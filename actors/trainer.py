@@ -12,11 +12,16 @@ once its model is sharded::
             self.wt_attach(model=model, rank=rank, world=world)
 
 The controller then calls, in order: ``wt_param_metas()`` (setup, gathered),
-``wt_connect(blob, peers, ...)`` (setup: its plan, engine NIC peers, barrier
-store), and ``wt_update(version)`` at every update (only the version crosses
-Ray; the rank replays its static plan with one-sided writes and returns a
-constant-size :class:`~actors.reports.RankReport`). ``wt_set_link`` and
-``wt_fail_after_bytes`` inject NIC faults for tests.
+``wt_endpoints(requests, rank_info=, transport=)`` (setup: opens this rank's
+NIC of the configured transport through the registry and returns its peer info
+made for each engine NIC named), ``wt_connect(blob, conns, ...)`` (setup: its
+plan, the engines' peer infos made for this NIC, barrier store), and
+``wt_update(version)`` at every update (only the version crosses Ray; the rank
+replays its static plan with one-sided writes and returns a constant-size
+:class:`~actors.reports.RankReport`). ``wt_set_link`` and
+``wt_fail_after_bytes`` inject NIC faults for tests, through the optional
+``FaultInjection`` interface (simnic only; other transports refuse with a
+``TypeError`` naming the transport).
 
 ``TrainerActor`` builds the transformers model (same seed on every rank),
 joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
@@ -38,6 +43,7 @@ import ray
 import torch
 
 from actors.config import TransferConfig
+from actors.connections import this_host, trainer_owner
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import TrainerRankMeta
 from actors.metrics_ray import actor_metrics
@@ -55,7 +61,15 @@ from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.trace import rank_trace_of
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.base import fault_injection
+from weight_transfer.transport.handshake import (
+    Connection,
+    HostId,
+    InfoRequest,
+    answer_requests,
+    connect_peers,
+)
+from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import PeerInfo, RankInfo
 
 log = logging.getLogger(__name__)
@@ -66,7 +80,7 @@ class _Link:
     """This rank's connection to the engines: NIC, barrier store, its transfer and the
     guard that records the transfer's failed writes."""
 
-    nic: SimNic
+    nic: Any  # a Transport (make_transport)
     store: Any
     guard: WriteGuard
     transfer: RankTransfer
@@ -78,6 +92,8 @@ class TrainerMixin:
     _wt_model: torch.nn.Module | None = None
     _wt_link: _Link | None = None
     _wt_rank: int = -1
+    _wt_nic: Any = None
+    _wt_nic_key: tuple[str, TransportSpec] | None = None
 
     def wt_attach(self, *, model: torch.nn.Module, rank: int, world: int) -> None:
         """Declare the (FSDP2-sharded) model this rank trains; call once before setup."""
@@ -102,21 +118,64 @@ class TrainerMixin:
             node=ray.get_runtime_context().get_node_id(),
             expert_naming=expert_naming_of(model),
             params=tuple(param_metas_from_module(model)),
+            host=self.wt_host(),
         )
+
+    def wt_host(self) -> HostId:
+        """The host this rank runs on (hostname and address; a simnic reaches only its own)."""
+        return this_host()
+
+    @property
+    def _wt_owner(self) -> str:
+        return trainer_owner(self._wt_rank)
+
+    def _wt_open_nic(self, rank_info: RankInfo, transport: TransportSpec | None) -> Any:
+        """This rank's NIC (``rank_info.nic``) of ``transport``; kept while both stay the same."""
+        spec = transport or (self._wt_nic_key[1] if self._wt_nic_key else DEFAULT_TRANSPORT)
+        key = (rank_info.nic, spec)
+        if self._wt_nic is not None and self._wt_nic_key == key:
+            return self._wt_nic
+        if self._wt_nic is not None:
+            self._wt_nic.close()
+            self._wt_nic = self._wt_nic_key = None
+        self._wt_nic = spec.open(owner=self._wt_owner, nic=rank_info.nic, node=rank_info.node,
+                                 address=self.wt_host().address)
+        self._wt_nic_key = key
+        log.info("trainer rank %d opened NIC %s (%s)", self._wt_rank, rank_info.nic,
+                 spec.describe())
+        return self._wt_nic
+
+    def wt_endpoints(self, requests: list[InfoRequest], *, rank_info: RankInfo,
+                     transport: TransportSpec | None = None) -> tuple[PeerInfo, ...]:
+        """Connection set-up, round 1: open this rank's NIC; its peer info for each peer named."""
+        self._wt_require_model()
+        if rank_info.rank != self._wt_rank:
+            raise ValueError(f"trainer rank {self._wt_rank} was sent the rank info of rank "
+                             f"{rank_info.rank}")
+        nic = self._wt_open_nic(rank_info, transport)
+        return answer_requests({rank_info.nic: nic}, requests, owner=self._wt_owner)
+
+    def wt_connect_peers(self, conns: list[Connection]) -> int:
+        """Connect this rank's NIC (opened by :meth:`wt_endpoints`) to peer infos made for it,
+        without a plan (:meth:`wt_connect` does this together with the plan)."""
+        if self._wt_nic is None:
+            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_endpoints")
+        return connect_peers({self._wt_nic_key[0]: self._wt_nic}, conns, owner=self._wt_owner)
 
     def wt_connect(
         self,
         plan_blob: bytes,
-        peers: list[PeerInfo],
+        peers: list[Connection],
         *,
         store: tuple[str, int],
         rank_info: RankInfo,
         barrier_timeout_s: float = 60.0,
         watermark_bytes: int = 1 << 30,
-        nic_gbps: float | None = None,
+        transport: TransportSpec | None = None,
         metrics: str = "auto",
     ) -> int:
-        """Take this rank's plan, open its NIC, connect to every engine NIC. Returns its tasks."""
+        """Connection set-up, round 2: take this rank's plan, connect its NIC to the engine
+        NICs (``peers``: their peer infos made for it). Returns its number of tasks."""
         model = self._wt_require_model()
         plan = loads_trainer_plan(plan_blob)
         if plan.rank != self._wt_rank or rank_info.rank != self._wt_rank:
@@ -124,18 +183,11 @@ class TrainerMixin:
                 f"trainer rank {self._wt_rank} was sent the plan of rank {plan.rank} "
                 f"(rank info of {rank_info.rank})"
             )
-        old, nic = self._wt_link, None
-        if old is not None:
-            old.transfer.close()
-            if old.nic.nic == rank_info.nic:
-                nic = old.nic  # re-plan (add_replica): keep the NIC and its connections
-            else:
-                old.nic.close()
-        if nic is None:
-            nic = SimNic(owner=f"trainer{self._wt_rank}", nic=rank_info.nic,
-                         node=rank_info.node, bandwidth_gbps=nic_gbps)
-        for peer in peers:
-            nic.connect(peer)
+        if self._wt_link is not None:
+            self._wt_link.transfer.close()
+        # Re-plan (add_replica): the same NIC, its connections kept; only new peers come.
+        nic = self._wt_open_nic(rank_info, transport)
+        connect_peers({rank_info.nic: nic}, peers, owner=self._wt_owner)
         guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
         kv = connect_store(*store, timeout_s=barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
@@ -145,7 +197,7 @@ class TrainerMixin:
                                 transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
                                 on_write_error=guard.record, metrics=actor_metrics(metrics))
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
-        log.info("trainer rank %d connected: %d tasks, NIC %s, %d engine peers",
+        log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
         return len(plan.tasks)
 
@@ -180,26 +232,40 @@ class TrainerMixin:
     # ------------------------------------------------------------------ test hooks, stats
 
     def wt_nic_stats(self) -> dict[str, int]:
-        nic = self._wt_link.nic if self._wt_link is not None else None
-        return {"bytes_written": nic.bytes_written if nic else 0,
-                "writes": nic.writes if nic else 0}
+        nic = self._wt_nic
+        return {"bytes_written": getattr(nic, "bytes_written", 0),
+                "writes": getattr(nic, "writes", 0)}
+
+    @property
+    def wt_nic(self) -> Any:
+        """This rank's NIC (a Transport), once :meth:`wt_endpoints` or :meth:`wt_connect`
+        opened it; else None."""
+        return self._wt_nic
+
+    def wt_transport(self) -> str | None:
+        """The transport of this rank's NIC (``simnic``, ``mooncake``, ``rdma``), once open."""
+        return None if self._wt_nic is None else self._wt_nic.kind
+
+    def _wt_faults(self) -> Any:
+        if self._wt_nic is None:
+            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
+        return fault_injection(self._wt_nic)  # TypeError for a transport without faults
 
     def wt_set_link(self, up: bool) -> None:
         """Fault injection: bring this rank's NIC link down (writes fail) or up."""
-        if self._wt_link is None:
-            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
-        self._wt_link.nic.set_link(up)
+        self._wt_faults().set_link(up)
 
     def wt_fail_after_bytes(self, nbytes: int | None) -> None:
-        if self._wt_link is None:
-            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
-        self._wt_link.nic.fail_after_bytes(nbytes)
+        """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""
+        self._wt_faults().fail_after_bytes(nbytes)
 
     def wt_close(self) -> None:
         if self._wt_link is not None:
             self._wt_link.transfer.close()
-            self._wt_link.nic.close()
             self._wt_link = None
+        if self._wt_nic is not None:
+            self._wt_nic.close()
+            self._wt_nic = self._wt_nic_key = None
 
 
 class TrainerWorker(TrainerMixin, GroupMember):

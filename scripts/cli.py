@@ -32,13 +32,16 @@ def demo(
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config to start from."),
     corrupt_version: int | None = typer.Option(
         None, hidden=True, help="Test hook: flip one engine byte after this update."),
+    transport: str | None = typer.Option(
+        None, help="simnic (one host), mooncake (TCP) or rdma [default: from --config]."),
 ) -> None:
-    """Trainers -> inference replicas over simulated NICs, every update verified."""
+    """Trainers -> inference replicas over simnic (or --transport), every update verified."""
     from scripts.demo import run_cli
 
     raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
                              updates=updates, json_path=json_path,
-                             corrupt_version=corrupt_version, trace_path=trace))
+                             corrupt_version=corrupt_version, trace_path=trace,
+                             transport=transport))
 
 
 @app.command("trace")
@@ -96,6 +99,22 @@ def bench_pipeline(
     raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path))
 
 
+@bench_app.command("staging")
+def bench_staging(
+    model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
+    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    fp8: bool = typer.Option(False, help="FP8 engines (quantize while writing)."),
+    nic_gbps: float | None = typer.Option(None, help="Trainer NIC cap in GB/s [uncapped]."),
+    watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
+    updates: int = typer.Option(5, min=1, help="Updates per mode (the first is cold)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write results as JSON."),
+) -> None:
+    """Per-update seconds of fresh piece buffers beside the staging arena."""
+    from scripts.bench_staging import run
+
+    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, updates, json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),
@@ -106,6 +125,33 @@ def selftest(
     from scripts.selftest import run
 
     raise typer.Exit(run(device=device, size=size, gid_index=gid_index))
+
+
+@app.command("topology")
+def topology(
+    sysfs: Path = typer.Option(Path("/sys"), help="Root of the sysfs tree to read."),
+    out: Path | None = typer.Option(None, help="Write the cluster YAML here [stdout]."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write GPUs, NICs, pairs."),
+    name: str = typer.Option("from_sysfs", help="Cluster name in the YAML."),
+    trainer_nodes: int = typer.Option(1, min=1, help="Trainer nodes like this one."),
+    replicas: int = typer.Option(1, min=1, help="Inference replicas."),
+    gpus_per_replica: int | None = typer.Option(None, min=1, help="[one node's GPUs]"),
+    trainer_ep: int = typer.Option(1, min=1, help="Trainer expert_parallel."),
+    inference_ep: int = typer.Option(1, min=1, help="Inference expert_parallel."),
+    fp8: bool = typer.Option(False, help="FP8 engines."),
+    nic_gbps: float | None = typer.Option(None, help="NIC rate [port 1 rate from sysfs]."),
+) -> None:
+    """Cluster YAML from this host's GPUs and RDMA NICs, each GPU with its nearest NIC.
+
+    Exit codes: 0 written; 3 no NVIDIA GPU or no RDMA device found (nothing
+    written); 1 inconsistent sysfs tree or options.
+    """
+    from scripts.topology_cmd import run
+
+    raise typer.Exit(run(sysfs=sysfs, out=out, json_path=json_path, name=name,
+                         trainer_nodes=trainer_nodes, replicas=replicas,
+                         gpus_per_replica=gpus_per_replica, trainer_expert_parallel=trainer_ep,
+                         inference_expert_parallel=inference_ep, fp8=fp8, nic_gbps=nic_gbps))
 
 
 @app.command("plan")

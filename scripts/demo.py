@@ -1,4 +1,5 @@
-"""The main job: FSDP2 trainer actors -> TP inference replicas over simulated NICs, verified.
+"""The main job: FSDP2 trainer actors -> TP inference replicas over the configured transport,
+verified.
 
 ``wt demo``, ``scripts/launch.py`` (``ray job submit``) and the tests all run
 :func:`run_job`. One run:
@@ -7,8 +8,11 @@
    ``launch.py``, a running local cluster) or starts a local instance;
 2. starts the trainer actors (one per rank of the cluster config, a seeded
    transformers model sharded with FSDP2 over a gloo group) and the inference
-   replicas (reference-engine TP ranks, each buffer registered with its
-   simulated NIC), then ``WeightTransferController.setup()`` plans once;
+   replicas (reference-engine TP ranks, each buffer registered with its NIC of
+   the run's ``transfer.transport``: ``simnic`` by default, ``mooncake`` TCP with
+   ``wt demo --transport mooncake``, ``rdma``), then
+   ``WeightTransferController.setup()`` plans once and connects every NIC pair
+   both ways (a transport that cannot reach a peer fails here, naming them);
 3. per cycle ``v = 1..updates``: one AdamW step on the trainers, then
    ``controller.update(v)``, then the checks of :mod:`scripts.demo_checks`:
    every engine tensor byte-equal to the reference layout of the trainer's
@@ -130,6 +134,7 @@ class Fleet:
         cfg, summary = self.config, self.controller.summary
         return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
                 f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
+                f" over {cfg.transport_spec.describe()}"
                 f" ({'fp8' if cfg.engine_fp8 else 'bf16'} engines); plan: {summary.num_tasks} "
                 f"writes, {summary.bytes_total / 1e6:.2f} MB, {summary.num_groups} mesh group(s);"
                 f" set up in {self.setup_seconds:.1f} s")
@@ -168,7 +173,8 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
         model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
         fp8=run.fp8, seed=run.seed, lr=run.train.lr,
         pause_during_update=run.transfer.pause_during_update,
-        setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s)
+        setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s,
+        transport=run.transfer.transport, transport_options=run.transfer.spec.options)
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     bars("start trainer ranks", 0, 1)
@@ -384,13 +390,13 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
 
 def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
             updates: int | None, json_path: Path | None, corrupt_version: int | None,
-            trace_path: Path | None = None) -> int:
+            trace_path: Path | None = None, transport: str | None = None) -> int:
     """``wt demo``: the run config with the command line's options applied."""
     console = command_console(json_path)
     try:
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
-                                 json_path=json_path)
+                                 json_path=json_path, transport=transport)
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2

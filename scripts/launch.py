@@ -10,7 +10,8 @@ cluster it joins a running local one when there is one and otherwise starts a
 local instance. It runs exactly what ``wt demo`` runs (:func:`scripts.demo.run_job`),
 prints the same table, and exits non-zero when any update fails verification,
 so the job's status is SUCCEEDED only for a verified run. Options override the
-run config: ``--updates N``, ``--fp8/--no-fp8``, ``--json PATH``.
+run config: ``--updates N``, ``--fp8/--no-fp8``, ``--json PATH``, ``--transport
+simnic|mooncake|rdma`` (simnic reaches only actors on one host; setup says so).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def main(
     updates: int | None = typer.Option(None, min=1, help="Train-step + update cycles."),
     fp8: bool | None = typer.Option(None, "--fp8/--no-fp8", help="FP8 engines."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON."),
+    transport: str | None = typer.Option(None, help="simnic, mooncake or rdma."),
 ) -> None:
     """Run the demo job of a run config on the current Ray cluster (or a local one)."""
     try:
         run = load_run_config(config).with_overrides(updates=updates, fp8=fp8,
-                                                     json_path=json_path)
+                                                     json_path=json_path, transport=transport)
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None

@@ -101,7 +101,9 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     trainers, replicas, ctl = [], [], None
     try:
         cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
-                                        seed=run.seed, lr=run.rl.lr)
+                                        seed=run.seed, lr=run.rl.lr,
+                                        transport=run.transfer.transport,
+                                        transport_options=run.transfer.spec.options)
         trainers, replicas = launch_trainers(cfg), launch_engines(cfg)          # wt
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
         ctl.setup()                                                             # wt

@@ -2,7 +2,9 @@
 
 A run config names a model config and a cluster config, the engines' dtype, how
 many train-step + update cycles to run, how to train between updates, how to
-verify each update, and which Ray cluster to use. It is validated at the
+verify each update, which Ray cluster to use, and the transport between the
+actors (``transfer.transport``: ``simnic``, ``mooncake`` or ``rdma``, each with
+its own options section, ``transfer.simnic`` / ``.mooncake`` / ``.rdma``). It is validated at the
 boundary: :func:`load_run_config` turns every problem into a ``ValueError``
 that names the file and the field (``train.lr``, ``model``, ...)::
 
@@ -18,7 +20,7 @@ inside a ``ray job submit --working-dir .`` package.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,6 +32,12 @@ from pydantic import (
 )
 
 from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.transport.options import (
+    MooncakeOptions,
+    RdmaOptions,
+    SimNicOptions,
+    TransportSpec,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +87,21 @@ class RayConfig(_Section):
 
 
 class TransferConfig(_Section):
-    """Controller options: pause generation during an update; control-call timeout."""
+    """Controller options: pause generation during an update; control-call timeout; the
+    transport every trainer and engine NIC uses, and the options of each transport
+    (only the chosen one's apply; each section refuses unknown names and wrong types)."""
 
     pause_during_update: bool = True
     timeout_s: PositiveFloat = 300.0
+    transport: Literal["simnic", "mooncake", "rdma"] = "simnic"
+    simnic: SimNicOptions = SimNicOptions()
+    mooncake: MooncakeOptions = MooncakeOptions()
+    rdma: RdmaOptions = RdmaOptions()
+
+    @property
+    def spec(self) -> TransportSpec:
+        """The chosen transport with its section's options."""
+        return TransportSpec(kind=self.transport, options=getattr(self, self.transport))
 
 
 class RlConfig(_Section):
@@ -142,10 +161,15 @@ class RunConfig(_Section):
         return self
 
     def with_overrides(self, **changes: Any) -> RunConfig:
-        """A copy with the non-None ``changes`` applied and validated (CLI options win)."""
+        """A copy with the non-None ``changes`` applied and validated (CLI options win);
+        ``transport`` sets ``transfer.transport``."""
         data = self.model_dump(by_alias=True)
         for key, value in changes.items():
-            if value is not None:
+            if value is None:
+                continue
+            if key == "transport":
+                data["transfer"]["transport"] = value
+            else:
                 data["json" if key == "json_path" else key] = value
         return parse_run_config(data, source="<command line>")
 

@@ -8,14 +8,26 @@ a process group, so it works beside NCCL, gloo or no backend at all::
     barrier.wait("v7/g0")                 # blocking
     await barrier.wait_async("v7/g1")     # from the pipeline's event loop
 
-Each call site passes a tag unique to that crossing (version and group): a key
-per rank is set under the tag and every rank polls until all keys exist. On
-timeout a :class:`TimeoutError` lists the missing ranks.
+Each call site passes a tag unique to that crossing (version and group). One
+crossing, in order:
+
+1. every rank sets its arrival key ``<name>/<tag>/<rank>``;
+2. every rank blocks in the store's own ``wait(keys, timeout)`` until all
+   arrival keys exist (no polling: the store server wakes the waiter);
+3. every rank that passed adds 1 to ``<name>/<tag>/passed``; the rank whose
+   add makes it ``len(ranks)`` deletes the tag's keys. By then every rank has
+   seen every arrival key, so nothing is deleted under a waiter, and the store
+   holds no key of a finished crossing: it does not grow with the updates.
+
+On timeout a :class:`TimeoutError` lists the missing ranks. A crossing that
+timed out leaves its keys behind (its tag is never used again: versions only
+grow); that is one failed update's worth of keys, not a leak per update.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import Iterable
@@ -35,7 +47,6 @@ class StoreBarrier:
         ranks: Iterable[int],
         name: str = "wt-barrier",
         timeout_s: float = 60.0,
-        poll_s: float = 0.002,
     ) -> None:
         self.ranks = tuple(sorted(set(ranks)))
         if rank not in self.ranks:
@@ -46,30 +57,40 @@ class StoreBarrier:
         self.rank = rank
         self.name = name
         self.timeout_s = timeout_s
-        self.poll_s = poll_s
 
-    def _key(self, tag: str, rank: int) -> str:
+    def _key(self, tag: str, rank: int | str) -> str:
         return f"{self.name}/{tag}/{rank}"
 
     def wait(self, tag: str) -> float:
         """Arrive and wait for every rank; returns the seconds spent waiting."""
         start = time.monotonic()
-        self.store.set(self._key(tag, self.rank), b"1")
         keys = [self._key(tag, r) for r in self.ranks]
-        delay = self.poll_s / 4
-        while not self.store.check(keys):
+        self.store.set(self._key(tag, self.rank), b"1")
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # DistStoreError: the store's wait timed out
             waited = time.monotonic() - start
-            if waited > self.timeout_s:
-                missing = [r for r in self.ranks if not self.store.check([self._key(tag, r)])]
+            missing = [r for r in self.ranks if not self.store.check([self._key(tag, r)])]
+            if not missing:  # the last rank arrived just as the wait gave up
+                log.debug("rank %d: barrier %s/%s complete after a late wake-up (%s)",
+                          self.rank, self.name, tag, exc)
+            else:
                 raise TimeoutError(
                     f"barrier {self.name}/{tag}: ranks {missing} of {list(self.ranks)} did not "
                     f"arrive within {self.timeout_s:g} s (rank {self.rank} waited {waited:.1f} s)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, self.poll_s)
+                ) from exc
+        self._leave(tag, keys)
         waited = time.monotonic() - start
         log.debug("rank %d passed barrier %s/%s after %.4f s", self.rank, self.name, tag, waited)
         return waited
+
+    def _leave(self, tag: str, keys: list[str]) -> None:
+        """Count this rank out; the last rank out deletes the crossing's keys."""
+        passed = self._key(tag, "passed")
+        if self.store.add(passed, 1) < len(self.ranks):
+            return
+        for key in (*keys, passed):
+            self.store.delete_key(key)
 
     async def wait_async(self, tag: str) -> float:
         return await asyncio.to_thread(self.wait, tag)

@@ -16,6 +16,20 @@ replayed as it is, for each mesh group in order:
    ``write`` (one-sided WRITEs of those pieces, concurrently);
 3. after the group's last parameter, a barrier over all trainer ranks.
 
+Staging (``staging=True``, the default): the prepared pieces are written into
+a :class:`~weight_transfer.staging.StagingArena` allocated, pre-faulted and
+registered with the transport once, when the transfer is built, and the
+WRITEs read from it; an update allocates and registers nothing. The arena
+holds ``min(watermark_bytes, the most prepared bytes one mesh group needs)``.
+It sits on the GPU when the transport reads device memory
+(``transport.supports_device_memory``: rdma with CUDA dma-buf) and the
+parameters are there, so pieces never leave the GPU; otherwise in host memory.
+A transport without ``register_source`` (simnic writes from any host memory)
+still writes a piece that already is a contiguous slice of the gathered
+tensor in its dtype straight from that tensor; only pieces that must be cut,
+cast or quantized go through the arena. ``staging=False`` allocates every
+materialized piece afresh (the baseline of ``wt bench staging``).
+
 A WRITE that fails with a :class:`~weight_transfer.transport.base.TransportError`
 aborts the run, unless ``on_write_error`` is given: then the failed task is
 handed to it and the rank goes on gathering and joining barriers (the other
@@ -49,7 +63,8 @@ import torch
 
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
-from weight_transfer.prepare import as_bytes, prepare_pieces
+from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, WriteTask
 from weight_transfer.watermark import ByteWatermark
@@ -65,6 +80,7 @@ class ParamWork:
     tasks: list[WriteTask]
     local: Any = None  # local shard (Tensor or DTensor)
     prepared: list[torch.Tensor] = field(default_factory=list)
+    lease: Lease | None = None  # its pieces' range of the staging arena
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +160,7 @@ class RankTransfer:
         serial: bool = False,
         on_write_error: WriteErrorHook | None = None,
         metrics: TransferMetrics | None = None,
+        staging: bool = True,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
@@ -157,9 +174,27 @@ class RankTransfer:
         self.on_write_error = on_write_error
         self.metrics = metrics
         self._task_spans: list[Span] = []
-        self.device_memory = bool(getattr(transport, "device_memory", False))
+        # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
+        self.device_memory = bool(getattr(transport, "supports_device_memory", False))
+        # A NIC that needs no source registration (simnic) writes a piece that already is a
+        # contiguous slice of the gathered tensor straight from it: no copy at all.
+        self.write_from_views = getattr(transport, "register_source", None) is None
+        self.arena = self._make_arena() if staging else None
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
+
+    def _make_arena(self) -> StagingArena | None:
+        """The staging arena of this rank (None when the rank writes nothing)."""
+        need = max((sum(staged_bytes(ts) for ts in g.tasks.values()) for g in self.groups),
+                   default=0)
+        capacity = min(self.watermark_bytes, need)
+        if capacity <= 0:
+            return None
+        on_gpu = self.device is not None and self.device.type == "cuda"
+        return StagingArena(capacity, transport=self.transport,
+                            device=self.device if on_gpu and self.device_memory else None,
+                            pinned=on_gpu and not self.device_memory,
+                            label=f"rank {self.rank} staging")
 
     def _items(self, group: GroupWork) -> list[PipelineItem]:
         items = []
@@ -193,7 +228,14 @@ class RankTransfer:
                 f"{tuple(full.shape)}, metadata says {work.meta.shape}"
             )
         unique = list(dict.fromkeys(t.piece for t in work.tasks))
-        ready = dict(zip(unique, prepare_pieces(full, unique), strict=True))
+        if work.lease is not None:
+            offsets, _ = piece_slots([p.nbytes for p in unique])
+            outs = [work.lease.buf[o : o + p.nbytes] for o, p in zip(offsets, unique, strict=True)]
+            views = self.write_from_views and not full.is_cuda
+            ready = dict(zip(unique, prepare_pieces_into(full, unique, outs, views=views),
+                             strict=True))
+        else:
+            ready = dict(zip(unique, prepare_pieces(full, unique), strict=True))
         work.prepared = [ready[t.piece] for t in work.tasks]
         if full.is_cuda:
             torch.cuda.current_stream(full.device).synchronize()
@@ -201,6 +243,8 @@ class RankTransfer:
         return work
 
     async def _prepare(self, work: ParamWork) -> ParamWork:
+        if self.arena is not None:  # FIFO: this stage takes one parameter at a time, in order
+            work.lease = await self.arena.acquire(staged_bytes(work.tasks))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
@@ -209,6 +253,9 @@ class RankTransfer:
             *(self._write_task(buf, t) for buf, t in zip(work.prepared, work.tasks, strict=True))
         )
         work.prepared = []
+        if self.arena is not None:
+            self.arena.release(work.lease)
+            work.lease = None
         return work
 
     async def _write_task(self, buf: torch.Tensor, task: WriteTask) -> None:
@@ -248,6 +295,8 @@ class RankTransfer:
         spans: list[Span] = []
         barriers: list[Span] = []
         self._task_spans: list[Span] = []
+        if self.arena is not None:
+            self.arena.reset()  # leases of a failed earlier run were never released
         barrier_s = 0.0
         for group in self.groups:
             pipe = Pipeline(self._stages(), watermark=wm)
@@ -285,6 +334,14 @@ class RankTransfer:
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=False)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+def staged_bytes(tasks: Sequence[WriteTask]) -> int:
+    """Arena bytes of one parameter: each distinct piece once, at aligned offsets."""
+    return piece_slots([p.nbytes for p in dict.fromkeys(t.piece for t in tasks)])[1]
 
 
 def full_tensor(local: Any) -> torch.Tensor:

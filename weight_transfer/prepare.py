@@ -12,6 +12,18 @@ transform::
 The result is contiguous and exactly ``piece.nbytes`` long; :func:`piece_bytes`
 gives it as a flat uint8 view for the transports. :func:`prepare_pieces`
 quantizes a rectangle once when its weight and scale pieces are both asked for.
+
+:func:`prepare_pieces_into` writes the same bytes into buffers the caller
+owns (slices of a registered staging arena, :mod:`weight_transfer.staging`):
+a COPY piece is cut and cast straight into its buffer with no intermediate
+tensor (on any device: the copy crosses to the buffer's device too); an FP8
+piece is quantized once per rectangle, then copied in. With ``views=True`` a
+COPY piece that already is a contiguous slice of ``full`` in its dtype is not
+copied at all: its bytes are a view of ``full`` (for transports that write
+from any host memory)::
+
+    outs = [arena_lease.buf[o : o + p.nbytes] for o, p in zip(offsets, pieces)]
+    sources = prepare_pieces_into(full, pieces, outs)   # flat uint8, one per piece
 """
 
 from __future__ import annotations
@@ -107,3 +119,61 @@ def piece_bytes(full: torch.Tensor, piece: Piece) -> torch.Tensor:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view."""
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_out(out: torch.Tensor, piece: Piece) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"piece {_describe(piece)}: the output must be a flat, contiguous "
+                         f"uint8 buffer, not {out.dtype} of shape {tuple(out.shape)}")
+    if out.numel() != piece.nbytes:
+        raise ValueError(f"piece {_describe(piece)}: output buffer holds {out.numel()} B, "
+                         f"the piece has {piece.nbytes}")
+
+
+def _copy_into(out: torch.Tensor, src: torch.Tensor, piece: Piece) -> None:
+    """Copy ``src`` (any dtype and strides) into ``out``'s bytes as the piece's dtype."""
+    dtype = _dtype(piece.dst_dtype, piece)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if src.numel() * itemsize != piece.nbytes:
+        raise ValueError(f"piece {_describe(piece)}: the source holds {src.numel()} elements "
+                         f"of {dtype} = {src.numel() * itemsize} B, expected {piece.nbytes}")
+    out.view(dtype).view(src.shape).copy_(src)
+
+
+def prepare_pieces_into(
+    full: torch.Tensor, pieces: Sequence[Piece], outs: Sequence[torch.Tensor], *,
+    views: bool = False,
+) -> list[torch.Tensor]:
+    """:func:`prepare_pieces` written into ``outs`` (flat uint8, ``piece.nbytes`` each).
+
+    Returns each piece's bytes: its ``out``, or with ``views`` a view of ``full``
+    where the piece needs no copy.
+    """
+    if len(outs) != len(pieces):
+        raise ValueError(f"{len(pieces)} pieces but {len(outs)} output buffers")
+    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    ready = []
+    for piece, out in zip(pieces, outs, strict=True):
+        _check_out(out, piece)
+        ready.append(out)
+        if piece.transform == Transform.COPY:
+            rect = source_rect(full, piece)
+            if views and rect.dtype == _dtype(piece.dst_dtype, piece) and rect.is_contiguous():
+                ready[-1] = as_bytes(_finish(rect, piece))
+                continue
+            _copy_into(out, rect, piece)
+            continue
+        if piece.transform not in (Transform.FP8_WEIGHT, Transform.FP8_SCALE):
+            raise ValueError(f"piece {_describe(piece)}: unknown transform {piece.transform!r}")
+        if piece.src_slice not in cache:
+            rect = source_rect(full, piece)
+            if rect.dim() not in (2, 3):
+                raise ValueError(f"piece {_describe(piece)}: FP8 needs a 2-D or 3-D rectangle")
+            cache[piece.src_slice] = quantize_fp8_blocks(rect)
+        w8, scale = cache[piece.src_slice]
+        src = w8 if piece.transform == Transform.FP8_WEIGHT else scale
+        if src.dtype != _dtype(piece.dst_dtype, piece):
+            raise ValueError(f"piece {_describe(piece)}: transform gives {src.dtype}, the piece "
+                             f"expects {piece.dst_dtype}")
+        _copy_into(out, src, piece)
+    return ready

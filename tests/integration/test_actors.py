@@ -33,7 +33,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999], [12, 600, 3, 77, 5, 
 
 @pytest.fixture(scope="module")
 def env():
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)

@@ -27,7 +27,7 @@ PROMPTS = [[1, 5, 9, 200, 33], [400, 2, 2, 81, 16]]
 
 @pytest.fixture(scope="module")
 def env():
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_moe.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml")
     trainers, replicas = launch_trainers(cfg), launch_engines(cfg)

@@ -2,6 +2,7 @@
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -16,13 +17,17 @@ def store():
     )
 
 
+def client(store):
+    """A client of its own per thread: one TCPStore socket is not shared between threads."""
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
 def run_ranks(store, ranks, present, tag, timeout_s):
     results: dict[int, object] = {}
 
     def body(r):
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                               timeout=datetime.timedelta(seconds=10))
-        b = StoreBarrier(client, rank=r, ranks=ranks, timeout_s=timeout_s)
+        b = StoreBarrier(client(store), rank=r, ranks=ranks, timeout_s=timeout_s)
         try:
             results[r] = b.wait(tag)
         except Exception as exc:
@@ -60,3 +65,40 @@ def test_bad_arguments(store):
         StoreBarrier(store, rank=9, ranks=[0, 1])
     with pytest.raises(ValueError, match="timeout"):
         StoreBarrier(store, rank=0, ranks=[0], timeout_s=0)
+
+
+def test_store_does_not_grow_with_updates(store):
+    """Each crossing deletes its keys once every rank passed: N updates, no growth."""
+    before = store.num_keys()
+    for version in range(1, 21):
+        res = run_ranks(store, range(3), range(3), f"v{version}/g0", timeout_s=20)
+        assert all(isinstance(v, float) for v in res.values()), res
+        assert store.num_keys() == before, f"after update {version}"
+
+
+def test_waiting_blocks_in_the_store_not_in_a_sleep_loop(store, monkeypatch):
+    calls = {"sleep": 0, "check": 0}
+
+    def no_sleep(*a):
+        calls["sleep"] += 1
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def check(self, keys):
+            calls["check"] += 1
+            return self.inner.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    late = threading.Timer(0.3, lambda: StoreBarrier(client(store), rank=1, ranks=[0, 1]).wait("t"))
+    late.start()
+    waited = StoreBarrier(Counting(client(store)), rank=0, ranks=[0, 1], timeout_s=20).wait("t")
+    late.join()
+    assert waited >= 0.2
+    assert calls == {"sleep": 0, "check": 0}
+

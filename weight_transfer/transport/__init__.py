@@ -1,43 +1,42 @@
-"""Data-plane backends behind one :class:`Transport` protocol.
+"""Data-plane backends behind one :class:`Transport` protocol, chosen by name.
 
-``make_transport(kind, ...)`` builds one NIC of a backend by name, importing
-the backend lazily (pyverbs and Mooncake are optional).
+``make_transport(kind, ...)`` (:mod:`.registry`) builds one NIC of a backend by
+name, importing the backend lazily (pyverbs and Mooncake are optional). Callers that take the
+transport from configuration validate it first and open NICs through the spec::
+
+    spec = parse_transport("simnic", {"bandwidth_gbps": 2.0}, where="TransferConfig")
+    nic = spec.open(owner="trainer0", nic="tnode0/nic0")   # make_transport underneath
+
+:mod:`.options` holds each backend's typed options, :mod:`.handshake` the
+two-way endpoint exchange of a whole cluster, and :func:`fault_injection` the
+optional fault interface that only simnic implements.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from weight_transfer.transport.base import (
+    FaultInjection,
     PeerUnreachableError,
     RemoteAccessError,
     Transport,
     TransportError,
+    fault_injection,
 )
+from weight_transfer.transport.options import OPTIONS, TransportSpec, parse_transport
+from weight_transfer.transport.registry import BACKENDS, make_transport
 
-BACKENDS: dict[str, str] = {
-    "simnic": "weight_transfer.transport.simnic:SimNic",
-    "rdma": "weight_transfer.transport.rdma:RdmaTransport",
-    "mooncake": "weight_transfer.transport.mooncake:MooncakeTransport",
-}
-
-
-def make_transport(kind: str, **kwargs: Any) -> Transport:
-    """Build one NIC of backend ``kind`` (``simnic``, ``rdma`` or ``mooncake``)."""
-    try:
-        target = BACKENDS[kind]
-    except KeyError:
-        raise ValueError(f"unknown transport {kind!r}; known: {sorted(BACKENDS)}") from None
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+assert set(BACKENDS) == set(OPTIONS), "every backend has an options model"
 
 
 __all__ = [
     "BACKENDS",
+    "FaultInjection",
     "PeerUnreachableError",
     "RemoteAccessError",
     "Transport",
     "TransportError",
+    "TransportSpec",
+    "fault_injection",
     "make_transport",
+    "parse_transport",
 ]

@@ -4,13 +4,19 @@ One object is one NIC of one process. The life of a transfer:
 
 1. the target registers memory (``register``) and publishes the returned
    :class:`RegionDesc` through the control plane (plain data);
-2. both sides exchange :class:`PeerInfo` once (``peer_info`` / ``connect``);
+2. both sides exchange :class:`PeerInfo` once, each made for the other NIC
+   (``peer_info(remote_owner, remote_nic)`` / ``connect``; see
+   :mod:`.handshake` for a whole cluster at once);
 3. the writer issues one-sided ``write`` calls; the target runs no code;
    completion and errors come back to the writer only;
 4. ``deregister`` revokes remote access; ``close`` releases the NIC.
 
 Backends: ``simnic`` (simulated NIC, the default without RDMA hardware),
 ``rdma`` (pyverbs RC queue pairs), ``mooncake`` (Mooncake TransferEngine).
+
+Fault injection (link down, fail after N bytes) is an optional interface,
+:class:`FaultInjection`, that only simnic implements; callers get it through
+:func:`fault_injection`, which names the transport that lacks it.
 """
 
 from __future__ import annotations
@@ -50,8 +56,11 @@ class Transport(Protocol):
         """Revoke remote access to a region; later writes to it fail."""
         ...
 
-    def peer_info(self, remote_owner: str) -> PeerInfo:
-        """What ``remote_owner`` needs to ``connect`` to this endpoint."""
+    def peer_info(self, remote_owner: str, remote_nic: str | None = None) -> PeerInfo:
+        """What NIC ``remote_nic`` of ``remote_owner`` needs to ``connect`` to this one.
+
+        ``remote_nic`` None: any NIC of that owner (for owners with one NIC).
+        """
         ...
 
     def connect(self, peer: PeerInfo) -> None:
@@ -63,6 +72,30 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class FaultInjection(Protocol):
+    """Optional: a NIC whose faults tests can inject (only simnic implements it)."""
+
+    def set_link(self, up: bool) -> None:
+        """Bring the link down (writes from and into the NIC fail) or up again."""
+        ...
+
+    def fail_after_bytes(self, nbytes: int | None) -> None:
+        """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
+        ...
+
+
+def fault_injection(nic: Any) -> FaultInjection:
+    """``nic`` as a :class:`FaultInjection`; TypeError naming its transport if it is none."""
+    if not isinstance(nic, FaultInjection):
+        kind = getattr(nic, "kind", type(nic).__name__)
+        where = f"{getattr(nic, 'owner', '?')}/{getattr(nic, 'nic', '?')}"
+        raise TypeError(f"NIC {where} of transport {kind!r} cannot inject faults (set_link, "
+                        "fail_after_bytes): only the simulated NIC 'simnic' implements "
+                        "FaultInjection")
+    return nic
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,6 +133,7 @@ class MooncakeTransport:
         self._abandoned: list[tuple[int, Any]] = []  # (batch id, source it may still read)
         self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> sem
         self._closed = False
+        self.bytes_written = self.writes = 0  # writes this NIC completed, and their bytes
         logger.info("mooncake %s/%s: %s engine at %s", owner, nic, protocol, self.session_id)
 
     # ------------------------------------------------------------------ regions
@@ -180,8 +181,9 @@ class MooncakeTransport:
 
     # ------------------------------------------------------------------ peers
 
-    def peer_info(self, remote_owner: str) -> PeerInfo:
-        """What ``remote_owner`` passes to ``connect`` to write into this NIC's regions."""
+    def peer_info(self, remote_owner: str, remote_nic: str | None = None) -> PeerInfo:
+        """What ``remote_owner`` passes to ``connect`` to write into this NIC's regions
+        (the same for every remote NIC: Mooncake opens sessions on the first write)."""
         self._check_open()
         return PeerInfo(
             owner=self.owner, nic=self.nic, transport=self.kind,
@@ -254,6 +256,9 @@ class MooncakeTransport:
                     group.create_task(self._write_chunk(chunk, sb.keepalive))
         except BaseExceptionGroup as group_exc:
             raise _first_error(group_exc) from None
+        with self._lock:
+            self.bytes_written += sb.nbytes
+            self.writes += 1
 
     async def _write_chunk(self, chunk: _Chunk, keepalive: Any) -> None:
         where = f"{self._me}: {chunk.what} to {chunk.peer} at {chunk.session}"

@@ -9,9 +9,12 @@ domain and a completion queue. Then, as for every transport:
    dma-buf MR (see ``rdma_cuda``). The ``RegionDesc`` carries the rkey and the
    address the MR is addressed by: the virtual address, or for GPU memory the
    offset in the dma-buf (the MR's iova);
-2. both sides call ``peer_info(other_owner)`` (creates the QP dedicated to that
-   peer), exchange the results and ``connect`` (INIT -> RTR -> RTS); either
-   order works, ``connect`` creates the QP too when it comes first;
+2. both sides call ``peer_info(other_owner, other_nic)`` (creates the QP
+   dedicated to that peer NIC; ``other_nic`` None: the owner's only NIC),
+   exchange the results and ``connect`` (INIT -> RTR -> RTS); either order
+   works, ``connect`` creates the QP too when it comes first. One QP per
+   (local NIC, remote NIC) pair: a peer with several NICs gets one per NIC
+   (``weight_transfer.transport.handshake`` does this for a whole cluster);
 3. the writer awaits ``write(src, dst, offset)``: the bytes go as signaled
    ``IBV_WR_RDMA_WRITE`` work requests of at most ``chunk_bytes`` (and the
    port's max message size), with at most ``max_inflight`` outstanding per
@@ -19,12 +22,17 @@ domain and a completion queue. Then, as for every transport:
    completions raise RemoteAccessError / PeerUnreachableError / TransportError
    naming the peer, the region and the verbs status (``rdma_errors``).
 
-Sources: a source inside memory registered on this transport (``register``)
-posts with that MR; any other source is registered for the duration of the
-write and deregistered when its work requests complete. MRs are deliberately
-not cached by address: once a buffer is freed its address may come back from
-the allocator with other pages behind it, and a cached MR would then send the
-old pages. Register long-lived staging buffers up front on the hot path.
+Sources: a source inside memory registered on this transport (``register``,
+or ``register_source`` for memory only written from: one MR with local access,
+e.g. the staging arena of ``weight_transfer.staging``) posts with that MR; any
+other source is registered for the duration of the write and deregistered when
+its work requests complete. MRs are deliberately not cached by address: once a
+buffer is freed its address may come back from the allocator with other pages
+behind it, and a cached MR would then send the old pages. Register long-lived
+staging buffers up front on the hot path. ``supports_device_memory`` is True
+where GPU memory can be registered (CUDA dma-buf): callers then keep their
+sources on the GPU. ``registrations`` counts every MR ever made (tests check
+that the hot path makes none).
 
 After a failed completion the QP is in the error state: later writes to that
 peer raise PeerUnreachableError until both sides ``connect`` again (the same
@@ -52,7 +60,7 @@ from weight_transfer.transport.base import (
     source_buffer,
     target_buffer,
 )
-from weight_transfer.transport.rdma_cuda import export_dmabuf
+from weight_transfer.transport.rdma_cuda import dmabuf_unsupported_reason, export_dmabuf
 from weight_transfer.transport.rdma_errors import completion_error
 from weight_transfer.transport.rdma_plan import LocalRegion, LocalRegions, split_write
 from weight_transfer.transport.rdma_verbs import (
@@ -132,8 +140,11 @@ class RdmaTransport:
         self._qp_opts = {"timeout": timeout, "retry_cnt": retry_cnt}
         self._window: CompletionWindow = CompletionWindow(
             lambda n: poll_cq(self._cq, n), max_inflight=max_inflight)
-        self._conns: dict[str, _Conn] = {}
+        self._conns: dict[tuple[str, str | None], _Conn] = {}  # (owner, nic) -> its QP
+        self.bytes_written = self.writes = 0  # writes this NIC completed, and their bytes
         self._regs: dict[tuple[int, int], _Registration] = {}
+        self._sources: dict[int, _Registration] = {}  # register_source handles
+        self.registrations = 0  # MRs made so far, temporary ones included
         self._local = LocalRegions()
         self._closed = False
         log.info("rdma %s: %s port %d open (%s, MTU %d, lid %d, gid %s)", owner, self.device,
@@ -159,7 +170,32 @@ class RdmaTransport:
         self._local.remove(reg.local)
         reg.close()
 
+    def register_source(self, buf: Any) -> int:
+        """Register memory that writes read from (not exposed to peers), once, at setup.
+
+        Writes whose source lies inside it post with its MR. Returns a handle for
+        :meth:`deregister_source`.
+        """
+        reg = self._register(buf, IBV_ACCESS_LOCAL_WRITE)
+        handle = id(reg)
+        self._sources[handle] = reg
+        self._local.add(reg.local)
+        return handle
+
+    def deregister_source(self, handle: int) -> None:
+        reg = self._sources.pop(handle, None)
+        if reg is None:
+            raise ValueError(f"{self.owner}: no source registration {handle:#x}")
+        self._local.remove(reg.local)
+        reg.close()
+
+    @property
+    def supports_device_memory(self) -> bool:
+        """True when this host registers GPU memory through dma-buf (sources stay on GPU)."""
+        return dmabuf_unsupported_reason() is None
+
     def _register(self, buf: Any, access: int) -> _Registration:
+        self.registrations += 1
         if getattr(buf, "is_cuda", False):
             return self._register_cuda(buf, access)
         tb = target_buffer(buf) if access & IBV_ACCESS_REMOTE_WRITE else source_buffer(buf)
@@ -189,19 +225,31 @@ class RdmaTransport:
 
     # ------------------------------------------------------------------ connections
 
-    def peer_info(self, remote_owner: str) -> PeerInfo:
-        """Create (or return) the QP dedicated to ``remote_owner``; give the result to it."""
-        conn = self._conn(remote_owner)
+    def peer_info(self, remote_owner: str, remote_nic: str | None = None) -> PeerInfo:
+        """Create (or return) the QP dedicated to NIC ``remote_nic`` of ``remote_owner``
+        (None: its only NIC); give the result to that NIC."""
+        conn = self._conn(remote_owner, remote_nic)
         return make_peer_info(owner=self.owner, nic=self.nic, endpoint=conn.local)
 
-    def _conn(self, remote_owner: str) -> _Conn:
-        conn = self._conns.get(remote_owner)
+    def _conn(self, owner: str, nic: str | None) -> _Conn:
+        """The QP for NIC ``nic`` of ``owner``, created on first use.
+
+        A QP made for ``nic`` None (any NIC of ``owner``) is bound to the first
+        NIC of that owner that asks or connects; a lookup with ``nic`` None
+        finds the owner's only QP.
+        """
+        conn = self._conns.get((owner, nic))
+        if conn is None and nic is not None and (owner, None) in self._conns:
+            conn = self._conns[(owner, nic)] = self._conns.pop((owner, None))
+        if conn is None and nic is None:
+            mine = [c for (o, _), c in self._conns.items() if o == owner]
+            conn = mine[0] if len(mine) == 1 else None
         if conn is None:
             qp = create_rc_qp(self._pv, self._pd, self._cq, self.max_inflight)
             ep = RdmaEndpoint(lid=self._port.lid, gid=self._port.gid, qpn=qp.qp_num,
                               psn=secrets.randbits(24), port=self.port, mtu=self._port.mtu,
-                              peer=remote_owner)
-            conn = self._conns[remote_owner] = _Conn(qp=qp, local=ep)
+                              peer=owner)
+            conn = self._conns[(owner, nic)] = _Conn(qp=qp, local=ep)
         return conn
 
     def connect(self, peer: PeerInfo) -> None:
@@ -214,7 +262,7 @@ class RdmaTransport:
         if ep.peer != self.owner:
             raise ValueError(f"PeerInfo from {peer.owner!r} was made for {ep.peer!r}, not for "
                              f"{self.owner!r}: ask {peer.owner!r} for peer_info({self.owner!r})")
-        conn = self._conn(peer.owner)
+        conn = self._conn(peer.owner, peer.nic)
         pv = self._pv
         if conn.remote == ep and conn.error is None and \
                 qp_state(pv, conn.qp) == pv.enums.IBV_QPS_RTS:
@@ -226,11 +274,11 @@ class RdmaTransport:
         conn.remote, conn.error = ep, None
 
     def _conn_for(self, dst: RegionDesc) -> _Conn:
-        conn = self._conns.get(dst.owner)
+        conn = self._conns.get((dst.owner, dst.nic))
         if conn is None or conn.remote is None:
             raise PeerUnreachableError(
-                f"{self.owner} is not connected to {dst.owner!r} (target of {dst.describe()}): "
-                "exchange peer_info() and connect() both sides at setup")
+                f"{self.owner} is not connected to {dst.owner!r} NIC {dst.nic!r} (target of "
+                f"{dst.describe()}): exchange peer_info() and connect() both sides at setup")
         if conn.error is not None:
             raise PeerUnreachableError(
                 f"connection {self.owner} -> {dst.owner!r} failed earlier ({conn.error}); "
@@ -268,6 +316,8 @@ class RdmaTransport:
                                    offset=chunk.dst - dst.addr, vendor_err=wc.vendor_err)
             conn.error = str(exc)
             raise exc
+        self.bytes_written += sb.nbytes
+        self.writes += 1
 
     def _poster(self, conn: _Conn, local: LocalRegion, dst: RegionDesc):
         pv, qp = self._pv, conn.qp
@@ -296,9 +346,10 @@ class RdmaTransport:
         if self._closed:
             return
         self._closed = True
-        for reg in self._regs.values():
+        for reg in (*self._regs.values(), *self._sources.values()):
             reg.close()
         self._regs.clear()
+        self._sources.clear()
         for conn in self._conns.values():
             conn.qp.close()
         self._conns.clear()

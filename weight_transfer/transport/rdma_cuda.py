@@ -15,11 +15,14 @@ the dma-buf, so a remote writer cannot touch neighbouring tensors::
 
 Needs the NVIDIA driver (``libcuda.so.1``) and dma-buf support (open kernel
 modules, Linux >= 5.12); otherwise :class:`CudaDmaBufError` says which is missing.
+:func:`dmabuf_unsupported_reason` asks the same without exporting anything (the
+rdma transport's ``supports_device_memory`` follows it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -70,12 +73,7 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
     raise CudaDmaBufError(f"{what} failed: CUDA error {rc} ({msg})")
 
 
-def export_dmabuf(
-    ptr: int, nbytes: int, *, device: int, lib: ctypes.CDLL | None = None
-) -> DmaBufSpan:
-    """Export the pages holding ``[ptr, ptr+nbytes)`` of CUDA device ``device`` as a dma-buf."""
-    rng = dmabuf_range(ptr, nbytes, os.sysconf("SC_PAGE_SIZE"))
-    cu = lib if lib is not None else load_libcuda()
+def _check_dmabuf_device(cu: ctypes.CDLL, device: int) -> None:
     _check(cu, cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     _check(cu, cu.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
@@ -88,6 +86,34 @@ def export_dmabuf(
             f"CUDA device {device} cannot export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED"
             "=0): GPU memory registration needs the open NVIDIA kernel modules and Linux >= 5.12"
         )
+
+
+def dmabuf_unsupported_reason(device: int = 0, lib: ctypes.CDLL | None = None) -> str | None:
+    """Why GPU ``device``'s memory cannot be registered through dma-buf, or None if it can."""
+    if lib is None:
+        return _cached_reason(device)
+    try:
+        _check_dmabuf_device(lib, device)
+    except CudaDmaBufError as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def _cached_reason(device: int) -> str | None:
+    try:
+        return dmabuf_unsupported_reason(device, load_libcuda())
+    except CudaDmaBufError as exc:
+        return str(exc)
+
+
+def export_dmabuf(
+    ptr: int, nbytes: int, *, device: int, lib: ctypes.CDLL | None = None
+) -> DmaBufSpan:
+    """Export the pages holding ``[ptr, ptr+nbytes)`` of CUDA device ``device`` as a dma-buf."""
+    rng = dmabuf_range(ptr, nbytes, os.sysconf("SC_PAGE_SIZE"))
+    cu = lib if lib is not None else load_libcuda()
+    _check_dmabuf_device(cu, device)
     fd = ctypes.c_int(-1)
     rc = cu.cuMemGetHandleForAddressRange(
         ctypes.byref(fd), ctypes.c_uint64(rng.base), ctypes.c_size_t(rng.span),

@@ -202,8 +202,8 @@ class SimNic:
             _positive_int("fail_after_bytes", nbytes, 0)
         self._link.set_budget(nbytes)
 
-    def peer_info(self, remote_owner: str = "") -> PeerInfo:
-        """How to reach this NIC (the same for every ``remote_owner``)."""
+    def peer_info(self, remote_owner: str = "", remote_nic: str | None = None) -> PeerInfo:
+        """How to reach this NIC (the same for every remote owner and NIC)."""
         self._check_open()
         boot_id, pid_ns = _vm.host_identity()
         pid = os.getpid()

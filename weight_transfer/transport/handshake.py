@@ -1,0 +1,173 @@
+"""Two-way connection set-up between NICs of many processes, in one round for all of them.
+
+Every (writer NIC, target NIC) pair that will write is a :class:`Link`. Both
+ends of a link tell the other how to reach them, and each end connects: RDMA
+RC queue pairs need that (one QP per pair and side, each brought to RTS with
+the other's QP number and PSN); simnic and Mooncake take it as well. The
+steps, for the whole cluster at once (the controller does 1, 3 and 5; every
+process does 2 and 4 on its own NICs):
+
+1. ``requests = requests_by_owner(links)``: for each process (owner), which of
+   its NICs must describe itself to which remote NIC (the peer named);
+2. ``infos = answer_requests(nics, requests[owner])``: ``peer_info`` of each;
+3. ``conns = route_answers(requests, infos)``: each info goes to the NIC it
+   was made for, as a :class:`Connection`;
+4. ``connect_peers(nics, conns[owner])``: each NIC connects to its peers;
+5. nothing else: only these small records cross the control plane.
+
+:func:`unreachable_links` checks, before any NIC is built, that a transport
+bound to one host (simnic; Mooncake on a loopback or a fixed address) is not
+asked to reach a peer on another host; hosts are compared by hostname and
+address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weight_transfer.transport.options import TransportSpec
+from weight_transfer.types import PeerInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """One NIC of one process: ``owner`` names the process, ``nic`` the NIC."""
+
+    owner: str
+    nic: str
+
+    def __str__(self) -> str:
+        return f"{self.owner}@{self.nic}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """A pair of NICs where ``writer`` writes into memory registered on ``target``."""
+
+    writer: Endpoint
+    target: Endpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InfoRequest:
+    """Ask the local NIC ``nic`` for its ``peer_info`` made for ``remote``."""
+
+    nic: str
+    remote: Endpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Connection:
+    """Connect the local NIC ``nic`` to ``peer`` (made by that peer for this NIC)."""
+
+    nic: str
+    peer: PeerInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostId:
+    """The host a process runs on, as :func:`unreachable_links` compares it."""
+
+    hostname: str
+    address: str
+
+    def __str__(self) -> str:
+        return f"{self.hostname} ({self.address})"
+
+
+def requests_by_owner(links: Iterable[Link]) -> dict[str, tuple[InfoRequest, ...]]:
+    """Both ends of every link, grouped by process, in first-seen order, without repeats."""
+    out: dict[str, dict[InfoRequest, None]] = {}
+    for link in links:
+        if link.writer == link.target:
+            raise ValueError(f"link from {link.writer} to itself")
+        for local, remote in ((link.writer, link.target), (link.target, link.writer)):
+            out.setdefault(local.owner, {})[InfoRequest(nic=local.nic, remote=remote)] = None
+    return {owner: tuple(reqs) for owner, reqs in out.items()}
+
+
+def _nic(nics: Mapping[str, Any], name: str, owner: str) -> Any:
+    nic = nics.get(name)
+    if nic is None:
+        raise ValueError(f"{owner}: has no NIC {name!r} (its NICs: {sorted(nics)})")
+    return nic
+
+
+def answer_requests(nics: Mapping[str, Any], requests: Sequence[InfoRequest],
+                    *, owner: str = "") -> tuple[PeerInfo, ...]:
+    """Process side, step 2: each request's ``peer_info``, in the order asked."""
+    return tuple(_nic(nics, r.nic, owner).peer_info(r.remote.owner, r.remote.nic)
+                 for r in requests)
+
+
+def route_answers(requests: Mapping[str, Sequence[InfoRequest]],
+                  answers: Mapping[str, Sequence[PeerInfo]]) -> dict[str, tuple[Connection, ...]]:
+    """Controller side, step 3: every answer to the NIC it was made for, per process."""
+    out: dict[str, list[Connection]] = {}
+    for owner, reqs in requests.items():
+        infos = answers.get(owner)
+        if infos is None or len(infos) != len(reqs):
+            got = "nothing" if infos is None else f"{len(infos)} peer infos"
+            raise ValueError(f"{owner} was asked for {len(reqs)} peer infos and returned {got}")
+        for req, info in zip(reqs, infos, strict=True):
+            if (info.owner, info.nic) != (owner, req.nic):
+                raise ValueError(f"{owner} answered for {info.owner}@{info.nic} where "
+                                 f"{owner}@{req.nic} was asked (for {req.remote})")
+            out.setdefault(req.remote.owner, []).append(Connection(nic=req.remote.nic, peer=info))
+    return {owner: tuple(conns) for owner, conns in out.items()}
+
+
+def connect_peers(nics: Mapping[str, Any], conns: Sequence[Connection], *,
+                  owner: str = "") -> int:
+    """Process side, step 4: connect each local NIC to its peers; returns how many."""
+    for conn in conns:
+        _nic(nics, conn.nic, owner).connect(conn.peer)
+    return len(conns)
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def reaches(spec: TransportSpec, src: HostId, dst: HostId) -> bool:
+    """Whether a NIC of ``spec`` on ``src`` can write into one on ``dst``."""
+    if src == dst:
+        return True
+    if spec.kind == "simnic":
+        return False
+    if spec.kind == "mooncake":  # a fixed hostname is every actor's, wherever it runs
+        return getattr(spec.options, "hostname", None) is None and not _is_loopback(dst.address)
+    return True
+
+
+def unreachable_links(spec: TransportSpec, hosts: Mapping[str, HostId],
+                      pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (writer owner, target owner) pairs ``spec`` cannot connect, in order."""
+    missing = sorted({o for pair in pairs for o in pair if o not in hosts})
+    if missing:
+        raise ValueError(f"no host known for {missing}")
+    return [(w, t) for w, t in pairs if not reaches(spec, hosts[w], hosts[t])]
+
+
+def unreachable_message(spec: TransportSpec, hosts: Mapping[str, HostId],
+                        bad: Sequence[tuple[str, str]], *, field: str, limit: int = 4) -> str:
+    """One error naming the transport, the field, the first pairs and their hosts."""
+    shown = "; ".join(f"{w} on {hosts[w]} -> {t} on {hosts[t]}" for w, t in bad[:limit])
+    more = f" and {len(bad) - limit} more pairs" if len(bad) > limit else ""
+    if spec.kind == "simnic":
+        why = "simnic writes with process_vm_writev into processes of its own host"
+    elif getattr(spec.options, "hostname", None) is not None:
+        why = (f"mooncake option hostname={spec.options.hostname!r} is advertised by every "
+               "actor; leave it null to take each actor's own address")
+    else:
+        why = "mooncake would advertise a loopback address that other hosts cannot reach"
+    return (f"{field}: transport {spec.kind!r} cannot reach across hosts: {shown}{more} "
+            f"({why}; choose 'mooncake' or 'rdma' for actors on several hosts)")
