@@ -102,14 +102,16 @@ class Connector:
         for ep in engine_endpoints(meta):
             self.owners.pop(ep.owner, None)
 
-    def gather_engines(self, actors: Sequence[Any], *, label: str) -> list[EngineRankMeta]:
+    def gather_engines(
+        self, actors: Sequence[Any], *, label: str, phase: str | None = None
+    ) -> list[EngineRankMeta]:
         """Engine metadata (buffers registered with NICs of this transport) and each
         engine's host, in one round; the hosts are recorded."""
         n = len(actors)
         refs = ([self._call(a.wt_engine_meta, self.spec) for a in actors]
                 + [self._call(a.wt_host) for a in actors])
         labels = [f"{label} {i}" for i in range(n)] * 2
-        out = self._gather(refs, labels, phase=f"gather metadata and hosts of {label}s")
+        out = self._gather(refs, labels, phase=phase or f"gather {label} metadata")
         for meta, host in zip(out[:n], out[n:], strict=True):
             for ep in engine_endpoints(meta):
                 self.hosts[ep.owner] = host

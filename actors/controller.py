@@ -181,7 +181,8 @@ class WeightTransferController:
         self._trainer_metas = [metas[i] for i in order]
         for meta, actor in zip(self._trainer_metas, self.trainers, strict=True):
             self._connector.add_trainer(meta.rank, actor, meta.host)
-        engine_metas = self._connector.gather_engines(self._engine_handles, label="engine actor")
+        engine_metas = self._connector.gather_engines(self._engine_handles, label="engine actor",
+                                                     phase="gather engine metadata")
         groups = list(self._group_replicas(self._engine_handles, engine_metas))
         self._connector.check_engines([m.rank for m in self._trainer_metas],
                                       [m for _, _, ranks in groups for m in ranks])
@@ -241,7 +242,7 @@ class WeightTransferController:
                 metrics=cfg.metrics)
 
         links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
-        self._connector.connect(links, phase="distribute the plan and connect (round 2)",
+        self._connector.connect(links, phase="distribute the plan",
                                 rank_infos=self._rank_infos, trainer_call=trainer_call)
         self.summary = result.summary
         log.info("plan %d: %d B in %d tasks over %d trainer ranks -> replicas %s",
