@@ -14,7 +14,9 @@ import torch
 
 from weight_transfer.models import ModelConfig, trainer_param_specs
 
-RANDOM_STATE_MAX_ELEMENTS = 200_000_000
+# Guards against seeding a real model (Kimi-K2) by mistake; configs/models/bench_dense.yaml
+# (286 M, the 0.57 GB model of `wt bench designs`) is the largest meant to be seeded.
+RANDOM_STATE_MAX_ELEMENTS = 300_000_000
 
 
 def random_state_dict(

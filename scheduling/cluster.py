@@ -118,6 +118,28 @@ class SimConfig(_Strict):
 
     max_inflight: int = Field(default=8, ge=1, description="writes in flight per trainer rank")
     write_latency_us: float = Field(default=0.0, ge=0, description="fixed cost of one write")
+    # The stages before the NIC (scheduling/sim_stages.py); None = not modelled (free).
+    h2d_gbps: float | None = Field(
+        default=None, gt=0, description="host-to-device copy, GB/s per rank (None: on device)")
+    intra_node_gbps: float | None = Field(
+        default=None, gt=0, description="all-gather link inside a node (NVLink), GB/s per rank")
+    inter_node_gbps: float | None = Field(
+        default=None, gt=0,
+        description="all-gather link across nodes, GB/s per rank (None: the trainer NIC rate)")
+    gather_latency_us: float = Field(default=0.0, ge=0, description="latency of one ring hop")
+    gathers: bool = Field(default=True, description="model full_tensor() all-gathers at all")
+    fp8_quant_gbps: float | None = Field(
+        default=None, gt=0, description="FP8 block quantization, GB/s of source bytes per rank")
+    copy_gbps: float | None = Field(
+        default=None, gt=0, description="cut/cast copies into staging, GB/s per rank")
+    watermark_bytes: int = Field(
+        default=1 << 30, ge=1, description="temporary bytes in flight per rank (executor)")
+    # Fixed costs the executor pays whatever the bytes (scripts/calibrate.py measures them).
+    param_overhead_us: float = Field(
+        default=0.0, ge=0,
+        description="per parameter and rank: a pipeline item's Python cost and its gather call")
+    write_overhead_us: float = Field(
+        default=0.0, ge=0, description="sender CPU time of one write, not overlapped with others")
 
 
 class ClusterConfig(_Strict):

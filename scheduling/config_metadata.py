@@ -51,11 +51,12 @@ def trainer_meta_from_config(
     experts = cluster.expert_meshes()
     stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
     params = []
+    n_experts = cfg.n_experts  # a property that looks the architecture up: once, not per param
     for spec in trainer_param_specs(cfg, expert_naming=expert_naming):
         mesh: MeshDesc = dense
         placements = _SHARD0
         if spec.expert is not None:
-            mesh = experts[cluster.expert_mesh_index(spec.expert, cfg.n_experts)]
+            mesh = experts[cluster.expert_mesh_index(spec.expert, n_experts)]
         elif _is_stacked_expert(spec.name, spec.shape):
             mesh, placements = stacked_mesh, stacked_placements
         params.append(

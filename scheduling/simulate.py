@@ -21,6 +21,15 @@ million-task plan to about a hundred thousand events::
     result.seconds, result.lower_bound_seconds, result.per_nic_busy_seconds
     simulate(plan, cluster, record=True).task_start   # per task, for a timeline
 
+Around the NIC model, :mod:`scheduling.sim_stages` replays what the executor
+does per rank and parameter (watermark, h2d, gather, prepare, FIFO writes at
+the rate the NIC model found, a barrier per group) with the costs of the
+cluster's ``sim:`` section; ``stage_seconds`` is each stage's busy time on the
+critical rank and ``binding`` the stage that took most of it. With every stage
+cost unset (the default) the prediction is the NIC model's. ``nic_model="bound"``
+skips the discrete-event NIC model and lets each group's NICs take their lower
+bound (fast, for sweeps).
+
 ``lower_bound_seconds`` is the issue's bound, max over NICs of bytes /
 bandwidth; ``barrier_lower_bound_seconds`` sums that bound per group, which is
 what any execution with barriers between groups must take at least.
@@ -52,6 +61,9 @@ class SimResult:
     group_lower_bounds: tuple[float, ...]
     per_nic_busy_seconds: dict[str, float] = field(hash=False)
     events: int
+    nic_seconds: float = 0.0  # the NIC model alone (sum over groups)
+    stage_seconds: dict[str, float] = field(default_factory=dict, hash=False)
+    binding: str = "write"
     # With record=True: when each task (plan row) started and ended, seconds from the start.
     task_start: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
     task_end: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
@@ -171,11 +183,35 @@ def simulate(
     resolution: float = 1e-5,
     fill_rounds: int = 4,
     record: bool = False,
+    nic_model: str = "events",
 ) -> SimResult:
     """Predict the execution time of ``plan`` on ``cluster`` (see the module docstring)."""
     inflight = max_inflight or cluster.sim.max_inflight
     if inflight < 1 or fill_rounds < 1 or resolution < 0:
         raise ValueError("max_inflight and fill_rounds must be >= 1, resolution >= 0")
+    if nic_model not in ("events", "bound"):
+        raise ValueError(f"nic_model must be 'events' or 'bound', not {nic_model!r}")
+    total_lb, group_lb = lower_bounds(plan, cluster)
+    if nic_model == "bound":
+        busy = dict(zip(plan.send_nics, (plan.send_bytes().sum(axis=0)
+                                         / cluster.send_bytes_per_s).tolist(), strict=True))
+        busy.update(zip(plan.recv_nics, (plan.recv_bytes().sum(axis=0)
+                                         / cluster.recv_bytes_per_s).tolist(), strict=True))
+        nic = SimResult(seconds=float(group_lb.sum()), lower_bound_seconds=total_lb,
+                        barrier_lower_bound_seconds=float(group_lb.sum()),
+                        group_seconds=tuple(float(x) for x in group_lb),
+                        group_lower_bounds=tuple(float(x) for x in group_lb),
+                        per_nic_busy_seconds=busy, events=0)
+    else:
+        nic = _simulate_nics(plan, cluster, inflight, resolution, fill_rounds, record)
+    # The event model already charges write_latency_us; the bound does not.
+    return with_stages(plan, cluster, nic, inflight=inflight, record=record,
+                       write_latency=nic_model == "bound")
+
+
+def _simulate_nics(plan: Plan, cluster: ClusterConfig, inflight: int, resolution: float,
+                   fill_rounds: int, record: bool) -> SimResult:
+    """The discrete-event model of the NICs alone."""
     total_lb, group_lb = lower_bounds(plan, cluster)
     send_bw, recv_bw = cluster.send_bytes_per_s, cluster.recv_bytes_per_s
     overhead = cluster.sim.write_latency_us * 1e-6 * send_bw
@@ -214,3 +250,52 @@ def simulate(
         task_start=None if times is None else times[0],
         task_end=None if times is None else times[1],
     )
+
+
+def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight: int,
+                record: bool = False, write_latency: bool = False) -> SimResult:
+    """``nic`` (the NIC model's result) with the stages around the NICs added."""
+    from scheduling.sim_stages import STAGES, group_costs, run_group
+
+    sim = cluster.sim
+    overhead = sim.write_latency_us * 1e-6 / inflight if write_latency else 0.0
+    overhead += sim.write_overhead_us * 1e-6  # CPU time: not hidden by in-flight writes
+    group_s, critical = [], dict.fromkeys(STAGES, 0.0)
+    start = np.zeros(plan.num_tasks) if record else None
+    end = np.zeros(plan.num_tasks) if record else None
+    for g, costs in enumerate(group_costs(plan, cluster)):
+        total = costs.write_bytes.sum(axis=1)
+        t_nic = nic.group_seconds[g]
+        rate = min(cluster.send_bytes_per_s, total.max(initial=0.0) / t_nic) if t_nic > 0 \
+            else np.inf
+        times = run_group(costs, total / rate, watermark=sim.watermark_bytes,
+                          write_overhead_s=overhead)
+        # The NIC model stays a floor: its in-flight and fairness effects are not replayed.
+        secs = max(times.seconds, t_nic)
+        if len(costs.ranks):
+            crit = int(np.argmax(times.write_end.max(axis=1)))
+            for st in STAGES:
+                critical[st] += float(times.busy[st][crit])
+        if record:
+            _record(plan, g, costs, times, float(sum(group_s)), start, end)
+        group_s.append(secs)
+    binding = max(critical, key=critical.get) if any(critical.values()) else "write"
+    seconds = float(sum(group_s))
+    return SimResult(
+        seconds=seconds, lower_bound_seconds=nic.lower_bound_seconds,
+        barrier_lower_bound_seconds=nic.barrier_lower_bound_seconds,
+        group_seconds=tuple(group_s), group_lower_bounds=nic.group_lower_bounds,
+        per_nic_busy_seconds=nic.per_nic_busy_seconds, events=nic.events,
+        nic_seconds=nic.seconds, stage_seconds=critical, binding=binding,
+        task_start=start if record else nic.task_start,
+        task_end=end if record else nic.task_end,
+    )
+
+
+def _record(plan: Plan, g: int, costs, times, offset: float, start, end) -> None:
+    """Each task of group ``g`` spans its parameter's write on its rank."""
+    from scheduling.sim_stages import task_positions
+
+    sel, row, pos = task_positions(plan, g, costs)
+    start[sel] = offset + times.write_start[row, pos]
+    end[sel] = offset + times.write_end[row, pos]

@@ -48,27 +48,43 @@ def expected_piece_nbytes(piece: Piece) -> int:
 _TRANSFORM_DTYPES = {Transform.FP8_WEIGHT: (FP8_DTYPE,), Transform.FP8_SCALE: (SCALE_DTYPE,)}
 
 
+def _piece_problem(piece: Piece, shape: tuple[int, ...] | None) -> tuple[str, ...]:
+    """What is wrong with ``piece``, its parameter of ``shape`` (None: no parameter)."""
+    if shape is None:
+        return (f"no trainer parameter {piece.src_param!r}",)
+    sl = piece.src_slice
+    if len(sl) != len(shape) or any(
+        not 0 <= a < b <= d for (a, b), d in zip(sl, shape, strict=False)
+    ):
+        return (f"source slice {sl} is not inside shape {shape}",)
+    problems = []
+    allowed = _TRANSFORM_DTYPES.get(piece.transform)
+    if allowed and piece.dst_dtype not in allowed:
+        problems.append(f"{piece.transform} writes {allowed[0]}, not {piece.dst_dtype}")
+    want = expected_piece_nbytes(piece)
+    if want != piece.nbytes:
+        problems.append(f"{piece.nbytes} B but its slice and dtype make {want} B")
+    return tuple(problems)
+
+
 def _piece_problems(plan: PlanData) -> list[str]:
     out: list[str] = []
-    index = {p.name: i for i, p in enumerate(plan.params)}
+    shapes = {p.name: p.shape for p in plan.params}
+    # Pieces repeat (every expert of a layer, every layer): check each parameter
+    # shape, slice, transform, dtype and size once.
+    seen: dict[tuple, tuple[str, ...]] = {}
     for k, piece in enumerate(plan.pieces):
+        shape = shapes.get(piece.src_param)
+        key = (shape, piece.src_slice, piece.transform, piece.dst_dtype, piece.nbytes)
+        problems = seen.get(key)
+        if problems is None:
+            problems = _piece_problem(piece, shape)
+            if shape is not None:  # the message of a missing parameter names it
+                seen[key] = problems
+        if not problems:
+            continue
         where = f"piece {k} ({piece.dst_tensor} @ {piece.dst_offset}, from {piece.src_param})"
-        param = plan.params[index[piece.src_param]] if piece.src_param in index else None
-        if param is None:
-            out.append(f"{where}: no trainer parameter {piece.src_param!r}")
-            continue
-        sl = piece.src_slice
-        if len(sl) != len(param.shape) or any(
-            not 0 <= a < b <= d for (a, b), d in zip(sl, param.shape, strict=False)
-        ):
-            out.append(f"{where}: source slice {sl} is not inside shape {param.shape}")
-            continue
-        allowed = _TRANSFORM_DTYPES.get(piece.transform)
-        if allowed and piece.dst_dtype not in allowed:
-            out.append(f"{where}: {piece.transform} writes {allowed[0]}, not {piece.dst_dtype}")
-        want = expected_piece_nbytes(piece)
-        if want != piece.nbytes:
-            out.append(f"{where}: {piece.nbytes} B but its slice and dtype make {want} B")
+        out.extend(f"{where}: {p}" for p in problems)
         if len(out) >= MAX_SHOWN:
             break
     return out

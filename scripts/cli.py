@@ -99,6 +99,21 @@ def bench_pipeline(
     raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path))
 
 
+@bench_app.command("gather")
+def bench_gather(
+    model: list[Path] = typer.Option(
+        [Path("configs/models/tiny_llama.yaml"), Path("configs/models/bench_moe.yaml")],
+        help="Model YAML (repeat for several)."),
+    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    updates: int = typer.Option(3, min=1, help="Updates per gather mode."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Per-parameter gathers beside coalesced buckets: prepare-stage and update seconds."""
+    from scripts.bench_gather import run
+
+    raise typer.Exit(run(model, cluster, updates, json_path))
+
+
 @bench_app.command("staging")
 def bench_staging(
     model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
@@ -113,6 +128,28 @@ def bench_staging(
     from scripts.bench_staging import run
 
     raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, updates, json_path))
+
+
+@bench_app.command("designs")
+def bench_designs(
+    model: Path | None = typer.Option(
+        Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    nic_gbps: float = typer.Option(0.5, help="NIC cap in GB/s, ours (simnic) and baselines."),
+    updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
+    designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
+    bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
+    caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
+    timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+    png: Path | None = typer.Option(None, "--png", help="Bar chart (PNG, the plots extra)."),
+) -> None:
+    """Ours (p2p) beside rank-0 broadcast, per-tensor RPC and bucketed broadcast, verified."""
+    from scripts.bench_designs import run
+
+    raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
+                         designs=designs, bucket=bucket, caps_off=caps_off,
+                         timeout_s=timeout_s, json_path=json_path, png=png))
 
 
 @app.command("selftest")
@@ -181,13 +218,22 @@ def simulate(
     inflight: int | None = typer.Option(None, help="Writes in flight per rank (default: cluster)."),
     resolution: float = typer.Option(1e-5, help="Event window, fraction of a group's bound."),
     png: Path | None = typer.Option(None, "--png", help="Draw the simulated timeline (PNG)."),
+    nic_model: str = typer.Option("events", help="events|bound (bound: fast, for sweeps)."),
+    sweep: bool = typer.Option(False, help="Also sweep watermark and inflight (bound model)."),
+    calibrate: bool = typer.Option(False, help="Measure this machine's sim constants."),
+    check: bool = typer.Option(False, help="With --calibrate: predict and run wt bench pipeline "
+                                           "configurations, print predicted vs measured."),
+    write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
+                                                     "into this cluster YAML's sim: section."),
 ) -> None:
-    """Predict the transfer time of the plan (discrete-event model) beside the NIC bound."""
+    """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from scripts.plan_cmd import run_simulate
 
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
-                                  inflight=inflight, resolution=resolution, png=png))
+                                  inflight=inflight, resolution=resolution, png=png,
+                                  nic_model=nic_model, sweep=sweep, calibrate=calibrate,
+                                  check=check, write_sim=write_sim))
 
 
 def main() -> None:

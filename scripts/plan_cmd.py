@@ -16,7 +16,11 @@ On a terminal a progress bar names the step being computed.
 JSON keys (both): ``tasks``, ``bytes_total``, ``nic_imbalance`` (max/mean
 bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
 ``plan_seconds`` (metadata + plan, wall clock), and more; ``simulate`` adds
-``predicted_s``, ``barrier_lower_bound_s``, ``efficiency``.
+``predicted_s``, ``barrier_lower_bound_s``, ``efficiency``, ``stages`` (stage ->
+busy seconds on the critical rank), ``binding``, ``nic_predicted_s`` (the NIC
+model alone), ``calibration`` (with ``--calibrate``: the constants and, with
+``--check``, per bench configuration predicted and measured seconds) and
+``sweep`` (with ``--sweep``: predicted seconds per watermark).
 """
 
 from __future__ import annotations
@@ -159,10 +163,53 @@ def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_namin
     return 0
 
 
+SWEEP_WATERMARKS = (64 << 20, 256 << 20, 1 << 30, 4 << 30, 16 << 30)
+
+
+def _calibrate(console, cluster: Path, check: bool, write_sim: Path | None) -> dict[str, Any]:
+    """Measure this machine's constants; with ``check``, predicted vs measured bench runs."""
+    from scripts.calibrate import check as run_check
+    from scripts.calibrate import measure
+    from scripts.calibrate import write_sim as write
+
+    constants = measure(Path(__file__).resolve().parents[1], cluster)
+    console.print("calibrated: " + ", ".join(f"{k}={v}" for k, v in constants.items()))
+    if write_sim is not None:
+        write(write_sim, constants)
+        console.print(f"wrote the sim constants into {write_sim}")
+    out: dict[str, Any] = {"constants": constants}
+    if check:
+        rows = run_check(Path(__file__).resolve().parents[1], cluster, constants)
+        t = Table(title="simulator vs wt bench pipeline")
+        for col in ("config", "predicted s", "measured s", "error", "binding"):
+            t.add_column(col, justify="right")
+        for r in rows:
+            t.add_row(r["config"], f"{r['predicted_s']:.3f}", f"{r['measured_s']:.3f}",
+                      f"{r['error']:+.0%}", r["binding"])
+        console.print(t)
+        out["configs"] = {r["config"]: r for r in rows}
+    return out
+
+
+def _sweep(p: Planned) -> list[dict[str, Any]]:
+    """Predicted seconds (bound NIC model) per watermark."""
+    out = []
+    for wm in SWEEP_WATERMARKS:
+        cl = p.cluster.model_copy(update={"sim": p.cluster.sim.model_copy(
+            update={"watermark_bytes": wm})})
+        r = simulate(p.plan, cl, nic_model="bound")
+        out.append({"watermark_bytes": wm, "predicted_s": r.seconds, "binding": r.binding,
+                    "over_bound": r.seconds / r.lower_bound_seconds - 1})
+    return out
+
+
 def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
                  gather_order: str, inflight: int | None, resolution: float,
-                 png: Path | None = None) -> int:
+                 png: Path | None = None, nic_model: str = "events", sweep: bool = False,
+                 calibrate: bool = False, check: bool = False,
+                 write_sim: Path | None = None) -> int:
     console = command_console(json_path)
+    calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
         from scripts.plots import MissingExtraError, import_pyplot
 
@@ -178,7 +225,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
             step("simulate the NICs")
             t0 = time.perf_counter()
             r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution,
-                         record=png is not None)
+                         record=png is not None, nic_model=nic_model)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
@@ -195,14 +242,28 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         "max_inflight": inflight or p.cluster.sim.max_inflight,
         "gather_order": gather_order,
         "simulate_seconds": time.perf_counter() - t0,
+        "nic_predicted_s": r.nic_seconds,
+        "stages": r.stage_seconds,
+        "binding": r.binding,
     })
+    if calibration is not None:
+        s["calibration"] = calibration
+    if sweep:
+        s["sweep"] = _sweep(p)
     extra = [
         ("predicted transfer", f"[bold]{r.seconds:.4f} s[/bold]"),
         ("lower bound / predicted", f"{r.efficiency:.3f}"),
         ("per group (predicted / bound)", ", ".join(
             f"{a:.4f}/{b:.4f}" for a, b in zip(r.group_seconds, r.group_lower_bounds,
                                                strict=True))),
+        ("NICs alone (discrete events)", f"{r.nic_seconds:.4f} s"),
+        ("busy per stage, critical rank", ", ".join(
+            f"{k} {v:.4f}" for k, v in r.stage_seconds.items())),
+        ("binding stage", r.binding),
         ("simulation", f"{r.events:,} events in {s['simulate_seconds']:.1f} s"),
+        *[(f"watermark {w['watermark_bytes'] / 2**20:,.0f} MiB",
+           f"{w['predicted_s']:.4f} s (+{w['over_bound']:.1%}, {w['binding']})")
+          for w in s.get("sweep", [])],
     ]
     console.print(_table(s, extra))
     emit_json(json_path, s, console)

@@ -1,18 +1,25 @@
 """One trainer rank's part of a weight transfer: its tasks through the stage pipeline.
 
-The unit that flows through the pipeline is one *parameter*, not one task,
-because ``full_tensor()`` is a collective: every rank of a parameter's mesh
-must gather it, in the same order, whether or not it writes any of it. The
+The unit that flows through the pipeline is one *gather bucket*
+(:mod:`weight_transfer.gather`), not one task, because gathering is a
+collective: every rank of a parameter's mesh must gather it, in the same
+order, whether or not it writes any of it. ``gather="bucket"`` (the default)
+gathers runs of consecutive FSDP2 parameters (``Shard(0)`` on one 1-D mesh, at
+most ``bucket_bytes``) in one collective and every other parameter alone with
+``full_tensor()``; ``gather="param"`` gathers each parameter alone, as
+``full_tensor()`` does. The
 rank's part of the plan (``scheduling.plan.TrainerPlan``: per mesh group, the
 parameters to gather in the mesh's order and the rank's write tasks) is
 replayed as it is, for each mesh group in order:
 
 1. the group's parameters are taken in the plan's gather order;
-2. each parameter reserves its temporary bytes (gathered tensor + prepared
-   pieces) from the watermark, then passes the stages
-   ``h2d`` (local shard to the compute device, when FSDP keeps it on the host),
-   ``prepare`` (``full_tensor()`` once, then every piece this rank writes from
-   it: fusion parts, TP/EP slices, FP8 quantization),
+2. the group's parameters are cut into the same buckets on every rank of a
+   mesh; each bucket reserves its temporary bytes (gather buffers and full
+   tensors, :func:`weight_transfer.gather.reserve_bytes`, + prepared pieces)
+   from the watermark, then passes the stages
+   ``h2d`` (local shards to the compute device, when FSDP keeps them on the host),
+   ``prepare`` (one gather, then every piece this rank writes from its
+   parameters: fusion parts, TP/EP slices, FP8 quantization),
    ``write`` (one-sided WRITEs of those pieces, concurrently);
 3. after the group's last parameter, a barrier over all trainer ranks.
 
@@ -61,6 +68,13 @@ from typing import Any
 
 import torch
 
+from weight_transfer.gather import (
+    DEFAULT_BUCKET_BYTES,
+    GatherBucket,
+    gather_bucket,
+    plan_buckets,
+    reserve_bytes,
+)
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
@@ -80,7 +94,19 @@ class ParamWork:
     tasks: list[WriteTask]
     local: Any = None  # local shard (Tensor or DTensor)
     prepared: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BucketWork:
+    """One gather bucket (one parameter, or several gathered at once) on this rank."""
+
+    bucket: GatherBucket
+    params: list[ParamWork]
     lease: Lease | None = None  # its pieces' range of the staging arena
+
+    @property
+    def tasks(self) -> list[WriteTask]:
+        return [t for p in self.params for t in p.tasks]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +187,21 @@ class RankTransfer:
         on_write_error: WriteErrorHook | None = None,
         metrics: TransferMetrics | None = None,
         staging: bool = True,
+        gather: str = "bucket",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        record_collectives: bool = False,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
+        # Same on every rank of a mesh: a function of the plan and the metadata only.
+        # A bucket's gather holds at most a quarter of the watermark, so that buckets
+        # still overlap in the pipeline (both values are the same on every rank).
+        self.bucket_bytes = max(1, min(bucket_bytes, watermark_bytes // 4))
+        self.buckets = [plan_buckets(g.params, mode=gather, bucket_bytes=self.bucket_bytes)
+                        for g in self.groups]
+        self.gather = gather
+        # Every collective this rank issued in the last run, in order (tests of the contract).
+        self.collectives: list[tuple] | None = [] if record_collectives else None
         self.get_param = get_param
         self.transport = transport
         self.barrier = barrier
@@ -185,8 +223,8 @@ class RankTransfer:
 
     def _make_arena(self) -> StagingArena | None:
         """The staging arena of this rank (None when the rank writes nothing)."""
-        need = max((sum(staged_bytes(ts) for ts in g.tasks.values()) for g in self.groups),
-                   default=0)
+        need = max((sum(staged_bytes(self._bucket_tasks(g, b)) for b in bs)
+                    for g, bs in zip(self.groups, self.buckets, strict=True)), default=0)
         capacity = min(self.watermark_bytes, need)
         if capacity <= 0:
             return None
@@ -196,63 +234,74 @@ class RankTransfer:
                             pinned=on_gpu and not self.device_memory,
                             label=f"rank {self.rank} staging")
 
-    def _items(self, group: GroupWork) -> list[PipelineItem]:
+    @staticmethod
+    def _bucket_tasks(group: GroupWork, bucket: GatherBucket) -> list[WriteTask]:
+        return [t for m in bucket.params for t in group.tasks.get(m.name, [])]
+
+    def _items(self, group: GroupWork, buckets: list[GatherBucket]) -> list[PipelineItem]:
         items = []
-        for meta in group.params:
-            tasks = group.tasks.get(meta.name, [])
-            out_bytes = sum(t.nbytes for t in tasks)
+        for bucket in buckets:
+            params = [ParamWork(meta=m, tasks=group.tasks.get(m.name, [])) for m in bucket.params]
+            tasks = [t for p in params for t in p.tasks]
             # A piece sent to several replicas is prepared once: reserve each piece once.
             prepared_bytes = sum(p.nbytes for p in {t.piece: None for t in tasks})
             items.append(
                 PipelineItem(
-                    key=meta.name,
-                    reserve_bytes=meta.nbytes + prepared_bytes,
-                    payload=ParamWork(meta=meta, tasks=tasks),
-                    nbytes=out_bytes,
+                    key=bucket.key,
+                    reserve_bytes=reserve_bytes(bucket) + prepared_bytes,
+                    payload=BucketWork(bucket=bucket, params=params),
+                    nbytes=sum(t.nbytes for t in tasks),
                 )
             )
         return items
 
-    async def _h2d(self, work: ParamWork) -> ParamWork:
-        local = self.get_param(work.meta.name)
-        if self.device is not None and self.device.type == "cuda":
-            local = await asyncio.to_thread(to_device, local, self.device)
-        work.local = local
+    async def _h2d(self, work: BucketWork) -> BucketWork:
+        for p in work.params:
+            local = self.get_param(p.meta.name)
+            if self.device is not None and self.device.type == "cuda":
+                local = await asyncio.to_thread(to_device, local, self.device)
+            p.local = local
         return work
 
-    def _gather_and_prepare(self, work: ParamWork) -> ParamWork:
-        full = full_tensor(work.local)
-        if tuple(full.shape) != work.meta.shape:
-            raise ValueError(
-                f"rank {self.rank}: parameter {work.meta.name!r} gathered as "
-                f"{tuple(full.shape)}, metadata says {work.meta.shape}"
-            )
+    def _gather_and_prepare(self, work: BucketWork) -> BucketWork:
+        record = None if self.collectives is None else self.collectives.append
+        fulls = gather_bucket(work.bucket, [p.local for p in work.params], record=record)
+        # Each distinct piece of the bucket gets its own slot of the bucket's lease.
         unique = list(dict.fromkeys(t.piece for t in work.tasks))
+        slot = {}
         if work.lease is not None:
             offsets, _ = piece_slots([p.nbytes for p in unique])
-            outs = [work.lease.buf[o : o + p.nbytes] for o, p in zip(offsets, unique, strict=True)]
-            views = self.write_from_views and not full.is_cuda
-            ready = dict(zip(unique, prepare_pieces_into(full, unique, outs, views=views),
-                             strict=True))
-        else:
-            ready = dict(zip(unique, prepare_pieces(full, unique), strict=True))
-        work.prepared = [ready[t.piece] for t in work.tasks]
-        if full.is_cuda:
-            torch.cuda.current_stream(full.device).synchronize()
-        work.local = None
+            slot = dict(zip(unique, offsets, strict=True))
+        on_cuda = False
+        for p, full in zip(work.params, fulls, strict=True):
+            p.local = None
+            mine = list(dict.fromkeys(t.piece for t in p.tasks))
+            if not mine:
+                continue
+            if work.lease is not None:
+                outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
+                views = self.write_from_views and not full.is_cuda
+                ready = dict(zip(mine, prepare_pieces_into(full, mine, outs, views=views),
+                                 strict=True))
+            else:
+                ready = dict(zip(mine, prepare_pieces(full, mine), strict=True))
+            p.prepared = [ready[t.piece] for t in p.tasks]
+            on_cuda = on_cuda or full.is_cuda
+        if on_cuda:
+            torch.cuda.current_stream(fulls[0].device).synchronize()
         return work
 
-    async def _prepare(self, work: ParamWork) -> ParamWork:
-        if self.arena is not None:  # FIFO: this stage takes one parameter at a time, in order
+    async def _prepare(self, work: BucketWork) -> BucketWork:
+        if self.arena is not None:  # FIFO: this stage takes one bucket at a time, in order
             work.lease = await self.arena.acquire(staged_bytes(work.tasks))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
-    async def _write(self, work: ParamWork) -> ParamWork:
-        await asyncio.gather(
-            *(self._write_task(buf, t) for buf, t in zip(work.prepared, work.tasks, strict=True))
-        )
-        work.prepared = []
+    async def _write(self, work: BucketWork) -> BucketWork:
+        await asyncio.gather(*(self._write_task(buf, t) for p in work.params
+                               for buf, t in zip(p.prepared, p.tasks, strict=True)))
+        for p in work.params:
+            p.prepared = []
         if self.arena is not None:
             self.arena.release(work.lease)
             work.lease = None
@@ -298,9 +347,11 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
         barrier_s = 0.0
-        for group in self.groups:
+        if self.collectives is not None:
+            self.collectives.clear()
+        for group, buckets in zip(self.groups, self.buckets, strict=True):
             pipe = Pipeline(self._stages(), watermark=wm)
-            await pipe.run(self._items(group))
+            await pipe.run(self._items(group, buckets))
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 t0 = time.perf_counter()
@@ -342,12 +393,6 @@ class RankTransfer:
 def staged_bytes(tasks: Sequence[WriteTask]) -> int:
     """Arena bytes of one parameter: each distinct piece once, at aligned offsets."""
     return piece_slots([p.nbytes for p in dict.fromkeys(t.piece for t in tasks)])[1]
-
-
-def full_tensor(local: Any) -> torch.Tensor:
-    """The whole parameter: ``DTensor.full_tensor()`` (a collective) or the tensor itself."""
-    gather = getattr(local, "full_tensor", None)
-    return gather() if gather is not None else local
 
 
 def to_device(local: Any, device: torch.device) -> Any:

@@ -5,6 +5,9 @@ builds the model from a seeded random state dict (every rank the same values),
 keeps the dense parameters and the experts of its own expert-parallel mesh,
 shards experts with ``fully_shard`` over its EP mesh and the rest over all
 ranks, reports its live parameter metadata, then replays the plans it is sent.
+A job is ``(version, plan blob, peer infos, SimNic options[, RankTransfer options])``;
+the answer is the rank's report, and with ``record_collectives`` in the options
+the pair (report, the collectives it issued in order).
 """
 
 from __future__ import annotations
@@ -85,18 +88,20 @@ def run_rank(rank: int, world: int, port: int, cfg_path: str, seed: int, ep: int
         params = dict(model.state_dict(keep_vars=True))
         barrier = StoreBarrier(store, rank=rank, ranks=range(world), timeout_s=120)
         while (job := conn.recv()) is not None:
-            version, blob, peers, opts = job
+            version, blob, peers, opts, *more = job
+            xfer = more[0] if more else {}
             with SimNic(owner=f"trainer{rank}", nic=f"trainer-nic{rank}", **opts) as nic:
                 for peer in peers:
                     nic.connect(peer)
                 transfer = RankTransfer(plan=loads_trainer_plan(blob), params=metas,
                                         get_param=params.__getitem__, transport=nic,
-                                        barrier=barrier)
+                                        barrier=barrier, **xfer)
                 try:
                     report = asyncio.run(transfer.run(version=version))
                 finally:
                     transfer.close()
-            conn.send(report)
+            conn.send((report, transfer.collectives) if xfer.get("record_collectives")
+                      else report)
     except BaseException as exc:
         conn.send(exc)
         raise

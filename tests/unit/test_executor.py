@@ -110,10 +110,12 @@ def test_watermark_peak_bounded_and_oversized_params_still_run():
         s.close()
 
 
-def test_capped_writes_overlap_with_later_prepares():
+@pytest.mark.parametrize("gather", [{"gather": "param"},
+                                    {"gather": "bucket", "bucket_bytes": 1 << 20}])
+def test_capped_writes_overlap_with_later_prepares(gather):
     s = Setup("tiny_llama", fp8=False, bandwidth_gbps=0.02)
     try:
-        rep = asyncio.run(s.transfer(0, watermark_bytes=64 << 20).run(version=1))
+        rep = asyncio.run(s.transfer(0, watermark_bytes=64 << 20, **gather).run(version=1))
         spans = {(sp.key, sp.stage): sp for sp in rep.spans}
         order = [sp.key for sp in rep.spans if sp.stage == "prepare"]
         overlapped = [
@@ -193,12 +195,14 @@ def test_every_task_records_a_write_span_inside_its_parameters_write_span():
     s = Setup("tiny_moe", fp8=True, bandwidth_gbps=0.5)
     try:
         tp = s.plan.trainer_plan(1)
-        rep = asyncio.run(s.transfer(1).run(version=1))
+        transfer = s.transfer(1)
+        rep = asyncio.run(transfer.run(version=1))
+        bucket_of = {m.name: b.key for bs in transfer.buckets for b in bs for m in b.params}
         by_id = {sp.key: sp for sp in rep.task_spans}
         assert sorted(by_id) == sorted(t.task_id for t in tp.tasks)
         param_write = {sp.key: sp for sp in rep.spans if sp.stage == "write"}
         for t in tp.tasks:
-            sp, outer = by_id[t.task_id], param_write[t.piece.src_param]
+            sp, outer = by_id[t.task_id], param_write[bucket_of[t.piece.src_param]]
             assert sp.nbytes == t.nbytes and sp.end >= sp.start
             assert outer.start <= sp.start and sp.end <= outer.end
         assert sum(sp.nbytes for sp in rep.task_spans) == rep.bytes_written

@@ -156,3 +156,54 @@ def test_tiny_model_plan_runs_near_its_bound():
     # coarse completion windows change the prediction by little
     assert coarse.seconds == pytest.approx(exact.seconds, rel=0.01)
     assert set(exact.per_nic_busy_seconds) == set(plan.send_nics) | set(plan.recv_nics)
+
+
+def stage_cluster(**sim):
+    c = sim_cluster()
+    return c.model_copy(update={"sim": c.sim.model_copy(update=sim)})
+
+
+@pytest.mark.parametrize(("groups", "sim", "seconds"), [
+    # a barrier between two groups: each takes its write, 1 s
+    (2, {}, 2.0),
+    # copies at 1 GB/s before each write: 1 + 1 per group
+    (2, {"copy_gbps": 1.0}, 4.0),
+    (1, {"copy_gbps": 2.0}, 1.5),
+    # a fixed 0.5 s per parameter before its write: 0.5 + 1 per group
+    (1, {"param_overhead_us": 5e5}, 1.5),
+    (2, {"param_overhead_us": 5e5}, 3.0),
+    # a fixed 0.25 s of sender CPU per write, on top of its 1 s of bytes
+    (1, {"write_overhead_us": 2.5e5}, 1.25),
+    # both, and a copy: 0.5 (param) + 0.5 (copy at 2 GB/s) + 1 + 0.25 (write)
+    (1, {"param_overhead_us": 5e5, "write_overhead_us": 2.5e5, "copy_gbps": 2.0}, 2.25),
+])
+def test_full_model_on_toy_plans(groups, sim, seconds):
+    rows = [(0, 0, GB, g) for g in range(groups)]
+    r = simulate(toy_plan(rows, 1, 1, groups=groups), stage_cluster(**sim), resolution=0)
+    assert r.seconds == pytest.approx(seconds)
+    assert r.seconds >= r.lower_bound_seconds
+    assert r.nic_seconds == pytest.approx(groups * 1.0)
+
+
+@pytest.mark.parametrize("nic_model", ["events", "bound"])
+def test_write_overhead_is_paid_per_write_and_param_overhead_per_parameter(nic_model):
+    # one parameter, four writes of 1/4 GB: 1 s of bytes + 4 x 0.1 s + 0.3 s once
+    rows = [(0, 0, GB // 4, 0)] * 4
+    cl = stage_cluster(write_overhead_us=1e5, param_overhead_us=3e5)
+    r = simulate(toy_plan(rows, 1, 1), cl, resolution=0, nic_model=nic_model)
+    assert r.seconds == pytest.approx(1.7)
+
+
+def test_nic_bound_is_a_lower_bound_of_the_full_prediction():
+    cfg = load_model_config(ROOT / "configs/models/tiny_moe.yaml")
+    cl = load_cluster_config(ROOT / "configs/clusters/local_cpu.yaml")
+    cl = cl.model_copy(update={"sim": cl.sim.model_copy(update={
+        "intra_node_gbps": 0.5, "gather_latency_us": 100, "copy_gbps": 1.0,
+        "fp8_quant_gbps": 0.2, "h2d_gbps": 2.0, "watermark_bytes": 1 << 20})})
+    plan = compute_plan(trainer_meta_from_config(cfg, cl),
+                        engine_metas_from_config(cfg, cl, fp8=True), cl, model=cfg, fp8=True)
+    for model in ("events", "bound"):
+        r = simulate(plan, cl, nic_model=model, record=True)
+        assert r.seconds >= r.barrier_lower_bound_seconds >= r.lower_bound_seconds * (1 - 1e-9)
+        assert set(r.stage_seconds) == {"h2d", "gather", "prepare", "write"}
+        assert (r.task_end >= r.task_start).all()

@@ -1,0 +1,244 @@
+"""The stages before and around the NIC, per trainer rank and parameter, as the executor runs them.
+
+``weight_transfer/executor.py`` runs, per mesh group and per rank, the rank's
+parameters in the plan's gather order through ``h2d -> prepare -> write``
+under a byte watermark, then a barrier over every rank. This module replays
+that with costs from the cluster's ``sim:`` section, one position of the
+gather order at a time, vectorized over ranks:
+
+1. **admit**: a parameter enters once the bytes held by the parameters before
+   it that are still in flight plus its own reserve (gathered tensor +
+   prepared pieces) fit under ``watermark_bytes`` (alone if it never fits);
+2. **h2d**: the rank's local shard to the device, ``(bytes / mesh size) /
+   h2d_gbps`` (one at a time);
+3. **prepare**: ``full_tensor()`` is a collective, so it starts when every
+   rank of the mesh is ready; a ring all-gather costs ``(n-1)/n * bytes / bw +
+   (n-1) * latency`` (``bw``: ``intra_node_gbps`` when the mesh sits in one
+   node, else the slower of that and ``inter_node_gbps``, default the NIC);
+   then the rank's own pieces are cut (``copy_gbps``) or FP8-quantized
+   (``fp8_quant_gbps`` of source bytes), each distinct piece once; every
+   parameter of the rank's order also pays ``param_overhead_us`` (the pipeline
+   item's Python cost and its gather call, even on one rank);
+4. **write**: the rank's NIC sends the parameter's writes after the previous
+   parameter's (FIFO), at the rate that makes the rank's whole group take
+   what the NIC model (:mod:`scheduling.simulate`) says the group's NICs
+   take, plus ``write_latency_us`` per write over ``max_inflight`` and
+   ``write_overhead_us`` per write (sender CPU time, which does not overlap);
+5. **barrier**: the group ends when its slowest rank's last write ends.
+
+The result per group: its seconds, and per stage the busy seconds of each rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from weight_transfer.types import Transform, dtype_size
+
+if TYPE_CHECKING:
+    from scheduling.cluster import ClusterConfig
+    from scheduling.plan import Plan
+
+STAGES = ("h2d", "gather", "prepare", "write")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupCosts:
+    """One mesh group: per (rank, position in its mesh's gather order) costs, padded."""
+
+    ranks: np.ndarray  # trainer ranks with parameters in this group
+    mesh: np.ndarray  # mesh index (0..M-1 within the group) of each of those ranks
+    h2d: np.ndarray  # [R, K] seconds
+    gather: np.ndarray  # [R, K] seconds (equal over a mesh)
+    prepare: np.ndarray  # [R, K] seconds, param_overhead_us included
+    write_bytes: np.ndarray  # [R, K]
+    write_count: np.ndarray  # [R, K] writes
+    reserve: np.ndarray  # [R, K] watermark bytes
+    tasks: tuple[np.ndarray, np.ndarray, np.ndarray]  # plan rows of the group, their (row, k)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTimes:
+    """Outcome of :func:`run_group`, seconds from the group's start."""
+
+    seconds: float
+    busy: dict[str, np.ndarray]  # stage -> [R] busy seconds per rank
+    write_start: np.ndarray  # [R, K]
+    write_end: np.ndarray  # [R, K]
+
+
+def _gbps(x: float | None) -> float:
+    return np.inf if x is None else x * 1e9
+
+
+def ring_allgather_seconds(nbytes: np.ndarray, n: int, bytes_per_s: float,
+                           latency_s: float) -> np.ndarray:
+    """Ring all-gather of ``nbytes`` (the whole tensor) over ``n`` ranks."""
+    if n <= 1:
+        return np.zeros_like(nbytes, dtype=np.float64)
+    return (n - 1) / n * nbytes / bytes_per_s + (n - 1) * latency_s
+
+
+def _mesh_link(plan: Plan, cluster: ClusterConfig, ranks: tuple[int, ...]) -> float:
+    sim = cluster.sim
+    nodes = {plan.trainer_ranks[r].node for r in ranks}
+    intra = _gbps(sim.intra_node_gbps)
+    if len(nodes) <= 1 or sim.intra_node_gbps is None:  # no link constants: gathers are free
+        return intra
+    inter = sim.inter_node_gbps * 1e9 if sim.inter_node_gbps else cluster.send_bytes_per_s
+    return min(intra, inter)
+
+
+def _param_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per parameter: (h2d seconds, gather seconds)."""
+    sim = cluster.sim
+    nbytes = np.array([p.nbytes for p in plan.params], dtype=np.float64)
+    mesh_n = np.array([len(p.mesh.ranks) for p in plan.params], dtype=np.float64)
+    sharded = np.array([any(pl.kind == "shard" for pl in p.placements) for p in plan.params])
+    h2d = np.where(sharded, nbytes / mesh_n, nbytes) / _gbps(sim.h2d_gbps)
+    gather = np.zeros(len(plan.params))
+    if sim.gathers:
+        links = {}
+        for i, p in enumerate(plan.params):
+            if not sharded[i] or len(p.mesh.ranks) <= 1:
+                continue
+            if p.mesh not in links:
+                links[p.mesh] = _mesh_link(plan, cluster, p.mesh.ranks)
+            gather[i] = ring_allgather_seconds(nbytes[i], len(p.mesh.ranks), links[p.mesh],
+                                               sim.gather_latency_us * 1e-6)
+    return h2d, gather
+
+
+def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per piece: (prepare seconds, trainer parameter index)."""
+    sim = cluster.sim
+    index = {p.name: i for i, p in enumerate(plan.params)}
+    src_size = [dtype_size(p.dtype) for p in plan.params]
+    quant, copy = _gbps(sim.fp8_quant_gbps), _gbps(sim.copy_gbps)
+    cost = np.zeros(len(plan.pieces))
+    param = np.zeros(len(plan.pieces), dtype=np.int64)
+    for k, pc in enumerate(plan.pieces):
+        i = index[pc.src_param]
+        param[k] = i
+        if pc.transform is Transform.FP8_WEIGHT:
+            cost[k] = pc.nbytes * src_size[i] / quant  # one fp8 byte per source element
+        elif pc.transform is Transform.COPY:
+            cost[k] = pc.nbytes / copy
+    return cost, param
+
+
+def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
+    """Per mesh group, the cost arrays :func:`run_group` replays."""
+    h2d_p, gather_p = _param_costs(plan, cluster)
+    piece_cost, piece_param = _piece_costs(plan, cluster)
+    param_bytes = np.array([p.nbytes for p in plan.params], dtype=np.float64)
+    nbytes = plan.task_nbytes().astype(np.float64)
+    task_param = piece_param[plan.task_piece]
+    src = plan.task_src.astype(np.int64)
+    n_tr = len(plan.trainer_ranks)
+    out = []
+    for g, order in enumerate(plan.group_params):
+        seqs = _sequences(plan, g, order, task_param[plan.task_group == g])
+        ranks = np.array(sorted(r for seq in seqs.values() for r in seq[0]), dtype=np.int64)
+        rank_row = np.full(n_tr, -1, dtype=np.int64)
+        rank_row[ranks] = np.arange(len(ranks))
+        k_max = max((len(s[1]) for s in seqs.values()), default=0)
+        pos = np.full(len(plan.params), -1, dtype=np.int64)  # position in its mesh's order
+        shape = (len(ranks), max(k_max, 1))
+        h2d, gather, reserve = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        fixed = np.zeros(shape)  # per-parameter fixed cost where the rank has a parameter
+        mesh = np.zeros(len(ranks), dtype=np.int64)
+        for m, (mranks, seq) in enumerate(seqs.values()):
+            rows = rank_row[list(mranks)]
+            mesh[rows] = m
+            pos[seq] = np.arange(len(seq))
+            h2d[rows[:, None], np.arange(len(seq))] = h2d_p[seq]
+            gather[rows[:, None], np.arange(len(seq))] = gather_p[seq]
+            reserve[rows[:, None], np.arange(len(seq))] = param_bytes[seq]
+            fixed[rows[:, None], np.arange(len(seq))] = cluster.sim.param_overhead_us * 1e-6
+        sel = np.flatnonzero(plan.task_group == g)
+        key = rank_row[src[sel]] * shape[1] + pos[task_param[sel]]
+        size = shape[0] * shape[1]
+        wbytes = np.bincount(key, nbytes[sel], minlength=size).reshape(shape)
+        wcount = np.bincount(key, minlength=size).reshape(shape).astype(np.float64)
+        # Each distinct piece a rank writes is prepared (and reserved) once.
+        pkey = np.unique(key * len(plan.pieces) + plan.task_piece[sel])
+        pkey_pos, pkey_piece = pkey // len(plan.pieces), pkey % len(plan.pieces)
+        prep = fixed + np.bincount(pkey_pos, piece_cost[pkey_piece], minlength=size).reshape(shape)
+        sizes = np.fromiter((plan.pieces[i].nbytes for i in pkey_piece), np.float64,
+                            count=len(pkey_piece))
+        reserve += np.bincount(pkey_pos, sizes, minlength=size).reshape(shape)
+        out.append(GroupCosts(ranks=ranks, mesh=mesh, h2d=h2d, gather=gather, prepare=prep,
+                              write_bytes=wbytes, write_count=wcount, reserve=reserve,
+                              tasks=(sel, key // shape[1], key % shape[1])))
+    return out
+
+
+def _sequences(plan: Plan, g: int, order, task_params: np.ndarray) -> dict:
+    """Mesh -> (its ranks, its parameters in gather order) for group ``g``.
+
+    Parameters written in the group but missing from ``order`` (hand-made plans)
+    follow, in order of first write, on the mesh of the parameter.
+    """
+    seen = set(order)
+    extra = [int(p) for p in dict.fromkeys(task_params.tolist()) if p not in seen]
+    seqs: dict[int, tuple[tuple[int, ...], list[int]]] = {}
+    for p in (*order, *extra):
+        m = plan.param_mesh[p]
+        seqs.setdefault(m, (plan.meshes[m].ranks, []))[1].append(p)
+    return {m: (r, np.asarray(s, dtype=np.int64)) for m, (r, s) in seqs.items()}
+
+
+def _admit_after(reserve: np.ndarray, watermark: float) -> np.ndarray:
+    """[R, K]: index of the parameter whose write must end before k enters (-1: none).
+
+    Parameters leave the watermark in order (writes are FIFO), so k waits for the
+    last j < k such that reserve[j+1..k] no longer fits with j still held.
+    """
+    cum = np.concatenate([np.zeros((reserve.shape[0], 1)), np.cumsum(reserve, axis=1)], axis=1)
+    dep = np.empty(reserve.shape, dtype=np.int64)
+    for r in range(reserve.shape[0]):
+        # smallest j with cum[k+1] - cum[j] <= watermark: params j..k fit together
+        j = np.searchsorted(cum[r], cum[r, 1:] - watermark, side="left")
+        j = np.minimum(j, np.arange(reserve.shape[1]))  # alone when it never fits
+        dep[r] = j - 1
+    return dep
+
+
+def run_group(c: GroupCosts, nic_seconds: np.ndarray, *, watermark: float,
+              write_overhead_s: float) -> StageTimes:
+    """Replay one group (see the module docstring); ``nic_seconds`` [R]: each rank's
+    NIC time for the group when nothing else limits it."""
+    n_r, n_k = c.write_bytes.shape
+    total = c.write_bytes.sum(axis=1)
+    rate = np.divide(total, nic_seconds, out=np.full(n_r, np.inf), where=nic_seconds > 0)
+    wtime = np.divide(c.write_bytes, rate[:, None]) + c.write_count * write_overhead_s
+    dep = _admit_after(c.reserve, watermark)
+    w_start, w_end = np.zeros((n_r, n_k)), np.zeros((n_r, n_k))
+    rows = np.arange(n_r)
+    admit = h2d_end = prep_end = nic_free = np.zeros(n_r)
+    n_mesh = int(c.mesh.max(initial=0)) + 1
+    for k in range(n_k):
+        d = dep[:, k]
+        released = np.where(d >= 0, w_end[rows, np.maximum(d, 0)], 0.0)
+        admit = np.maximum(admit, released)
+        h2d_end = np.maximum(h2d_end, admit) + c.h2d[:, k]
+        ready = np.maximum(prep_end, h2d_end)
+        mesh_ready = np.full(n_mesh, -np.inf)
+        np.maximum.at(mesh_ready, c.mesh, ready)
+        prep_end = mesh_ready[c.mesh] + c.gather[:, k] + c.prepare[:, k]
+        w_start[:, k] = np.maximum(prep_end, nic_free)
+        nic_free = w_end[:, k] = w_start[:, k] + wtime[:, k]
+    busy = {"h2d": c.h2d.sum(axis=1), "gather": c.gather.sum(axis=1),
+            "prepare": c.prepare.sum(axis=1), "write": wtime.sum(axis=1)}
+    seconds = float(w_end.max(initial=0.0)) if n_k else 0.0
+    seconds = max(seconds, float(prep_end.max(initial=0.0)))
+    return StageTimes(seconds=seconds, busy=busy, write_start=w_start, write_end=w_end)
+
+
+def task_positions(plan: Plan, g: int, c: GroupCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(plan rows of group ``g``, their rank row and gather position in ``c``)."""
+    return c.tasks

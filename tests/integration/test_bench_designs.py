@@ -1,0 +1,38 @@
+"""``wt bench designs`` end to end on tiny_llama: every design runs once on the demo's
+actors with NIC caps on, each verified byte for byte against the reference layout.
+
+Speed is never asserted (two shared cores); only that each design verified, that
+the JSON has its keys and that the numbers are real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from scripts.bench_designs import run
+from scripts.run_config import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_every_design_verified_on_tiny_llama(tmp_path):
+    out = tmp_path / "designs.json"
+    rc = run(config=ROOT / "configs/runs/demo.yaml", model=ROOT / "configs/models/tiny_llama.yaml",
+             nic_gbps=0.5, updates=1, designs="p2p,rank0,rpc,bucketed,rdt", bucket="1M",
+             caps_off=False, timeout_s=300.0, json_path=out, png=None)
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc
+    assert {"results", "lower_bound_s", "passes", "memcpy_gbps", "bytes"} <= set(doc)
+    assert set(doc["results"]) == {"p2p", "rank0", "rpc", "bucketed", "rdt"}
+    details = doc["passes"]["caps_on"]["results"]
+    for design in ("p2p", "rank0", "rpc", "bucketed"):
+        assert details[design]["ok"], details[design]
+        assert details[design]["problems"] == []
+        assert math.isfinite(doc["results"][design]) and doc["results"][design] > 0
+        assert details[design]["busiest_nic_bytes"] > 0
+    assert doc["results"]["rdt"] is None  # a probe's outcome, never a time
+    assert details["rdt"]["error"].startswith("not run as a design"), details["rdt"]
+    assert 0 < doc["lower_bound_s"] < doc["results"]["p2p"]

@@ -1,0 +1,218 @@
+"""Coalesced gathers: a bucket of FSDP2 parameters in one collective instead of one each.
+
+``DTensor.full_tensor()`` is one collective per parameter; over gloo between
+CPU processes each costs a round trip, and a model has hundreds of small
+parameters (norms, biases). This module groups a mesh group's parameters, in
+the plan's gather order, into buckets and gathers each bucket at once:
+
+1. :func:`plan_buckets` (pure, metadata only) cuts the gather order into runs
+   of consecutive parameters that share one 1-D mesh with placements
+   ``(Shard(0),)`` (FSDP2's) whose gather holds at most ``bucket_bytes`` of
+   temporary memory (:func:`reserve_bytes`; a parameter larger than that
+   alone is a bucket of one); any other
+   parameter (2-D EP x FSDP stacked experts, ``Replicate``, plain tensors) is a
+   bucket of its own that falls back to ``full_tensor()``. The buckets are a
+   function of the plan and the parameter metadata only, so every rank of a
+   mesh cuts the same buckets and issues the same collectives in the same order
+   (``bucket_bytes`` must be the same on every rank).
+2. :func:`gather_bucket` (a collective) pads each local shard to
+   ``ceil(dim0 / world)`` rows (FSDP2 shards dim 0 as ``torch.chunk`` does, the
+   last ranks hold fewer or no rows), concatenates their bytes, runs one
+   ``all_gather_into_tensor`` (NCCL) or ``all_gather`` into views of one buffer
+   (gloo), and cuts each full tensor out of the rank-major result: the first
+   ``dim0`` rows of the per-rank padded chunks, in rank order.
+
+Memory: :func:`reserve_bytes` is what a bucket holds at its peak, for the
+watermark: the padded local input, the ``world x`` padded gather buffer and the
+full tensors cut from it (per-parameter buckets: the full tensor only, as
+before)::
+
+    buckets = plan_buckets(group_params, mode="bucket", bucket_bytes=64 << 20)
+    for b in buckets:
+        fulls = gather_bucket(b, [params[m.name] for m in b.params], record=log)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weight_transfer.types import ParamMeta, Placement
+
+GATHER_MODES = ("param", "bucket")
+DEFAULT_BUCKET_BYTES = 64 << 20
+_SHARD0 = (Placement(kind="shard", dim=0),)
+_ALIGN = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatherBucket:
+    """Consecutive parameters of one mesh gathered together (``coalesced``) or one alone."""
+
+    params: tuple[ParamMeta, ...]
+    coalesced: bool
+
+    @property
+    def key(self) -> str:
+        """The label of the bucket's spans: the parameter's name, or the first and a count."""
+        first = self.params[0].name
+        return first if len(self.params) == 1 else f"{first} (+{len(self.params) - 1})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+
+def coalescible(meta: ParamMeta) -> bool:
+    """Whether the metadata says FSDP2's layout: ``Shard(0)`` on a 1-D mesh of a tensor."""
+    return len(meta.mesh.shape) == 1 and meta.placements == _SHARD0 and len(meta.shape) >= 1
+
+
+def plan_buckets(params: Sequence[ParamMeta], *, mode: str = "bucket",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[GatherBucket]:
+    """Buckets in gather order (see the module docstring); ``mode="param"``: one per parameter."""
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode must be one of {GATHER_MODES}, not {mode!r}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    out: list[GatherBucket] = []
+    run: list[ParamMeta] = []
+
+    def close() -> None:
+        if run:
+            out.append(GatherBucket(params=tuple(run), coalesced=True))
+            run.clear()
+
+    for meta in params:
+        if mode == "param" or not coalescible(meta):
+            close()
+            out.append(GatherBucket(params=(meta,), coalesced=False))
+            continue
+        if run and (run[0].mesh != meta.mesh
+                    or _reserve([*run, meta], coalesced=True) > bucket_bytes):
+            close()
+        run.append(meta)
+    close()
+    return out
+
+
+def shard_rows(n: int, world: int, rank: int) -> int:
+    """Rows of dim 0 that ``rank`` holds when ``n`` rows are chunked over ``world`` ranks."""
+    chunk = -(-n // world)
+    return max(0, min(chunk, n - rank * chunk))
+
+
+def _padded_bytes(meta: ParamMeta, world: int) -> int:
+    rows = meta.shape[0]
+    return -(-rows // world) * (meta.nbytes // rows) if rows else 0
+
+
+def reserve_bytes(bucket: GatherBucket) -> int:
+    """Peak temporary bytes of gathering ``bucket`` (without the prepared pieces)."""
+    return _reserve(bucket.params, coalesced=bucket.coalesced)
+
+
+def _reserve(params: Sequence[ParamMeta], *, coalesced: bool) -> int:
+    full = sum(p.nbytes for p in params)
+    if not coalesced:
+        return full
+    world = params[0].mesh.shape[0]
+    padded = sum(_padded_bytes(m, world) + _ALIGN for m in params)
+    return padded * (world + 1) + full
+
+
+def full_tensor(local: Any) -> torch.Tensor:
+    """The whole parameter: ``DTensor.full_tensor()`` (a collective) or the tensor itself."""
+    gather = getattr(local, "full_tensor", None)
+    return gather() if gather is not None else local
+
+
+Recorder = Callable[[tuple], None]
+
+
+def gather_bucket(bucket: GatherBucket, locals_: Sequence[Any], *,
+                  record: Recorder | None = None) -> list[torch.Tensor]:
+    """The full tensors of ``bucket``'s parameters (a collective on every rank of its mesh).
+
+    ``locals_`` are the rank's parameters in bucket order (DTensors, or plain full
+    tensors, which need no collective). ``record`` is called with one tuple per
+    collective issued: ``("all_gather", names, nbytes)`` or ``("full_tensor", name)``.
+    """
+    if len(locals_) != len(bucket.params):
+        raise ValueError(f"bucket {bucket.key!r}: {len(bucket.params)} parameters but "
+                         f"{len(locals_)} local tensors")
+    out: list[Any] = list(locals_)
+    live = [i for i, x in enumerate(locals_) if hasattr(x, "full_tensor")]
+    fast = [i for i in live
+            if bucket.coalesced and _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
+    if len(fast) > 1:
+        for i, full in zip(fast, _all_gather([locals_[i] for i in fast],
+                                             [bucket.params[i] for i in fast], record),
+                           strict=True):
+            out[i] = full
+    else:
+        fast = []
+    for i in live:
+        if i not in fast:
+            if record is not None:
+                record(("full_tensor", bucket.params[i].name))
+            out[i] = locals_[i].full_tensor()
+    for m, full in zip(bucket.params, out, strict=True):
+        if tuple(full.shape) != m.shape:
+            raise ValueError(f"parameter {m.name!r} gathered as {tuple(full.shape)}, "
+                             f"metadata says {m.shape}")
+    return out
+
+
+def _is_dtensor(x: Any) -> bool:
+    return hasattr(x, "full_tensor") and hasattr(x, "to_local") and hasattr(x, "device_mesh")
+
+
+def _live_shard0(x: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return (x.device_mesh.ndim == 1 and tuple(x.placements) == (Shard(0),)
+            and x.dim() >= 1 and x.shape[0] > 0)
+
+
+def _all_gather(dts: Sequence[Any], metas: Sequence[ParamMeta],
+                record: Recorder | None) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    mesh = dts[0].device_mesh
+    if any(d.device_mesh != mesh for d in dts):
+        raise ValueError(f"bucket of {metas[0].name!r}: parameters on different meshes")
+    group, world, rank = mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)
+    layout = []  # (offset, padded bytes, bytes per row) per parameter
+    total = 0
+    for d in dts:
+        row = d.numel() * d.element_size() // d.shape[0]
+        chunk = -(-d.shape[0] // world) * row
+        layout.append((total, chunk, row))
+        total += -(-chunk // _ALIGN) * _ALIGN  # every dtype's view starts aligned
+    device = dts[0].to_local().device
+    inp = torch.zeros(total, dtype=torch.uint8, device=device)
+    for d, m, (off, _, row) in zip(dts, metas, layout, strict=True):
+        local = d.to_local()
+        want = shard_rows(d.shape[0], world, rank)
+        if local.shape[0] != want:
+            raise ValueError(f"rank {rank} of the mesh: parameter {m.name!r} holds "
+                             f"{local.shape[0]} rows of dim 0, chunking {d.shape[0]} rows "
+                             f"over {world} ranks gives {want}")
+        inp[off : off + want * row] = local.contiguous().reshape(-1).view(torch.uint8)
+    buf = torch.empty(world * total, dtype=torch.uint8, device=device)
+    if record is not None:
+        record(("all_gather", tuple(m.name for m in metas), total))
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(buf, inp, group=group)
+    else:
+        dist.all_gather(list(buf.view(world, total).unbind(0)), inp, group=group)
+    rows = buf.view(world, total)
+    fulls = []
+    for d, (off, chunk, row) in zip(dts, layout, strict=True):
+        flat = rows[:, off : off + chunk].reshape(-1)[: d.shape[0] * row]
+        fulls.append(flat.view(d.dtype).view(tuple(d.shape)))
+    return fulls
