@@ -51,11 +51,11 @@ def test_wt_demo_over_mooncake_is_byte_exact_and_generates_the_trainers_tokens(
     kinds = []
     real = demo.run_cycles
 
-    def spy(fleet, console, after_update=None):
+    def spy(fleet, console, after_update=None, **kwargs):
         def hook(fleet, version):
             actors = [*fleet.trainers, *(a for r in fleet.replicas.values() for a in r)]
             kinds.append(ray.get([a.wt_transport.remote() for a in actors]))
-        return real(fleet, console, hook)
+        return real(fleet, console, hook, **kwargs)
 
     monkeypatch.setattr(demo, "run_cycles", spy)
     out = tmp_path / "demo.json"
