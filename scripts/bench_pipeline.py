@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scripts.progress import command_console, emit_json, json_to_stdout, steps
 from scripts.sizes import parse_size
-from testkit.harness import RemoteTarget
+from testkit.harness import start_engine_targets
 from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import RankTransfer
 from weight_transfer.models import load_model_config
@@ -103,13 +102,7 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float, watermark: 
         step = stack.enter_context(steps(console, "pipeline benchmark", 4,
                                          quiet=json_to_stdout(json_path)))
         step("start engine processes")
-        targets = [stack.enter_context(RemoteTarget(
-            nbytes=n, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
-            transport_opts={"nic": e.tensors[0].region.nic})) for e, n in zip(layout, lengths,
-                                                                            strict=True)]
-        engines = [dataclasses.replace(e, tensors=tuple(
-            dataclasses.replace(t, region=tg.region) for t in e.tensors))
-            for e, tg in zip(layout, targets, strict=True)]
+        targets, engines = start_engine_targets(stack, layout)
         step("plan and reference digests")
         plan = compute_plan(trainer_meta, engines, cluster, model=cfg, fp8=fp8)
         plan.validate()

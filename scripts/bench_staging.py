@@ -42,7 +42,7 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scripts.bench_pipeline import expected_digests
 from scripts.sizes import parse_size
-from testkit.harness import RemoteTarget
+from testkit.harness import start_engine_targets
 from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import RankTransfer
 from weight_transfer.models import load_model_config
@@ -117,13 +117,7 @@ def run(model: Path, cluster_path: Path, fp8: bool, nic_gbps: float | None, wate
     states = [random_state_dict(cfg, seed=v) for v in range(1, updates + 1)]
     results: dict[str, ModeResult] = {}
     with contextlib.ExitStack() as stack:
-        targets = [stack.enter_context(RemoteTarget(
-            nbytes=n, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
-            transport_opts={"nic": e.tensors[0].region.nic}))
-            for e, n in zip(layout, lengths, strict=True)]
-        engines = [dataclasses.replace(e, tensors=tuple(
-            dataclasses.replace(t, region=tg.region) for t in e.tensors))
-            for e, tg in zip(layout, targets, strict=True)]
+        targets, engines = start_engine_targets(stack, layout)
         plan = compute_plan(meta, engines, cluster, model=cfg, fp8=fp8)
         plan.validate()
         want = expected_digests(cfg, states[-1], engines, lengths, fp8)

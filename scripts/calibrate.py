@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import threading
@@ -219,7 +218,7 @@ def _bench_setup(root: Path, cluster_path: Path, model: str, fp8: bool):
     from reference.random_state import random_state_dict
     from scheduling import compute_plan
     from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-    from testkit.harness import RemoteTarget
+    from testkit.harness import start_engine_targets
     from weight_transfer.models import load_model_config
 
     cfg = load_model_config(root / "configs" / "models" / f"{model}.yaml")
@@ -227,15 +226,8 @@ def _bench_setup(root: Path, cluster_path: Path, model: str, fp8: bool):
     state = random_state_dict(cfg, seed=0)
     tm = trainer_meta_from_config(cfg, cluster)
     layout = engine_metas_from_config(cfg, cluster, fp8=fp8)
-    lengths = [e.tensors[0].region.length for e in layout]
     with contextlib.ExitStack() as stack:
-        targets = [stack.enter_context(RemoteTarget(
-            nbytes=n, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
-            transport_opts={"nic": e.tensors[0].region.nic}))
-            for e, n in zip(layout, lengths, strict=True)]
-        engines = [dataclasses.replace(e, tensors=tuple(
-            dataclasses.replace(t, region=tg.region) for t in e.tensors))
-            for e, tg in zip(layout, targets, strict=True)]
+        targets, engines = start_engine_targets(stack, layout)
         yield compute_plan(tm, engines, cluster, model=cfg, fp8=fp8), tm, state, targets
 
 

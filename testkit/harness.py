@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_transfer.transport import _vm
-from weight_transfer.types import PeerInfo, RegionDesc
+from weight_transfer.types import EngineRankMeta, PeerInfo, RegionDesc
 
 GUARD_BYTE = 0xA5
 _READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())
@@ -353,3 +354,19 @@ class RemoteTarget:
         except OSError:
             return False
         return call[0] == str(_READ_SYSCALL) and int(call[1], 16) == fd
+
+
+def start_engine_targets(
+    stack: contextlib.ExitStack, layout: list[EngineRankMeta]
+) -> tuple[list[RemoteTarget], list[EngineRankMeta]]:
+    """One :class:`RemoteTarget` (simnic) per engine rank of a synthetic layout
+    (``scheduling.config_metadata.engine_metas_from_config``), each as large as the rank's
+    region and entered on ``stack``; returns the targets and the engine metadata re-pointed
+    at the targets' live regions, ready to plan against."""
+    targets = [stack.enter_context(RemoteTarget(
+        nbytes=e.tensors[0].region.length, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
+        transport_opts={"nic": e.tensors[0].region.nic})) for e in layout]
+    engines = [dataclasses.replace(e, tensors=tuple(
+        dataclasses.replace(t, region=tg.region) for t in e.tensors))
+        for e, tg in zip(layout, targets, strict=True)]
+    return targets, engines
