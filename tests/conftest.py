@@ -9,8 +9,7 @@ Tiers, chosen with markers (declared in pyproject.toml)::
 - ``slow``: starts Ray, spawns a process that imports the project (torch, Ray),
   or takes more than a few seconds. :func:`pytest_collection_modifyitems` puts
   ``integration`` and ``slow`` on everything under ``tests/integration/`` and
-  ``slow`` on the unit tests in ``SLOW_UNIT_TESTS``; others carry
-  ``@pytest.mark.slow`` themselves.
+  slow unit tests carry ``@pytest.mark.slow`` (or ``pytestmark``) themselves.
 - ``pyverbs``: needs pyverbs importable (no device); skipped with
   "pyverbs not importable: <why>".
 - ``rdma``: needs an RDMA device (``WT_RDMA_DEVICE`` names one, default the
@@ -43,17 +42,6 @@ INTEGRATION_DIR = Path(__file__).parent / "integration"
 # Unit tests that take more than a few seconds of CPU on the 2-core machines, or
 # start a fresh interpreter that imports torch or Ray: node ids without their
 # parameters, or whole modules.
-SLOW_UNIT_TESTS = frozenset({
-    "tests/unit/test_plan_exec.py::test_random_models_meshes_and_degrees_land_reference_bytes",
-    "tests/unit/test_layout_properties.py::test_assembled_pieces_equal_the_reference_loader",
-    "tests/unit/test_layout.py::test_kimi_k2_layout_at_scale",
-    "tests/unit/test_engine_reference.py::test_bytes_written_into_the_buffer_are_the_weights_used",
-    "tests/unit/test_engine_reference.py::test_bf16_logits_and_tokens_equal_the_hf_model",
-    "tests/unit/test_engine_hf_model.py::test_greedy_generate_is_argmax_of_float32_logits",
-    "tests/unit/test_mixtral.py::test_per_expert_names_are_the_checkpoint_transformers_saves",
-    "tests/unit/test_mixtral.py::test_plan_lands_reference_bytes",
-    "tests/unit/test_actors_imports.py",  # every test starts a fresh interpreter
-})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects on the markers added here
@@ -61,8 +49,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(INTEGRATION_DIR):
             item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.slow)
-        elif {item.nodeid.split("[")[0], item.nodeid.split("::")[0]} & SLOW_UNIT_TESTS:
             item.add_marker(pytest.mark.slow)
 
 

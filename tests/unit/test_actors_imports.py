@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test starts a fresh interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -79,6 +79,7 @@ def test_unsupported_architecture_and_rope_are_refused():
         hf_config(yarn)
 
 
+@pytest.mark.slow
 def test_greedy_generate_is_argmax_of_float32_logits():
     cfg = cfg_of("tiny_llama")
     model = build_hf_model(cfg, seed=2)

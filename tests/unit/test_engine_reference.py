@@ -58,6 +58,7 @@ def arch(request):
     return cfg, build_hf_model(cfg, seed=1)
 
 
+@pytest.mark.slow
 def test_bf16_logits_and_tokens_equal_the_hf_model(arch):
     cfg, model = arch
     engine = engine_for(cfg, model)
@@ -122,6 +123,7 @@ def test_slot_layout_refuses_duplicates():
         slot_layout([*specs, next(s for s in specs if s.name == "model.norm.weight")])
 
 
+@pytest.mark.slow
 def test_bytes_written_into_the_buffer_are_the_weights_used():
     """A weight update is a raw write into the buffer: the next step computes with it."""
     cfg = cfg_of("tiny_moe")

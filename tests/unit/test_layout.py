@@ -280,6 +280,7 @@ def test_split_3d_experts_by_expert_first():
     assert [p.dst_offset for p in parts] == [0, 3 * 512 * 256, 6 * 512 * 256]
 
 
+@pytest.mark.slow
 def test_kimi_k2_layout_at_scale():
     c = cfg("kimi_k2")
     engine_pieces(c, shard(0, 16, 0, 16), fp8=True)  # warm the per-config caches

@@ -86,6 +86,7 @@ def assemble(cfg, state, shard, fp8, naming, max_bytes):
 
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(setups())
 def test_assembled_pieces_equal_the_reference_loader(setup):
     cfg, shard, fp8, naming, max_bytes = setup

@@ -57,6 +57,7 @@ def test_stacked_names_are_the_transformers_model(model):
     assert shapes("stacked")[L0 + "mlp.gate.weight"] == (4, 256)
 
 
+@pytest.mark.slow
 def test_per_expert_names_are_the_checkpoint_transformers_saves(model, tmp_path):
     model.save_pretrained(tmp_path)
     ckpt = load_file(tmp_path / "model.safetensors")
@@ -138,6 +139,7 @@ def cluster(*, tp: int, iep: int, fp8: bool, ep: int = 2):
         (2, 2, True, "stacked"),
     ],
 )
+@pytest.mark.slow
 def test_plan_lands_reference_bytes(tp, iep, fp8, naming):
     cl = cluster(tp=tp, iep=iep, fp8=fp8)
     tm = trainer_meta_from_config(CFG, cl, expert_naming=naming)

@@ -146,6 +146,7 @@ def random_setup(draw):
 
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(random_setup())
 def test_random_models_meshes_and_degrees_land_reference_bytes(setup):
     base, changes, shape, naming, plan_kw, seed = setup
