@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from weight_transfer.transport._vm import alloc_buffer
+from weight_transfer.watermark import BLOCKED, serve_fifo
 
 log = logging.getLogger(__name__)
 
@@ -193,16 +194,11 @@ class StagingArena:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters:
-            nbytes, fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            start = self.ring.alloc(nbytes)
-            if start is None:
-                return
-            self._waiters.popleft()
-            fut.set_result(start)
+        serve_fifo(self._waiters, self._try_alloc)
+
+    def _try_alloc(self, nbytes: int) -> object:
+        start = self.ring.alloc(nbytes)
+        return BLOCKED if start is None else start
 
     def reset(self) -> None:
         """Forget every lease (after a failed run whose leases were never released)."""

@@ -20,6 +20,24 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+BLOCKED = object()  # what a grant function returns when the head of the queue must wait
+
+
+def serve_fifo(waiters: collections.deque, try_grant: Callable[[int], object]) -> None:
+    """Grant queued ``(nbytes, future)`` requests in arrival order, skipping cancelled
+    ones, while ``try_grant(nbytes)`` admits the head; its result becomes the future's
+    value. Stops at the first request that gets :data:`BLOCKED` (strict FIFO: no overtaking).
+    Shared by the watermark and the staging arena."""
+    while waiters:
+        nbytes, fut = waiters[0]
+        if fut.done():
+            waiters.popleft()
+            continue
+        result = try_grant(nbytes)
+        if result is BLOCKED:
+            return
+        waiters.popleft()
+        fut.set_result(result)
 
 class ByteWatermark:
     """FIFO byte budget; see the module docstring."""
@@ -75,16 +93,13 @@ class ByteWatermark:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters:
-            nbytes, fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            if not self._fits(nbytes):
-                return
-            self._waiters.popleft()
-            self._grant(nbytes)
-            fut.set_result(None)
+        serve_fifo(self._waiters, self._try_grant)
+
+    def _try_grant(self, nbytes: int) -> object:
+        if not self._fits(nbytes):
+            return BLOCKED
+        self._grant(nbytes)
+        return None
 
     @contextlib.asynccontextmanager
     async def reserve(self, nbytes: int) -> AsyncIterator[None]:
