@@ -80,7 +80,7 @@ from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
 from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
-from weight_transfer.types import ParamMeta, WriteTask
+from weight_transfer.types import ParamMeta, Piece, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
@@ -96,13 +96,43 @@ class ParamWork:
     prepared: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class BucketLayout:
+    """What a bucket needs on this rank, derived once from the static plan: its parameters
+    with their tasks, each distinct piece's offset in the bucket's staging lease, the lease
+    size, the watermark reservation and the bytes it writes."""
+
+    bucket: GatherBucket
+    params: tuple[tuple[ParamMeta, tuple[WriteTask, ...]], ...]
+    slots: dict[Piece, int]
+    staged: int
+    reserve: int
+    nbytes: int
+
+
+def bucket_layout(group: GroupWork, bucket: GatherBucket) -> BucketLayout:
+    params = tuple((m, tuple(group.tasks.get(m.name, []))) for m in bucket.params)
+    tasks = [t for _, ts in params for t in ts]
+    # A piece sent to several replicas is prepared once: it has one slot, reserved once.
+    unique = list(dict.fromkeys(t.piece for t in tasks))
+    offsets, staged = piece_slots([q.nbytes for q in unique])
+    return BucketLayout(
+        bucket=bucket, params=params, slots=dict(zip(unique, offsets, strict=True)),
+        staged=staged, reserve=reserve_bytes(bucket) + sum(q.nbytes for q in unique),
+        nbytes=sum(t.nbytes for t in tasks))
+
+
 @dataclass(slots=True)
 class BucketWork:
     """One gather bucket (one parameter, or several gathered at once) on this rank."""
 
-    bucket: GatherBucket
+    layout: BucketLayout
     params: list[ParamWork]
     lease: Lease | None = None  # its pieces' range of the staging arena
+
+    @property
+    def bucket(self) -> GatherBucket:
+        return self.layout.bucket
 
     @property
     def tasks(self) -> list[WriteTask]:
@@ -199,6 +229,9 @@ class RankTransfer:
         self.bucket_bytes = max(1, min(bucket_bytes, watermark_bytes // 4))
         self.buckets = [plan_buckets(g.params, mode=gather, bucket_bytes=self.bucket_bytes)
                         for g in self.groups]
+        self.layouts = [[bucket_layout(g, b) for b in bs]
+                        for g, bs in zip(self.groups, self.buckets, strict=True)]
+        self.bytes_planned = sum(lay.nbytes for group in self.layouts for lay in group)
         self.gather = gather
         # Every collective this rank issued in the last run, in order (tests of the contract).
         self.collectives: list[tuple] | None = [] if record_collectives else None
@@ -223,8 +256,7 @@ class RankTransfer:
 
     def _make_arena(self) -> StagingArena | None:
         """The staging arena of this rank (None when the rank writes nothing)."""
-        need = max((sum(staged_bytes(self._bucket_tasks(g, b)) for b in bs)
-                    for g, bs in zip(self.groups, self.buckets, strict=True)), default=0)
+        need = max((sum(lay.staged for lay in group) for group in self.layouts), default=0)
         capacity = min(self.watermark_bytes, need)
         if capacity <= 0:
             return None
@@ -235,25 +267,18 @@ class RankTransfer:
                             label=f"rank {self.rank} staging")
 
     @staticmethod
-    def _bucket_tasks(group: GroupWork, bucket: GatherBucket) -> list[WriteTask]:
-        return [t for m in bucket.params for t in group.tasks.get(m.name, [])]
-
-    def _items(self, group: GroupWork, buckets: list[GatherBucket]) -> list[PipelineItem]:
-        items = []
-        for bucket in buckets:
-            params = [ParamWork(meta=m, tasks=group.tasks.get(m.name, [])) for m in bucket.params]
-            tasks = [t for p in params for t in p.tasks]
-            # A piece sent to several replicas is prepared once: reserve each piece once.
-            prepared_bytes = sum(p.nbytes for p in {t.piece: None for t in tasks})
-            items.append(
-                PipelineItem(
-                    key=bucket.key,
-                    reserve_bytes=reserve_bytes(bucket) + prepared_bytes,
-                    payload=BucketWork(bucket=bucket, params=params),
-                    nbytes=sum(t.nbytes for t in tasks),
-                )
+    def _items(layouts: list[BucketLayout]) -> list[PipelineItem]:
+        """Fresh per-update work for each bucket of a group (the layouts are static)."""
+        return [
+            PipelineItem(
+                key=lay.bucket.key,
+                reserve_bytes=lay.reserve,
+                payload=BucketWork(layout=lay, params=[ParamWork(meta=m, tasks=list(ts))
+                                                       for m, ts in lay.params]),
+                nbytes=lay.nbytes,
             )
-        return items
+            for lay in layouts
+        ]
 
     async def _h2d(self, work: BucketWork) -> BucketWork:
         for p in work.params:
@@ -266,12 +291,7 @@ class RankTransfer:
     def _gather_and_prepare(self, work: BucketWork) -> BucketWork:
         record = None if self.collectives is None else self.collectives.append
         fulls = gather_bucket(work.bucket, [p.local for p in work.params], record=record)
-        # Each distinct piece of the bucket gets its own slot of the bucket's lease.
-        unique = list(dict.fromkeys(t.piece for t in work.tasks))
-        slot = {}
-        if work.lease is not None:
-            offsets, _ = piece_slots([p.nbytes for p in unique])
-            slot = dict(zip(unique, offsets, strict=True))
+        slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
         on_cuda = False
         for p, full in zip(work.params, fulls, strict=True):
             p.local = None
@@ -293,7 +313,7 @@ class RankTransfer:
 
     async def _prepare(self, work: BucketWork) -> BucketWork:
         if self.arena is not None:  # FIFO: this stage takes one bucket at a time, in order
-            work.lease = await self.arena.acquire(staged_bytes(work.tasks))
+            work.lease = await self.arena.acquire(work.layout.staged)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
@@ -349,22 +369,21 @@ class RankTransfer:
         barrier_s = 0.0
         if self.collectives is not None:
             self.collectives.clear()
-        for group, buckets in zip(self.groups, self.buckets, strict=True):
+        for group, layouts in zip(self.groups, self.layouts, strict=True):
             pipe = Pipeline(self._stages(), watermark=wm)
-            await pipe.run(self._items(group, buckets))
+            await pipe.run(self._items(layouts))
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 t0 = time.perf_counter()
                 barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
                 barriers.append(Span(key=group.group, stage="barrier", start=t0,
                                      end=time.perf_counter(), nbytes=0))
-        planned = sum(t.nbytes for g in self.groups for ts in g.tasks.values() for t in ts)
         report = TransferReport(
             rank=self.rank,
             version=version,
             seconds=time.perf_counter() - start,
             bytes_written=sum(sp.nbytes for sp in self._task_spans),
-            bytes_planned=planned,
+            bytes_planned=self.bytes_planned,
             writes=len(self._task_spans),
             params_gathered=sum(len(g.params) for g in self.groups),
             barrier_seconds=barrier_s,
@@ -388,11 +407,6 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-
-
-def staged_bytes(tasks: Sequence[WriteTask]) -> int:
-    """Arena bytes of one parameter: each distinct piece once, at aligned offsets."""
-    return piece_slots([p.nbytes for p in dict.fromkeys(t.piece for t in tasks)])[1]
 
 
 def to_device(local: Any, device: torch.device) -> Any:
