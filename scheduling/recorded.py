@@ -1,0 +1,92 @@
+"""Pieces recorded from the engine itself (vLLM's ``load_weights``), checked against the
+trainer and cross-checked against our rule tables.
+
+An engine rank whose :class:`~weight_transfer.types.EngineRankMeta` carries
+``pieces`` brings its own layout, in its checkpoint's names. Here they are
+renamed onto the trainer's parameters (:mod:`weight_transfer.checkpoint_names`:
+stacked transformers-5 experts) and checked both ways, listing every problem
+at once: a trainer parameter the engine consumes none of, a checkpoint tensor
+the engine consumes that no trainer parameter holds (naming the engine tensor
+it fills), an engine tensor no piece fills::
+
+    pieces_by_shard = recorded_pieces(trainer_meta, engine_metas)
+    table_differences(cfg, shard, pieces_by_shard[shard], expert_naming="stacked")  # [] if
+                                                                    # our tables agree
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+
+from weight_transfer.checkpoint_names import to_trainer_pieces
+from weight_transfer.naming import canonical_trainer_name, matches
+from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TrainerMeta, dtype_size
+
+log = logging.getLogger(__name__)
+
+
+def has_recorded(engines: Sequence[EngineRankMeta]) -> bool:
+    """True when every engine rank brings its own layout; ValueError when only some do."""
+    flags = {e.pieces is not None for e in engines}
+    if len(flags) > 1:
+        raise ValueError("some engine ranks bring a recorded layout and some do not: "
+                         + ", ".join(f"{e.replica}/tp{e.rank}" for e in engines
+                                     if e.pieces is None))
+    return flags == {True}
+
+
+def _shard_problems(e: EngineRankMeta, pieces: list[Piece], missing: list[str],
+                    raw: Iterable[Piece]) -> list[str]:
+    where = f"{e.replica} rank {e.rank}"
+    fills = {}
+    for p in raw:
+        fills.setdefault(p.src_param, p.dst_tensor)
+    out = [f"{where}: engine tensor {fills[n]} is filled from checkpoint tensor {n}, which no "
+           "trainer parameter holds" for n in missing]
+    written = {p.dst_tensor for p in pieces}
+    out += [f"{where}: engine tensor {t.name} has no source" for t in e.tensors
+            if t.name not in written and not missing]
+    return out
+
+
+def recorded_pieces(trainer_meta: TrainerMeta, engines: Sequence[EngineRankMeta], *,
+                    ignore: Iterable[str] = ()) -> dict[ShardSpec, list[Piece]]:
+    """Each distinct shard's recorded pieces, on the trainer's own parameter names."""
+    patterns = tuple(ignore)
+    actual = {canonical_trainer_name(p.name): p.name for p in trainer_meta.params}
+    shapes = {canonical_trainer_name(p.name): tuple(p.shape) for p in trainer_meta.params}
+    out: dict[ShardSpec, list[Piece]] = {}
+    problems: list[str] = []
+    for e in engines:
+        if e.shard in out:
+            continue
+        pieces, missing = to_trainer_pieces(e.pieces, shapes)
+        problems += _shard_problems(e, pieces, missing, e.pieces)
+        out[e.shard] = [p if actual[p.src_param] == p.src_param
+                        else dataclasses.replace(p, src_param=actual[p.src_param])
+                        for p in pieces]
+    used = {canonical_trainer_name(p.src_param) for ps in out.values() for p in ps}
+    problems += [f"trainer parameter {actual[n]}: the engine consumes none of it"
+                 for n in shapes if n not in used and not matches(n, patterns)]
+    if problems:
+        raise ValueError(f"trainer parameters and engine tensors unmatched ({len(problems)}):"
+                         "\n  " + "\n  ".join(problems[:50]))
+    return out
+
+
+def _key(p: Piece) -> tuple:
+    return (p.dst_tensor, p.dst_offset // dtype_size(p.dst_dtype), p.src_param, p.src_slice)
+
+
+def table_differences(cfg, shard: ShardSpec, pieces: Sequence[Piece], *,
+                      expert_naming: str) -> list[str]:
+    """Recorded pieces against the pieces our rule tables give for ``cfg`` (elements, not
+    bytes: the engine may compute in another dtype); one line per difference."""
+    from weight_transfer.engine_layout import engine_pieces
+
+    table = {_key(p) for p in engine_pieces(cfg, shard, fp8=False, expert_naming=expert_naming)}
+    got = {_key(p) for p in pieces}
+    return ([f"only recorded: {k}" for k in sorted(got - table)][:20]
+            + [f"only in our tables: {k}" for k in sorted(table - got)][:20])
