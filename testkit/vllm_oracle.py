@@ -24,9 +24,6 @@ from typing import Any
 
 import torch
 
-ENGINE_KW = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
-                 kv_cache_memory_bytes=32 << 20)
-
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here (None when it can)."""
@@ -57,13 +54,14 @@ def start_llm(path: str | Path, *, tp: int = 1, dtype: str = "float32", **kw: An
     from vllm.config import WeightTransferConfig
 
     from weight_transfer.engines.vllm import BACKEND_NAME
+    from weight_transfer.engines.vllm.driver import SMALL_ENGINE
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     return LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp,
                weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-               **{**ENGINE_KW, **kw})
+               **{**SMALL_ENGINE, **kw})
 
 
 def registered_tensors(worker) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def engine(tmp_path_factory):
     new_model, new_path = save_checkpoint(MOE, seed=2, root=root)
     llm = start_llm(first)
     link = VllmLink(llm)
-    metas = link.setup(SetupRequest(replica="engine0", nics=(ENIC,),
+    metas = link.setup(SetupRequest(replica="engine0", nics=((ENIC,),),
                                     transport=DEFAULT_TRANSPORT))
     yield link, metas[0], new_model, new_path
     link.close()

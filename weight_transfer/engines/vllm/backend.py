@@ -115,9 +115,10 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._spec, self.replica = req.transport, req.replica
         owner = f"{req.replica}/tp{self.shard.tp_rank}"
         buffers = self._buffers(layout, exposed)
+        nics = req.nics[self.shard.tp_rank]
         tensors = []
         for i, (buf, entries) in enumerate(buffers):
-            name = req.nics[i % len(req.nics)]
+            name = nics[i % len(nics)]
             if name not in self.nics:
                 self.nics[name] = req.transport.open(owner=owner, nic=name, node=req.node,
                                                      address=req.address)
@@ -125,7 +126,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
             tensors += [EngineTensorMeta(name=s.name, shape=s.shape, dtype=s.dtype,
                                          region=region, offset=off) for s, off in entries]
         self.meta = EngineRankMeta(replica=req.replica, rank=self.shard.tp_rank, node=req.node,
-                                   nic=req.nics[0], shard=self.shard, tensors=tuple(tensors),
+                                   nic=nics[0], shard=self.shard, tensors=tuple(tensors),
                                    pieces=layout.pieces)
         log.info("%s: %d tensors (%d in the repack arena) registered in %.2f s", owner,
                  len(tensors), len(self._arena or ()), time.perf_counter() - t0)

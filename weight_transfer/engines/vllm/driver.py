@@ -32,6 +32,10 @@ from weight_transfer.types import EngineRankMeta
 
 log = logging.getLogger(__name__)
 
+# A small engine for tests and the demo: prompts as token ids, no CUDA graphs, little KV.
+SMALL_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+                    kv_cache_memory_bytes=32 << 20)
+
 
 class StepGate:
     """Lets engine steps run unless paused; ``pause`` waits for the running step to end."""

@@ -37,7 +37,7 @@ class SetupRequest:
     """Register the engine's memory with NICs of ``transport`` and describe it."""
 
     replica: str
-    nics: tuple[str, ...]
+    nics: tuple[tuple[str, ...], ...]  # per TP rank: the NICs it registers with
     transport: Any  # weight_transfer.transport.options.TransportSpec
     node: str = ""
     address: str = ""
