@@ -81,6 +81,8 @@ class VllmEngineOwner:
 
     def pause(self, timeout_s: float = 60.0) -> None:
         with self._lock:
+            if self.link.gate.paused:  # another rank of this replica paused it already
+                return
             self.link.pause(timeout_s)
             self._resumed.clear()
             self._events.append(("pause", self._version, time.time()))
