@@ -59,6 +59,7 @@ class VllmEngineOwner:
         self.link = VllmLink(llm)
         self._metas: list | None = None
         self._lock = threading.Lock()
+        self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
         self._version: Any = None
         self._events: list[tuple[str, Any, float]] = []
@@ -114,7 +115,8 @@ class VllmEngineOwner:
         return list(self._events)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return self.link.generate(prompts, max_new_tokens)
+        with self._generating:  # the TP ranks' facades may ask at once
+            return self.link.generate(prompts, max_new_tokens)
 
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
         """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
@@ -122,6 +124,13 @@ class VllmEngineOwner:
 
     def startup_seconds(self) -> float:
         return self.start_seconds
+
+    def shutdown(self) -> None:
+        """Close our backend's NICs and stop vLLM's engine processes."""
+        try:
+            self.link.close()
+        finally:
+            self.link.llm.llm_engine.engine_core.shutdown()
 
 
 class VllmRankFacade:

@@ -12,13 +12,14 @@ it fills), an engine tensor no piece fills::
     pieces_by_shard = recorded_pieces(trainer_meta, engine_metas)
     table_differences(cfg, shard, pieces_by_shard[shard], expert_naming="stacked")  # [] if
                                                                     # our tables agree
+    engine_table_differences(cfg, engine_meta, trainer_shapes, expert_naming="stacked")
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from weight_transfer.checkpoint_names import to_trainer_pieces
 from weight_transfer.naming import canonical_trainer_name, matches
@@ -90,3 +91,16 @@ def table_differences(cfg, shard: ShardSpec, pieces: Sequence[Piece], *,
     got = {_key(p) for p in pieces}
     return ([f"only recorded: {k}" for k in sorted(got - table)][:20]
             + [f"only in our tables: {k}" for k in sorted(table - got)][:20])
+
+
+def engine_table_differences(cfg, engine: EngineRankMeta, trainer_shapes: Mapping[str, tuple],
+                             *, expert_naming: str) -> list[str]:
+    """One engine rank's recorded layout, renamed onto trainer parameters of
+    ``trainer_shapes``, against our rule tables: one line per difference (also checkpoint
+    tensors no trainer parameter holds); empty when they agree."""
+    if engine.pieces is None:
+        raise ValueError(f"{engine.replica} rank {engine.rank} brings no recorded layout")
+    shapes = {canonical_trainer_name(n): tuple(s) for n, s in trainer_shapes.items()}
+    pieces, missing = to_trainer_pieces(engine.pieces, shapes)
+    return ([f"checkpoint tensor {n}: no trainer parameter holds it" for n in missing]
+            + table_differences(cfg, engine.shard, pieces, expert_naming=expert_naming))

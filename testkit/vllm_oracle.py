@@ -10,6 +10,7 @@ tensors back untouched::
     llm = start_llm(path)                              # our backend, float32
     expected = llm.collective_rpc(oracle_load, args=(str(other_checkpoint),))[0]
     actual = llm.collective_rpc(registered_tensors)[0]    # our registered bytes
+    problems, digests = llm.collective_rpc(oracle_check, args=(str(path),))[0]  # in the worker
 
 Worker functions travel through ``collective_rpc`` as callables, which needs
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (:func:`start_llm` sets it; tests only).
@@ -18,6 +19,8 @@ Worker functions travel through ``collective_rpc`` as callables, which needs
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 
+@functools.cache
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here (None when it can)."""
     try:
@@ -132,3 +136,13 @@ def compare_to_oracle(actual: dict[str, torch.Tensor], expected: dict[str, torch
             bad = (got != want).sum().item()
             problems.append(f"{name}: {bad} elements differ from vLLM's load_weights")
     return problems
+
+
+def oracle_check(worker, checkpoint: str) -> tuple[list[str], dict[str, str]]:
+    """Worker side: (differences between our registered tensors and vLLM's load_weights of
+    ``checkpoint``, sha256 of each registered tensor); no tensor leaves the worker."""
+    actual = registered_tensors(worker)
+    problems = compare_to_oracle(actual, oracle_load(worker, checkpoint))
+    digests = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+               for n, t in actual.items()}
+    return problems, digests

@@ -20,11 +20,9 @@ from testkit.vllm_oracle import (
     registered_tensors,
     save_checkpoint,
     start_llm,
-    vllm_missing,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_missing() is not None,
-                                                   reason=str(vllm_missing()))]
+pytestmark = [pytest.mark.vllm]  # skipped where vLLM cannot be imported (tests/conftest.py)
 
 MOE = Path(__file__).parents[2] / "configs" / "models" / "tiny_moe.yaml"
 PROMPTS = [[1, 5, 9, 200], [7, 7, 3], [42]]
@@ -93,6 +91,20 @@ def test_layout_is_recorded_from_vllm(engine):
     qkv = sorted((p.dst_offset, p.src_param) for p in meta.pieces
                  if p.dst_tensor == "model.layers.0.self_attn.qkv_proj.weight")
     assert [s.rsplit(".", 2)[-2] for _, s in qkv] == ["q_proj", "k_proj", "v_proj"]
+
+
+def test_recorded_layout_agrees_with_our_tables(engine):
+    from scheduling.recorded import engine_table_differences
+    from weight_transfer.models import load_model_config
+
+    _, meta, model, _ = engine
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    cfg = load_model_config(MOE)
+    assert engine_table_differences(cfg, meta, shapes, expert_naming="stacked") == []
+    broken = {n: s for n, s in shapes.items() if "layers.2.mlp.experts" not in n}
+    diff = engine_table_differences(cfg, meta, broken, expert_naming="stacked")
+    assert "checkpoint tensor model.layers.2.mlp.experts.0.gate_proj.weight: no trainer " \
+           "parameter holds it" in diff
 
 
 def test_update_by_one_sided_writes(engine):
