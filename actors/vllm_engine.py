@@ -114,9 +114,11 @@ class VllmEngineOwner:
     def events(self) -> list:
         return list(self._events)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
         with self._generating:  # the TP ranks' facades may ask at once
-            return self.link.generate(prompts, max_new_tokens)
+            return self.link.generate(prompts, max_new_tokens, temperature=temperature,
+                                      seed=seed)
 
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
         """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
@@ -191,8 +193,10 @@ class VllmRankFacade:
     def wt_close(self) -> None:
         self._get(self.owner.call.remote("close", None, self.rank))
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return self._get(self.owner.generate.remote(prompts, max_new_tokens))
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
+        """Greedy (or, with ``temperature`` > 0, vLLM-sampled) continuations."""
+        return self._get(self.owner.generate.remote(prompts, max_new_tokens, temperature, seed))
 
 
 VllmEngine = ray.remote(max_concurrency=8)(VllmEngineOwner)
@@ -204,8 +208,9 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
                         ) -> tuple[list[list[Any]], list[Any]]:
     """(rank facades per replica, owners): one vLLM engine per replica of the cluster."""
     reps = list(range(config.cluster.inference.replicas)) if replicas is None else replicas
-    owners = [VllmEngine.options(num_cpus=0).remote(config, r, str(model_path), dtype=dtype,
-                                                             env=env)
+    # env reaches the owner's process before it imports vLLM (its logging reads it then)
+    opts = {"num_cpus": 0, **({"runtime_env": {"env_vars": dict(env)}} if env else {})}
+    owners = [VllmEngine.options(**opts).remote(config, r, str(model_path), dtype=dtype, env=env)
               for r in reps]
     ray.get([o.startup_seconds.remote() for o in owners])
     tp = config.cluster.inference.gpus_per_replica

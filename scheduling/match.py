@@ -113,7 +113,7 @@ def match_engines(
     if has_recorded(engines):  # the engine's own layout; our tables only cross-check it
         pieces = recorded_pieces(trainer_meta, engines, ignore=ignore + cfg.ignore_params)
         for shard, ps in pieces.items():
-            diff = table_differences(cfg, shard, ps, expert_naming=expert_naming)
+            diff = table_differences(cfg, shard, ps, expert_naming=expert_naming, fp8=fp8)
             if diff:
                 log.warning("the layout recorded from the engine differs from our tables for "
                             "%s on %s: %s", cfg.name or cfg.architecture, shard, diff[:5])

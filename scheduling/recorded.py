@@ -23,7 +23,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from weight_transfer.checkpoint_names import to_trainer_pieces
 from weight_transfer.naming import canonical_trainer_name, matches
-from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TrainerMeta, dtype_size
+from weight_transfer.types import (
+    EngineRankMeta,
+    Piece,
+    ShardSpec,
+    TrainerMeta,
+    Transform,
+    dtype_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +85,24 @@ def recorded_pieces(trainer_meta: TrainerMeta, engines: Sequence[EngineRankMeta]
 
 
 def _key(p: Piece) -> tuple:
-    return (p.dst_tensor, p.dst_offset // dtype_size(p.dst_dtype), p.src_param, p.src_slice)
+    return (p.dst_tensor, p.dst_offset // dtype_size(p.dst_dtype), p.src_param, p.src_slice,
+            str(p.transform))
+
+
+def is_fp8(pieces: Iterable[Piece]) -> bool:
+    """True when some piece quantizes (an FP8 engine)."""
+    return any(p.transform != Transform.COPY for p in pieces)
 
 
 def table_differences(cfg, shard: ShardSpec, pieces: Sequence[Piece], *,
-                      expert_naming: str) -> list[str]:
+                      expert_naming: str, fp8: bool | None = None) -> list[str]:
     """Recorded pieces against the pieces our rule tables give for ``cfg`` (elements, not
-    bytes: the engine may compute in another dtype); one line per difference."""
+    bytes: the engine may compute in another dtype; FP8 when some piece quantizes, unless
+    ``fp8`` says); one line per difference."""
     from weight_transfer.engine_layout import engine_pieces
 
-    table = {_key(p) for p in engine_pieces(cfg, shard, fp8=False, expert_naming=expert_naming)}
+    fp8 = is_fp8(pieces) if fp8 is None else fp8
+    table = {_key(p) for p in engine_pieces(cfg, shard, fp8=fp8, expert_naming=expert_naming)}
     got = {_key(p) for p in pieces}
     return ([f"only recorded: {k}" for k in sorted(got - table)][:20]
             + [f"only in our tables: {k}" for k in sorted(table - got)][:20])

@@ -106,3 +106,44 @@ def test_our_tables_cross_check_a_recorded_layout():
                                   "dst_offset": p.dst_offset + p.nbytes})
              for i, p in enumerate(table)]
     assert table_differences(cfg, ShardSpec(), moved, expert_naming="per_expert")
+
+
+def _spec(name, shape, dtype):
+    from weight_transfer.types import TensorSpec
+
+    return TensorSpec(name=name, shape=shape, dtype=dtype)
+
+
+def test_fp8_checkpoint_pieces_quantize_the_trainers_weight():
+    from weight_transfer.engines.vllm.fp8 import fp8_pieces
+    from weight_transfer.types import Transform
+
+    ckpt = {s.name: s for s in (_spec("q.weight", (384, 256), "float8_e4m3fn"),
+                                _spec("q.weight_scale_inv", (3, 2), "float32"),
+                                _spec("n.weight", (256,), "bfloat16"))}
+    weight = Piece(dst_tensor="qkv.weight", dst_offset=0, nbytes=256 * 256,
+                   dst_dtype="float8_e4m3fn", src_param="q.weight",
+                   src_slice=((128, 384), (0, 256)))
+    scale = Piece(dst_tensor="qkv.weight_scale_inv", dst_offset=0, nbytes=2 * 2 * 4,
+                  dst_dtype="float32", src_param="q.weight_scale_inv",
+                  src_slice=((1, 3), (0, 2)))
+    norm = _piece("n", 0, "n.weight", ((0, 256),), dtype="bfloat16")
+    w, s, n = fp8_pieces([weight, scale, norm], ckpt)
+    assert (w.transform, w.src_slice) == (Transform.FP8_WEIGHT, weight.src_slice)
+    assert (s.transform, s.src_param, s.src_slice) == (
+        Transform.FP8_SCALE, "q.weight", ((128, 384), (0, 256)))
+    assert n == norm
+
+
+def test_fp8_pieces_refuse_partial_blocks_and_dequantizing_loaders():
+    from weight_transfer.engines.vllm.fp8 import fp8_pieces
+
+    ckpt = {"q.weight": _spec("q.weight", (384, 256), "float8_e4m3fn")}
+    row = Piece(dst_tensor="qkv.weight", dst_offset=0, nbytes=256, dst_dtype="float8_e4m3fn",
+                src_param="q.weight", src_slice=((5, 6), (0, 256)))
+    with pytest.raises(ValueError, match=r"q\.weight: the engine takes rows/columns \[5, 6\)"):
+        fp8_pieces([row], ckpt)
+    wide = Piece(dst_tensor="qkv.weight", dst_offset=0, nbytes=2 * 256 * 384,
+                 dst_dtype="bfloat16", src_param="q.weight", src_slice=((0, 384), (0, 256)))
+    with pytest.raises(ValueError, match=r"qkv\.weight \(bfloat16\) is filled from FP8 checkpoint"):
+        fp8_pieces([wide], ckpt)

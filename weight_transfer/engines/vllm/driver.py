@@ -118,13 +118,16 @@ class VllmLink:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generations from token ids, one engine step at a time (see StepGate)."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
+        """Generations from token ids (greedy unless ``temperature`` > 0, then sampled by
+        vLLM, ``seed`` per request), one engine step at a time (see StepGate)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens,
+                                detokenize=False)
         ids = [f"wt-{next(self._ids)}" for _ in prompts]
         for rid, p in zip(ids, prompts, strict=True):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)

@@ -14,6 +14,9 @@ Afterwards the model's own tensors are put back untouched::
     layout.params    # {engine parameter: TensorSpec in loading format}
     layout.pieces    # Pieces, src_param = checkpoint names, dst_tensor = engine names
 
+An FP8 checkpoint's weights and ``weight_scale_inv`` scales become pieces that
+quantize the weight (:mod:`.fp8`).
+
 ``record_load`` raises ValueError naming both sides when a checkpoint tensor
 is not consumed or an engine parameter is not filled (padding rows at the end
 of dimension 0, vLLM's vocabulary padding, are allowed and left out of the
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from weight_transfer.engines.vllm.fp8 import fp8_pieces
 from weight_transfer.engines.vllm.slices import copy_pieces, rect_of_chain
 from weight_transfer.types import Piece, TensorSpec, dtype_size
 
@@ -134,6 +139,7 @@ def record_load(model: torch.nn.Module, *, checkpoint: Sequence[TensorSpec],
             pieces += copy_pieces(src=src, rect=rect, view_shape=view, dst=dst,
                                   dst_dtype=specs[dst].dtype, offset=c.offset, shape=c.shape,
                                   stride=c.stride)
+    pieces = fp8_pieces(pieces, {c.name: c for c in checkpoint})  # FP8 checkpoints
     unused = sorted(set(shapes) - sink.copied_names)
     if unused:
         raise ValueError("vLLM's load_weights consumes no bytes of checkpoint tensors "
@@ -143,11 +149,16 @@ def record_load(model: torch.nn.Module, *, checkpoint: Sequence[TensorSpec],
     return RecordedLayout(params=specs, pieces=tuple(pieces), modules=owners)
 
 
+# Engine parameters a checkpoint may leave out: attention's KV-cache quantization scales
+# (quantized models; vLLM keeps its defaults). They are not weights; no trainer holds them.
+ENGINE_DEFAULTS = re.compile(r"\.attn\.(q|k|v|prob)_scale$")
+
+
 def exposed_shapes(layout: RecordedLayout) -> dict[str, TensorSpec]:
     """The engine tensors the plan fills: every loading-format parameter that some piece
     writes, cut to the rows pieces cover when only trailing rows of dimension 0 (vocab
     padding) stay unwritten. ValueError naming the parameter for any other gap, for an
-    overlap, or for a parameter that no checkpoint tensor fills."""
+    overlap, or for a parameter that no checkpoint tensor fills (but ``ENGINE_DEFAULTS``)."""
     by_dst: dict[str, list[Piece]] = {}
     for p in layout.pieces:
         by_dst.setdefault(p.dst_tensor, []).append(p)
@@ -155,6 +166,8 @@ def exposed_shapes(layout: RecordedLayout) -> dict[str, TensorSpec]:
     for name, spec in layout.params.items():
         ranges = sorted((p.dst_offset, p.dst_offset + p.nbytes, p.src_param)
                         for p in by_dst.get(name, ()))
+        if not ranges and ENGINE_DEFAULTS.search(name):
+            continue
         if not ranges:
             problems.append(f"engine tensor {name} {spec.shape} {spec.dtype}: no checkpoint "
                             "tensor fills it")
