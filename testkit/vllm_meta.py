@@ -141,7 +141,7 @@ def save_fp8_model(model_yaml: str | Path, *, seed: int, root: str | Path) -> Pa
 
     cfg = load_model_config(model_yaml)
     model = build_hf_model(cfg, seed=seed)
-    path = Path(root) / f"{cfg.name}-fp8"
+    path = Path(root) / f"{cfg.name}-seed{seed}-fp8"
     path.mkdir(parents=True, exist_ok=True)
     hc = hf_config(cfg)
     hc.quantization_config = dict(FP8_CONFIG)

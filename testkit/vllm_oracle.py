@@ -18,7 +18,7 @@ Worker functions travel through ``collective_rpc`` as callables, which needs
 
 from __future__ import annotations
 
-import ctypes
+import asyncio
 import functools
 import hashlib
 import os
@@ -69,13 +69,17 @@ def start_llm(path: str | Path, *, tp: int = 1, dtype: str = "float32", **kw: An
 
 
 def registered_tensors(worker) -> dict[str, torch.Tensor]:
-    """Worker side: every tensor our backend registered, read from its region's memory."""
-    meta = worker.weight_transfer_engine.meta
+    """Worker side: every tensor our backend registered, read from the registered memory
+    (host or GPU), as CPU tensors of the registered shapes."""
+    backend = worker.weight_transfer_engine
     out = {}
-    for t in meta.tensors:
-        buf = (ctypes.c_char * t.nbytes).from_address(t.region.addr + t.offset)
-        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-        out[t.name] = flat.view(getattr(torch, t.dtype)).view(t.shape).clone()
+    for t in backend.meta.tensors:
+        view = backend.views[t.name]
+        if view.data_ptr() != t.region.addr + t.offset:
+            raise RuntimeError(f"{t.name}: registered at {t.region.addr + t.offset:#x}, the "
+                               f"backend's tensor is at {view.data_ptr():#x}")
+        flat = view.detach().reshape(-1).view(torch.uint8)[:t.nbytes].cpu().clone()
+        out[t.name] = flat.view(getattr(torch, t.dtype)).view(t.shape)
     return out
 
 
@@ -146,3 +150,42 @@ def oracle_check(worker, checkpoint: str) -> tuple[list[str], dict[str, str]]:
     digests = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
                for n, t in actual.items()}
     return problems, digests
+
+
+def connect_link(link, meta, spec, *, trainer: str, nic: str):
+    """A trainer-side NIC of ``spec`` connected both ways to TP rank 0 of ``link``."""
+    from weight_transfer.transport.handshake import Connection, Endpoint, InfoRequest
+
+    engine_nic = meta.tensors[0].region.nic
+    mine = spec.open(owner=trainer, nic=nic)
+    request = InfoRequest(nic=engine_nic, remote=Endpoint(owner=trainer, nic=nic))
+    (peer,) = link.call("endpoints", [request], rank=0)[0]
+    mine.connect(peer)
+    conn = Connection(nic=engine_nic, peer=mine.peer_info(meta.tensors[0].region.owner,
+                                                          engine_nic))
+    if link.call("connect", [conn], rank=0) != [1]:
+        raise RuntimeError(f"{meta.replica}: the engine did not connect back to {nic}")
+    return mine
+
+
+def write_update(nic, meta, state: dict[str, torch.Tensor]) -> int:
+    """Write every recorded piece of ``meta`` from the trainer ``state`` (prepared as the
+    trainers prepare it: casts, FP8 quantization); returns the bytes written."""
+    from weight_transfer.checkpoint_names import to_trainer_pieces
+    from weight_transfer.prepare import piece_bytes
+
+    pieces, missing = to_trainer_pieces(meta.pieces, {n: tuple(t.shape)
+                                                      for n, t in state.items()})
+    if missing:
+        raise ValueError(f"checkpoint tensors no trainer parameter holds: {missing[:5]}")
+    where = {t.name: t for t in meta.tensors}
+
+    async def run() -> int:
+        total = 0
+        for p in pieces:
+            t = where[p.dst_tensor]
+            await nic.write(piece_bytes(state[p.src_param], p), t.region, t.offset + p.dst_offset)
+            total += p.nbytes
+        return total
+
+    return asyncio.run(run())

@@ -9,31 +9,32 @@ embeddings, an untied head), about 20-60 s to start here.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from testkit.vllm_oracle import (
     compare_to_oracle,
+    connect_link,
     oracle_load,
     registered_tensors,
     save_checkpoint,
     start_llm,
+    write_update,
 )
+from weight_transfer.transport.options import DEFAULT_TRANSPORT
 
 pytestmark = [pytest.mark.vllm]  # skipped where vLLM cannot be imported (tests/conftest.py)
 
 MOE = Path(__file__).parents[2] / "configs" / "models" / "tiny_moe.yaml"
 PROMPTS = [[1, 5, 9, 200], [7, 7, 3], [42]]
-TRAINER, TNIC, ENIC = "trainer0", "tnode0/nic0", "inode0/nic0"
+TRAINER, TNIC, ENIC = "trainer0", "tnode0/nic0", "inode0/nic0"  # ENIC: the engine's
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from weight_transfer.engines.vllm.driver import VllmLink
     from weight_transfer.engines.vllm.mailbox import SetupRequest
-    from weight_transfer.transport.options import DEFAULT_TRANSPORT
 
     root = tmp_path_factory.mktemp("vllm")
     _, first = save_checkpoint(MOE, seed=1, root=root)
@@ -44,39 +45,6 @@ def engine(tmp_path_factory):
                                     transport=DEFAULT_TRANSPORT))
     yield link, metas[0], new_model, new_path
     link.close()
-
-
-def _connect(link, meta):
-    from weight_transfer.transport.handshake import Connection, Endpoint, InfoRequest
-    from weight_transfer.transport.options import DEFAULT_TRANSPORT
-
-    nic = DEFAULT_TRANSPORT.open(owner=TRAINER, nic=TNIC)
-    request = InfoRequest(nic=ENIC, remote=Endpoint(owner=TRAINER, nic=TNIC))
-    (peer,) = link.call("endpoints", [request], rank=0)[0]
-    nic.connect(peer)
-    conn = Connection(nic=ENIC, peer=nic.peer_info(meta.tensors[0].region.owner, ENIC))
-    assert link.call("connect", [conn], rank=0) == [1]
-    return nic
-
-
-def _write_all(nic, meta, model) -> int:
-    from weight_transfer.checkpoint_names import to_trainer_pieces
-    from weight_transfer.prepare import piece_bytes
-
-    state = {n: p.detach() for n, p in model.named_parameters()}
-    pieces, missing = to_trainer_pieces(meta.pieces, {n: tuple(t.shape) for n, t in state.items()})
-    assert not missing
-    where = {t.name: t for t in meta.tensors}
-
-    async def run() -> int:
-        total = 0
-        for p in pieces:
-            t = where[p.dst_tensor]
-            await nic.write(piece_bytes(state[p.src_param], p), t.region, t.offset + p.dst_offset)
-            total += p.nbytes
-        return total
-
-    return asyncio.run(run())
 
 
 def test_layout_is_recorded_from_vllm(engine):
@@ -111,9 +79,10 @@ def test_update_by_one_sided_writes(engine):
     from reference.hf_model import greedy_generate
 
     link, meta, model, path = engine
-    nic = _connect(link, meta)
+    nic = connect_link(link, meta, DEFAULT_TRANSPORT, trainer=TRAINER, nic=TNIC)
     link.pause()
-    nbytes = _write_all(nic, meta, model)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    nbytes = write_update(nic, meta, state)
     link.resume(version=2)
     assert nbytes == sum(t.nbytes for t in meta.tensors)
     assert link.version() == "2"

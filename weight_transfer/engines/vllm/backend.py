@@ -80,6 +80,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self.nics: dict[str, Any] = {}
         self._repack: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
         self._arena: Arena | None = None
+        self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
         self.finished = 0
 
     @property
@@ -147,6 +148,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         out = []
         params = dict(self.model.named_parameters())
         for name in direct:
+            self.views[name] = params[name].data
             out.append((storage_bytes(params[name].data), [(exposed[name], 0)]))
         if packed:
             self._arena = Arena([layout.params[n] for n in packed], self.device)
@@ -154,6 +156,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 pname = name.rsplit(".", 1)[-1]
                 module = modules[layout.modules[name]]
                 self._repack.setdefault(module, {})[pname] = self._arena.view(name)
+                self.views[name] = self._arena.view(name)
             out.append((self._arena.buffer,
                         [(exposed[n], self._arena.offsets[n]) for n in packed]))
         return out
@@ -190,7 +193,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _close(self, _req=None) -> None:
         for nic in self.nics.values():
             nic.close()
-        self.nics, self.meta = {}, None
+        self.nics, self.meta, self.views = {}, None, {}
 
     # ------------------------------------------------------------------ vLLM's update hooks
 
