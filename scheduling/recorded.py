@@ -84,9 +84,40 @@ def recorded_pieces(trainer_meta: TrainerMeta, engines: Sequence[EngineRankMeta]
     return out
 
 
-def _key(p: Piece) -> tuple:
-    return (p.dst_tensor, p.dst_offset // dtype_size(p.dst_dtype), p.src_param, p.src_slice,
-            str(p.transform))
+# Engine names that differ between vLLM versions and our tables (the reference engine's
+# names): vLLM 0.3x keeps a MoE layer's routed experts in a `routed_experts` submodule.
+ENGINE_NAME_ALIASES = ((".mlp.experts.routed_experts.", ".mlp.experts."),)
+
+
+def _table_name(name: str) -> str:
+    for old, new in ENGINE_NAME_ALIASES:
+        name = name.replace(old, new)
+    return name
+
+
+def _units(p: Piece) -> Iterable[tuple]:
+    """``p`` as canonical units, so that layouts cut into pieces differently compare equal:
+    a copy as its innermost rows, a quantizing piece as its 2-D matrices (scales cover
+    whole blocks). Keys: (engine tensor, element offset, source, rectangle, transform)."""
+    keep = 1 if p.transform == Transform.COPY else 2
+    rect, name, t = p.src_slice, _table_name(p.dst_tensor), str(p.transform)
+    outer = rect[:-keep] if len(rect) > keep else ()
+    inner = rect[len(outer):]
+    count = 1
+    for a, b in outer:
+        count *= b - a
+    size = p.nbytes // max(count, 1)
+    for i in range(count):
+        idx, rest = [], i
+        for a, b in reversed(outer):
+            idx.append(a + rest % (b - a))
+            rest //= b - a
+        unit = tuple((j, j + 1) for j in reversed(idx)) + tuple(inner)
+        yield (name, (p.dst_offset + i * size) // dtype_size(p.dst_dtype), p.src_param, unit, t)
+
+
+def _keys(pieces: Iterable[Piece]) -> set[tuple]:
+    return {k for p in pieces for k in _units(p)}
 
 
 def is_fp8(pieces: Iterable[Piece]) -> bool:
@@ -102,8 +133,8 @@ def table_differences(cfg, shard: ShardSpec, pieces: Sequence[Piece], *,
     from weight_transfer.engine_layout import engine_pieces
 
     fp8 = is_fp8(pieces) if fp8 is None else fp8
-    table = {_key(p) for p in engine_pieces(cfg, shard, fp8=fp8, expert_naming=expert_naming)}
-    got = {_key(p) for p in pieces}
+    table = _keys(engine_pieces(cfg, shard, fp8=fp8, expert_naming=expert_naming))
+    got = _keys(pieces)
     return ([f"only recorded: {k}" for k in sorted(got - table)][:20]
             + [f"only in our tables: {k}" for k in sorted(table - got)][:20])
 
