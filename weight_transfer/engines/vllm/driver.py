@@ -121,15 +121,16 @@ class VllmLink:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
         """Generations from token ids (greedy unless ``temperature`` > 0, then sampled by
-        vLLM, ``seed`` per request), one engine step at a time (see StepGate)."""
+        vLLM, request ``i`` seeded ``seed + i``), one engine step at a time (see StepGate)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens,
-                                detokenize=False)
         ids = [f"wt-{next(self._ids)}" for _ in prompts]
-        for rid, p in zip(ids, prompts, strict=True):
+        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
+            params = SamplingParams(  # one seed per request: equal seeds draw alike
+                temperature=temperature, seed=None if seed is None else seed + i,
+                max_tokens=max_new_tokens, detokenize=False)
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
         done: dict[str, list[int]] = {}
         while len(done) < len(ids):
