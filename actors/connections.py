@@ -90,17 +90,36 @@ class Connector:
         self.owners: dict[str, Any] = {}
         self.hosts: dict[str, HostId] = {}
         self.links: set[Link] = set()
+        self._trainer_owners: set[str] = set()
 
     def add_trainer(self, rank: int, actor: Any, host: HostId | None) -> None:
         self.owners[trainer_owner(rank)] = actor
         self.hosts[trainer_owner(rank)] = host
+        self._trainer_owners.add(trainer_owner(rank))
 
     def add_engine(self, meta: EngineRankMeta, actor: Any) -> None:
         self.owners.update({ep.owner: actor for ep in engine_endpoints(meta)})
 
-    def drop_engine(self, meta: EngineRankMeta) -> None:
-        for ep in engine_endpoints(meta):
-            self.owners.pop(ep.owner, None)
+    def drop_engine(self, meta: EngineRankMeta, *, keep_links: bool = False) -> None:
+        """Forget an engine rank's NICs and (unless ``keep_links``: the same actor comes
+        back at once) the links to and from them, so a later one connects again."""
+        owners = {ep.owner for ep in engine_endpoints(meta)}
+        for owner in owners:
+            self.owners.pop(owner, None)
+        if not keep_links:
+            self._forget_links(owners)
+
+    def drop_trainers(self) -> None:
+        """Forget every trainer rank and its links (new trainer actors connect again)."""
+        owners, self._trainer_owners = self._trainer_owners, set()
+        for owner in owners:
+            self.owners.pop(owner, None)
+            self.hosts.pop(owner, None)
+        self._forget_links(owners)
+
+    def _forget_links(self, owners: set[str]) -> None:
+        self.links = {k for k in self.links
+                      if k.writer.owner not in owners and k.target.owner not in owners}
 
     def gather_engines(
         self, actors: Sequence[Any], *, label: str, phase: str | None = None

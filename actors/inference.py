@@ -19,7 +19,11 @@ rkeys) and ``wt_host()``; then, for the two-way connection set-up,
 named) and ``wt_connect_peers(conns)`` (connect to the trainers' infos made
 for these NICs). During an update the rank runs no code: trainers write
 straight into the registered memory; the controller only calls ``wt_pause()``
-before and ``wt_resume(version)`` after. ``wt_copy_to(meta)`` writes this
+before and ``wt_resume(version)`` after, each with an epoch that fences
+stale commands: a rank ignores a command older than the newest it has seen and
+refuses a resume that comes after its deadline, so a rank that was stopped
+while the controller gave up on it does not resume serving when it continues
+(:mod:`actors.engine_control`). ``wt_copy_to(meta)`` writes this
 rank's registered buffers into the same layout of another replica, connected
 the same way (a new replica fetches a version from a peer).
 
@@ -34,6 +38,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +68,7 @@ from weight_transfer.types import (
 log = logging.getLogger(__name__)
 
 _KEEP = object()
+EVENTS_KEPT = 1024  # wt_events() keeps this many latest pause/resume/version events
 
 
 def regions_of(meta: EngineRankMeta) -> list[RegionDesc]:
@@ -98,8 +104,11 @@ class InferenceMixin:
         self._wt_default_spec = transport or DEFAULT_TRANSPORT
         self._wt_meta = None
         self._wt_version: int | None = None
-        self._wt_events: list[tuple[str, int | None, float]] = []
+        # The latest events only: a long run must not grow the actor's memory.
+        self._wt_events: deque[tuple[str, int | None, float]] = deque(maxlen=EVENTS_KEPT)
         self._wt_lock = threading.Lock()
+        self._wt_cmd_lock = threading.Lock()  # pause, resume and version commands, fenced
+        self._wt_epoch = 0  # the newest controller epoch seen
 
     @property
     def _wt_owner(self) -> str:
@@ -165,31 +174,77 @@ class InferenceMixin:
     def _wt_log(self, event: str) -> None:
         self._wt_events.append((event, self._wt_version, time.time()))
 
-    def wt_pause(self, timeout_s: float = 60.0) -> None:
-        """Hold generation at its next step boundary; returns once no step runs."""
+    def _wt_fence(self, epoch: int | None, what: str) -> bool:
+        """Whether a command of ``epoch`` is current (None: unfenced, from a user); call under
+        ``_wt_cmd_lock``. A command older than the newest one seen is ignored."""
+        if epoch is None:
+            return True
+        if epoch < self._wt_epoch:
+            log.warning("%s ignored a stale %s (epoch %d < %d)", self._wt_owner, what, epoch,
+                        self._wt_epoch)
+            self._wt_log(f"stale {what}")
+            return False
+        self._wt_epoch = epoch
+        return True
+
+    def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Hold generation at its next step boundary; returns once no step runs.
+
+        ``epoch`` (the controller's, see :mod:`actors.engine_control`): a pause
+        older than the newest command seen is ignored (returns False); a fenced
+        pause comes before writes or holds a torn replica, so the version held
+        becomes None until a resume names one.
+        """
         self._wt_require()
-        self._wt_adapter.pause()
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "pause"):
+                return False
+            if epoch is not None:
+                self._wt_version = None
+            self._wt_adapter.pause()
         wait_idle = getattr(self._wt_adapter, "wait_idle", None)
         if wait_idle is not None and not wait_idle(timeout_s):
             raise TimeoutError(f"{self._wt_owner}: a generation step still runs "
                                f"{timeout_s:g} s after pause()")
         self._wt_log("pause")
+        return True
 
-    def wt_resume(self, version: Any = _KEEP) -> None:
-        """Record ``version`` (if given) as the weights now held, then let generation go on."""
+    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+                  deadline: float | None = None) -> bool:
+        """Record ``version`` (if given) as the weights now held, then let generation go on.
+
+        Refused (returns False, the rank stays paused) when ``epoch`` is older
+        than the newest command seen or ``time.time()`` is past ``deadline``:
+        the controller gave up waiting for this resume and held the replica.
+        """
         self._wt_require()
-        if version is not _KEEP:
-            self._wt_version = version
-        self._wt_log("resume")
-        self._wt_adapter.resume()
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "resume"):
+                return False
+            if deadline is not None and time.time() > deadline:
+                log.warning("%s refused a resume to version %s that came %.3f s after its "
+                            "deadline", self._wt_owner, version, time.time() - deadline)
+                self._wt_log("late resume")
+                return False
+            if version is not _KEEP:
+                self._wt_version = version
+            self._wt_log("resume")
+            self._wt_adapter.resume()
+        return True
 
     def wt_paused(self) -> bool:
         self._wt_require()
         return bool(self._wt_adapter.paused)
 
-    def wt_set_version(self, version: int | None) -> None:
-        self._wt_version = version
-        self._wt_log("version")
+    def wt_set_version(self, version: int | None, epoch: int | None = None) -> bool:
+        """Record the version held (no pause: ``pause_during_update`` off); fenced as
+        :meth:`wt_pause`."""
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "version"):
+                return False
+            self._wt_version = version
+            self._wt_log("version")
+        return True
 
     def wt_version(self) -> int | None:
         return self._wt_version
@@ -232,10 +287,14 @@ class InferenceMixin:
         return None if self._wt_spec is None else self._wt_spec.kind
 
     def wt_deregister(self) -> None:
-        """Fault injection: revoke every registered region (later writes into it fail)."""
+        """Fault injection: revoke every registered region (later writes into it fail).
+        The next :meth:`wt_engine_meta` registers the buffers again (new rkeys): a later
+        ``setup()`` of the controller re-plans with them."""
         meta = self.wt_engine_meta()
-        for region in regions_of(meta):
-            self._wt_nics[region.nic].deregister(region)
+        with self._wt_lock:
+            for region in regions_of(meta):
+                self._wt_nics[region.nic].deregister(region)
+            self._wt_meta = None
 
     def wt_close(self) -> None:
         for nic in self._wt_nics.values():
