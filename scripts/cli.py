@@ -44,6 +44,34 @@ def demo(
                              transport=transport))
 
 
+@app.command("chaos")
+def chaos(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    faults: str | None = typer.Option(
+        None, help="Comma-separated faults to run [default: every one, in order]."),
+    update_timeout_s: float = typer.Option(15.0, help="The controller's update timeout."),
+    nic_gbps: float = typer.Option(0.01, help="NIC cap in GB/s, so a fault lands mid-write."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Inject each fault (dead, stopped, revoked, NIC) into the demo cluster; did it heal?"""
+    from scripts.chaos import run
+
+    raise typer.Exit(run(config=config, faults=faults, update_timeout_s=update_timeout_s,
+                         nic_gbps=nic_gbps, json_path=json_path))
+
+
+@app.command("soak")
+def soak(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    updates: int = typer.Option(200, min=1, help="Consecutive updates after the warm-up."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Many updates back to back: RSS, fds, threads and store keys must not grow."""
+    from scripts.soak import run
+
+    raise typer.Exit(run(config=config, updates=updates, json_path=json_path))
+
+
 @app.command("trace")
 def trace(
     path: Path = typer.Argument(..., help="A trace written by `wt demo --trace PATH`."),

@@ -165,16 +165,19 @@ class Fleet:
             ray.util.remove_placement_group(pg)
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
-    """Actors as the cluster config places them, and the controller after setup()."""
+def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
+    """Actors as the cluster config places them, and the controller after setup().
+    ``overrides``: TransferConfig fields set otherwise than the run config says
+    (``wt chaos``: a short ``update_timeout_s``, capped NICs)."""
     from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 
-    config = TransferConfig(
+    fields = dict(
         model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
         fp8=run.fp8, seed=run.seed, lr=run.train.lr,
         pause_during_update=run.transfer.pause_during_update,
         setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s,
         transport=run.transfer.transport, transport_options=run.transfer.spec.options)
+    config = TransferConfig(**(fields | overrides))
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     bars("start trainer ranks", 0, 1)

@@ -151,11 +151,13 @@ def test_failed_update_marks_replicas_torn_and_names_the_rank(env):
     cfg, trainers, replicas, ctl = env
     train(trainers, 6)
     ray.get(trainers[1].wt_set_link.remote(False))
+    ctl.auto_resync = False  # keep them torn (test_faults covers the re-sync from a peer)
     try:
         with pytest.raises(UpdateError, match=r"version 6 failed on trainer ranks \[1\]") as exc:
             ctl.update(6)
     finally:
         ray.get(trainers[1].wt_set_link.remote(True))
+        ctl.auto_resync = True
     torn = list(ctl.summary.replicas_by_rank[1])
     assert exc.value.torn == torn and exc.value.ranks.keys() == {1}
     assert "link" in str(exc.value) and "trainer rank 1" in str(exc.value)
