@@ -259,7 +259,7 @@ class UpdateSteps:
         parts += [f"replica {n}: {msg}" for n, msg in replicas.items()]
         who = (f"trainer ranks {sorted(problems)}" if problems else
                f"replicas {sorted(replicas)}")
-        msg = f"update to version {version} failed on {who}: {'; '.join(parts)}. "
+        msg = f"update to version {version} failed on {who}: {'; '.join(parts).rstrip('.')}. "
         held = [n for n in torn if n not in lost and n not in resynced]
         msg += f"Replicas {torn} are torn"
         if held:

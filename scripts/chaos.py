@@ -98,9 +98,24 @@ class Chaos:
         ray.get([t.train_step.remote(batch) for t in self.fleet.trainers])
 
     def serving(self, name: str) -> list[tuple[bool, int | None]]:
+        """(paused, version) each engine rank of ``name`` reports."""
         return [(ray.get(a.wt_paused.remote(), timeout=30), ray.get(a.wt_version.remote(),
                                                                    timeout=30))
                 for a in self.ctl.replicas[name]]
+
+    def held(self, name: str, wait_s: float = 10.0) -> bool:
+        """Every rank of ``name`` paused with version None (a rank that just continued
+        runs its queued commands first: give it ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if all(s == (True, None) for s in self.serving(name)):
+                    return True
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
     def verified_update(self) -> list[str]:
         """Train, update, check every replica: version, serving, bytes. The problems."""
@@ -182,9 +197,8 @@ def _budget(nbytes: int | None) -> Callable[[Chaos], None]:
     return run
 
 
-def _resync(ch: Chaos) -> None:
+def _continue_engine(ch: Chaos) -> None:
     os.kill(ch.pid, signal.SIGCONT)
-    ch.ctl.resync(VICTIM)
 
 
 FAULTS: dict[str, Fault] = {
@@ -193,8 +207,9 @@ FAULTS: dict[str, Fault] = {
     "engine-killed-during": Fault(during=_kill_engine, names=lambda ch: [VICTIM],
                                   recover=_new_replica, recovery="add_replica, next update"),
     "engine-stopped-during": Fault(
-        before=_remember_pid, during=_stop_engine, names=lambda ch: [f"{VICTIM}/tp1"],
-        recover=_resync, recovery="SIGCONT, resync, next update"),
+        before=_remember_pid, during=_stop_engine, after=_continue_engine,
+        names=lambda ch: [f"{VICTIM}/tp1"], recover=lambda ch: ch.ctl.resync(VICTIM),
+        recovery="SIGCONT, resync, next update"),
     "region-revoked": Fault(before=_revoke_region, names=lambda ch: [VICTIM, "deregistered"],
                             recover=lambda ch: ch.ctl.setup(), recovery="setup(), next update"),
     "trainer-killed-during": Fault(during=_kill_trainer, names=lambda ch: ["trainer rank 1"],
@@ -229,7 +244,7 @@ def _judge(ch: Chaos, fault: Fault, err: Exception | None, took: float) -> tuple
         return False, f"{type(err).__name__}: {err}".splitlines()[0], []
     missing = [n for n in fault.names(ch) if n not in str(err)]
     held = [n for n in err.torn if n in ch.ctl.replicas and n not in err.resynced]
-    bad = [n for n in held if ch.serving(n) != [(True, None)] * len(ch.ctl.replicas[n])]
+    bad = [n for n in held if not ch.held(n)]
     others = [n for n, v in ch.ctl.weights_version().items()
               if n not in err.torn and v != err.version]
     ok = not missing and not bad and not others and took <= bound

@@ -12,6 +12,7 @@ and a trainer rank killed mid-update (then new trainers, ``setup(trainers=...)``
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -233,3 +234,62 @@ def test_trainer_killed_mid_update_then_replaced(env):
     ctl.setup(trainers=launch_trainers(cfg))
     train(ctl, 5)
     healthy_update(env)
+
+
+# ---------------------------------------------------------------- the commands, same actors
+
+
+@pytest.fixture(scope="module")
+def fleet(env):
+    from scripts.demo import Fleet
+    from scripts.run_config import load_run_config
+
+    ctl = env["ctl"]
+    return Fleet(run=load_run_config(CONFIGS / "runs" / "demo.yaml"), config=env["cfg"],
+                 trainers=list(ctl.trainers), replicas=dict(ctl.replicas), controller=ctl,
+                 setup_seconds=0.0)
+
+
+def test_wt_soak_nothing_grows(env, fleet, tmp_path):
+    from scripts import soak
+
+    out = tmp_path / "soak.json"
+    assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=20, json_path=out,
+                    fleet=fleet, first_version=env["version"] + 1) == 0
+    doc = json.loads(out.read_text())
+    env["version"] = doc["last_version"]
+    assert doc["updates"] == 20 and doc["ok"] and doc["verified"]
+    assert ctl_versions(env) == {n: doc["last_version"] for n in env["ctl"].replicas}
+    procs = doc["actors"]
+    assert {"controller", "scheduler", "trainer0", "trainer3", "engine0/tp0",
+            "engine1/tp1"} <= set(procs)
+    for row in procs.values():
+        assert all(row["start"][k] > 0 and row["end"][k] > 0
+                   for k in ("rss_bytes", "fds", "threads"))
+    # the barrier store is empty between updates; the groups' stores hold their gloo keys
+    assert procs["controller"]["start"]["store_keys"] == procs["controller"]["end"]["store_keys"]
+    assert procs["trainer0"]["end"]["store_keys"] == procs["trainer0"]["start"]["store_keys"] > 0
+
+
+def ctl_versions(env):
+    return env["ctl"].weights_version()
+
+
+def test_wt_chaos_json(env, fleet, tmp_path):
+    from scripts import chaos
+
+    out = tmp_path / "chaos.json"
+    faults = ["nic-link-down", "nic-transient-error", "region-revoked"]
+    code = chaos.run(config=CONFIGS / "runs" / "demo.yaml", faults=",".join(faults),
+                     update_timeout_s=UPDATE_TIMEOUT_S, nic_gbps=0.01, json_path=out,
+                     fleet=fleet)
+    rows = json.loads(out.read_text())
+    assert [r["fault"] for r in rows] == faults
+    for row in rows:
+        assert {"fault", "ok", "detect_s", "healed"} <= set(row)
+        assert row["ok"] and row["healed"], row
+        assert 0 <= row["detect_s"] < UPDATE_TIMEOUT_S + 30
+    assert rows[2]["torn"] == ["engine1"] and "deregistered" in rows[2]["outcome"]
+    assert code == 0
+    assert chaos.run(config=CONFIGS / "runs" / "demo.yaml", faults="no-such-fault",
+                     update_timeout_s=1, nic_gbps=0.01, json_path=None, fleet=fleet) == 2
