@@ -1,14 +1,17 @@
 """One weight update of :class:`~actors.controller.WeightTransferController`, fault by fault.
 
 ``update(version)`` runs under one deadline, ``config.update_timeout_s`` from
-its start, that bounds the pause, the transfer and the resume together:
+its start, that bounds the pause, the transfer and the resume together; the
+pause may use the first :data:`PAUSE_SHARE` of it, the transfer ends at the
+latest :data:`RESUME_SHARE` before it (so one stopped replica or trainer rank
+leaves the others time to finish):
 
 1. pause every running replica (:func:`~actors.engine_control.fan_out`, one
    epoch-fenced ``wt_pause`` per rank, all at once); a replica with a rank
    that is dead, stopped or failing is torn, the others go on;
 2. "go" to every trainer (only the version crosses Ray); the first rank that
-   raises, or the deadline, ends the wait; replicas written by a rank that did
-   not finish, and replicas with failed writes, are torn;
+   raises, or the transfer's deadline, ends the wait; replicas written by a
+   rank that did not finish, and replicas with failed writes, are torn;
 3. resume every replica that got all its bytes and paused (the resume carries
    the epoch and a wall-clock deadline; a late one is refused by the rank);
    a replica with a rank that did not resume is torn;
@@ -50,6 +53,8 @@ from weight_transfer.trace import write_chrome_trace
 log = logging.getLogger(__name__)
 
 HOLD_WAIT_S = 5.0  # how long holding torn replicas waits for ranks that answer
+PAUSE_SHARE = 0.25  # of update_timeout_s: the most the pause may take
+RESUME_SHARE = 0.1  # of update_timeout_s: kept for the resume when the transfer overruns
 
 
 class UpdateError(RuntimeError):
@@ -107,17 +112,19 @@ class UpdateSteps:
         self._attempted = version
         offset = UpdateClock.wall_offset()
         snap, start = self.ledger.snapshot(), time.perf_counter()
-        deadline = time.monotonic() + self.config.update_timeout_s
+        timeout = self.config.update_timeout_s
+        deadline = time.monotonic() + timeout
         names = list(self.replicas)
         faults: dict[str, list[RankFault]] = {}
         if self.pause_during_update:
             pause = [n for n in names if n not in self._paused]
             _merge(faults, fan_out(self.ledger, self.replicas, pause, "wt_pause",
-                                   self.config.update_timeout_s, epoch=next_epoch(),
-                                   until=deadline))  # a rank's own wait ends with ours
+                                   timeout * PAUSE_SHARE, epoch=next_epoch(),
+                                   until=deadline - timeout * (1 - PAUSE_SHARE)))
             self._paused.update(names)
         paused_at = time.perf_counter()
-        reports, errors = self._run_trainers(version, bool(trace), deadline)
+        reports, errors = self._run_trainers(version, bool(trace),
+                                             deadline - timeout * RESUME_SHARE)
         transfer_done = time.perf_counter()
         torn = set(faults)  # a replica that did not pause may have served while written
         for rank in errors:
@@ -171,9 +178,11 @@ class UpdateSteps:
                     errors[refs[ref]] = cause_of(err)
             if self.progress is not None:
                 self.progress("transfer", len(refs) - len(pending), len(refs))
+        waited = self.config.update_timeout_s * (1 - RESUME_SHARE)
         for ref in pending:
             errors[refs[ref]] = ("did not finish: another rank failed" if errors else
-                                 f"did not finish within {self.config.update_timeout_s:g} s")
+                                 f"did not finish within {waited:.3g} s (update_timeout_s "
+                                 f"less the resume's share)")
         return reports, errors
 
     def _finish(self, version: int, good: list[str], deadline: float) -> dict[str, list]:

@@ -156,6 +156,11 @@ def _remember_pid(ch: Chaos) -> None:
     ch.pid = ray.get(ch.engine().__ray_call__.remote(lambda self: os.getpid()))
 
 
+def _stop_engine_now(ch: Chaos) -> None:
+    _remember_pid(ch)
+    _stop_engine(ch)
+
+
 def _revoke_region(ch: Chaos) -> None:
     _mark(ch)
     ray.get(ch.engine(0).wt_deregister.remote())
@@ -185,15 +190,17 @@ def _new_replica(ch: Chaos) -> None:
 
 def _link(up: bool) -> Callable[[Chaos], None]:
     def run(ch: Chaos) -> None:
-        _mark(ch)
         ray.get(ch.trainer(1).wt_set_link.remote(up))
+        if not up:
+            _mark(ch)
     return run
 
 
 def _budget(nbytes: int | None) -> Callable[[Chaos], None]:
     def run(ch: Chaos) -> None:
-        _mark(ch)
         ray.get(ch.trainer(2).wt_fail_after_bytes.remote(nbytes))
+        if nbytes is not None:
+            _mark(ch)
     return run
 
 
@@ -206,6 +213,9 @@ FAULTS: dict[str, Fault] = {
                                   recover=_new_replica, recovery="add_replica, next update"),
     "engine-killed-during": Fault(during=_kill_engine, names=lambda ch: [VICTIM],
                                   recover=_new_replica, recovery="add_replica, next update"),
+    "engine-stopped-before": Fault(
+        before=_stop_engine_now, after=_continue_engine, names=lambda ch: [f"{VICTIM}/tp1"],
+        recover=lambda ch: ch.ctl.resync(VICTIM), recovery="SIGCONT, resync, next update"),
     "engine-stopped-during": Fault(
         before=_remember_pid, during=_stop_engine, after=_continue_engine,
         names=lambda ch: [f"{VICTIM}/tp1"], recover=lambda ch: ch.ctl.resync(VICTIM),
