@@ -48,7 +48,10 @@ def demo(
 def chaos(
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
     faults: str | None = typer.Option(
-        None, help="Comma-separated faults to run [default: every one, in order]."),
+        None, help="Comma-separated faults to run (default: every one, in order): "
+                   "engine-killed-before, engine-killed-during, engine-stopped-before, "
+                   "engine-stopped-during, region-revoked, trainer-killed-during, "
+                   "nic-link-down, nic-transient-error."),
     update_timeout_s: float = typer.Option(15.0, help="The controller's update timeout."),
     nic_gbps: float = typer.Option(0.01, help="NIC cap in GB/s, so a fault lands mid-write."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
