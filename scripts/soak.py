@@ -6,7 +6,9 @@ threads) together with the number of keys in every store: the controller's
 barrier store and each process group's TCPStore (hosted by the group's rank 0).
 Then ``--updates`` more updates run back to back (no train step: the same
 weights each time, so any growth is the transfer's own), every process is
-measured again, and the last update is verified byte for byte::
+measured again (and half way, ``mid`` in the JSON: growth that stops is
+warm-up, growth that goes on is a leak), and the last update is verified byte
+for byte::
 
     wt soak --updates 200                # a table: start, end, growth per process
     wt soak --updates 20 --json soak.json
@@ -98,9 +100,12 @@ def soak(fleet: Fleet, updates: int, console: Console, *, first_version: int = 1
         ctl.update(version)
         version += 1
     start_stats, start = measure(fleet), time.perf_counter()
+    mid_stats = None
     with progress_bar(console) as bar:
         task = bar.add_task("updates", total=updates)
-        for _ in range(updates):
+        for i in range(updates):
+            if i == updates // 2:
+                mid_stats = measure(fleet)
             ctl.update(version)
             version += 1
             bar.advance(task)
@@ -112,8 +117,8 @@ def soak(fleet: Fleet, updates: int, console: Console, *, first_version: int = 1
     actors = {}
     for label, s in start_stats.items():
         diff, over = growth(s, end_stats[label])
-        actors[label] = {"start": s, "end": end_stats[label], "growth": diff, "over": over,
-                         "ok": not over}
+        actors[label] = {"start": s, "mid": mid_stats[label], "end": end_stats[label],
+                         "growth": diff, "over": over, "ok": not over}
     return {"updates": updates, "warmup_updates": WARMUP_UPDATES, "seconds": seconds,
             "last_version": version - 1, "tolerance": TOLERANCE, "actors": actors,
             "verified": not problems, "problems": problems,
