@@ -27,6 +27,7 @@ import ray
 from actors.connections import copy_links
 from actors.engine_control import describe_faults, fan_out, next_epoch, wall_deadline
 from actors.inference import layout_key
+from actors.telemetry import replica_versions
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class ReplicaOps:
                                f" {describe_faults(faults)[name]}")
         self._versions[name] = version
         self._paused.discard(name)
+        replica_versions(self.metrics, {name: version})
         log.info("replica %s re-synced to version %d from %s (%d B)", name, version, source,
                  nbytes)
         self._audit_resync(name=name, source=source, version=version, started=started,

@@ -201,6 +201,7 @@ def test_engine_stopped(env, when):
     sent = ray.get([t.wt_nic_stats.remote() for t in ctl.trainers])
     assert ctl.resync("engine1") == version
     assert ray.get([t.wt_nic_stats.remote() for t in ctl.trainers]) == sent
+    assert ctl.metrics.snapshot()["wt_replica_version"][(("replica", "engine1"),)] == version
     assert serving(ctl, "engine1") == [(False, version)] * 2
     assert mismatches(env) == []
     healthy_update(env)
