@@ -82,14 +82,32 @@ def interleave_order(signature: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _greedy_batches(
     nbytes: np.ndarray, bins: np.ndarray, load: np.ndarray, out: np.ndarray
 ) -> None:
-    """Put items (in order) into ``bins``, batch by batch, largest item to lightest bin."""
-    k = len(bins)
-    for start in range(0, len(nbytes), k):
-        b = nbytes[start : start + k]
-        by_size = np.argsort(-b, kind="stable")
-        lightest = bins[np.argsort(load[bins], kind="stable")[: len(b)]]
-        out[start + by_size] = lightest
-        load[lightest] += b[by_size]
+    """Put items (in order) into ``bins``, batch by batch, largest item to lightest bin.
+
+    Batches are rows of a matrix (the last one padded with empty items, which land
+    on the heaviest bins and add nothing): the item order of every batch is one
+    vectorized sort, and only the bin order, which depends on the loads so far,
+    is sorted batch by batch (ties: the order of ``bins``; items: input order).
+    """
+    k, n = len(bins), len(nbytes)
+    if n == 0:
+        return
+    rows = -(-n // k)
+    sizes = np.zeros(rows * k, dtype=np.int64)
+    sizes[:n] = nbytes
+    sizes = sizes.reshape(rows, k)
+    by_size = np.argsort(-sizes, axis=1, kind="stable")
+    sizes = np.take_along_axis(sizes, by_size, axis=1)
+    bin_load = load[bins].astype(np.int64)
+    slot = np.empty((rows, k), dtype=np.int64)
+    for i in range(rows):
+        lightest = np.argsort(bin_load, kind="stable")
+        slot[i] = lightest
+        bin_load[lightest] += sizes[i]
+    load[bins] = bin_load
+    pos = (np.arange(rows, dtype=np.int64)[:, None] * k + by_size).ravel()
+    keep = pos < n
+    out[pos[keep]] = bins[slot.ravel()[keep]]
 
 
 def assign_sources(

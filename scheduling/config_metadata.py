@@ -23,6 +23,7 @@ from __future__ import annotations
 from scheduling.cluster import ClusterConfig
 from scheduling.match import layout_specs
 from weight_transfer.models import ModelConfig, trainer_param_specs
+from weight_transfer.shard_geometry import gc_paused
 from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,
@@ -47,6 +48,11 @@ def trainer_meta_from_config(
     cfg: ModelConfig, cluster: ClusterConfig, *, expert_naming: str = "per_expert"
 ) -> TrainerMeta:
     """Trainer parameters of ``cfg`` placed on the cluster's meshes (see module docstring)."""
+    with gc_paused():  # ~10^5 acyclic records: GC passes over them cost more than building
+        return _trainer_meta(cfg, cluster, expert_naming)
+
+
+def _trainer_meta(cfg: ModelConfig, cluster: ClusterConfig, expert_naming: str) -> TrainerMeta:
     dense = cluster.dense_mesh()
     experts = cluster.expert_meshes()
     stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
@@ -92,7 +98,11 @@ def engine_metas_from_config(
     cfg: ModelConfig, cluster: ClusterConfig, *, fp8: bool | None = None
 ) -> list[EngineRankMeta]:
     """Every inference rank of the cluster with its tensors in one synthetic region."""
-    fp8 = cluster.inference.fp8 if fp8 is None else fp8
+    with gc_paused():  # ~10^5 acyclic records per cluster: see trainer_meta_from_config
+        return _engine_metas(cfg, cluster, cluster.inference.fp8 if fp8 is None else fp8)
+
+
+def _engine_metas(cfg: ModelConfig, cluster: ClusterConfig, fp8: bool) -> list[EngineRankMeta]:
     layouts: dict[ShardSpec, tuple[list[tuple[str, tuple[int, ...], str, int]], int]] = {}
     out = []
     inf = cluster.inference
@@ -114,10 +124,10 @@ def engine_metas_from_config(
                 index=replica * inf.gpus_per_replica + local,
                 length=length,
             )
-            tensors = tuple(
+            tensors = tuple([
                 EngineTensorMeta(name=n, shape=shape, dtype=dt, region=region, offset=off)
                 for n, shape, dt, off in rows
-            )
+            ])
             out.append(
                 EngineRankMeta(
                     replica=name, rank=local, node=node, nic=nic, shard=shard, tensors=tensors

@@ -64,19 +64,21 @@ def piece_nbytes(src_shape: tuple[int, ...], transform: Transform, dst_dtype: st
 def _check_blocks(lay: TensorLayout, shapes: dict, shard: ShardSpec) -> None:
     """ValueError if a quantized tensor's shard cuts an FP8 block (each geometry once:
     the experts of a layer repeat one)."""
-    seen = set()
-    for seg in lay.segments:
-        full = shapes[seg.src].shape
-        if (seg.rect, seg.r0, full) in seen:
-            continue
-        seen.add((seg.rect, seg.r0, full))
-        n = seg.rect[-2][1] - seg.rect[-2][0]
-        bad = block_cuts(seg.rect, full, (seg.r0, seg.r0 + n), lay.shape[-2])
+    geometries = dict.fromkeys((seg.rect, seg.r0, seg.src) for seg in lay.segments)
+    for rect, r0, full in dict.fromkeys((g[0], g[1], shapes[g[2]].shape) for g in geometries):
+        n = rect[-2][1] - rect[-2][0]
+        bad = block_cuts(rect, full, (r0, r0 + n), lay.shape[-2])
         if bad:
+            src = next(s.src for s in lay.segments if s.rect == rect and s.r0 == r0)
             raise ValueError(
                 f"FP8 {FP8_BLOCK}x{FP8_BLOCK} blocks cut by the layout of {lay.rule.engine} "
-                f"on {shard} (from {seg.src}): " + "; ".join(bad)
+                f"on {shard} (from {src}): " + "; ".join(bad)
             )
+
+
+def _rect_bytes(rects, esize: int) -> dict:
+    """Bytes of each distinct rectangle (the experts of a tensor share one)."""
+    return {r: math.prod([b - a for a, b in r]) * esize for r in dict.fromkeys(rects)}
 
 
 def _pieces_of(lay: TensorLayout, fp8: bool, shapes: dict, shard: ShardSpec) -> list[Piece]:
@@ -85,38 +87,27 @@ def _pieces_of(lay: TensorLayout, fp8: bool, shapes: dict, shard: ShardSpec) -> 
     name, dtype = lay.rule.engine, FP8_DTYPE if quant else lay.rule.dtype
     esize = dtype_size(dtype)
     transform = Transform.FP8_WEIGHT if quant else Transform.COPY
+    segs = lay.segments
+    sizes = _rect_bytes([seg.rect for seg in segs], esize)
     out = [
-        Piece(
-            dst_tensor=name,
-            dst_offset=(seg.b0 * rows + seg.r0) * cols * esize,
-            nbytes=math.prod([b - a for a, b in seg.rect]) * esize,
-            dst_dtype=dtype,
-            src_param=seg.src,
-            src_slice=seg.rect,
-            transform=transform,
-        )
-        for seg in lay.segments
+        Piece(dst_tensor=name, dst_offset=(seg.b0 * rows + seg.r0) * cols * esize,
+              nbytes=sizes[seg.rect], dst_dtype=dtype, src_param=seg.src, src_slice=seg.rect,
+              transform=transform)
+        for seg in segs
     ]
     if not quant:
         return out
     _check_blocks(lay, shapes, shard)
     srows, scols = scale_shape(lay.shape)[-2:]
-    sname, sizes = scale_name(name), {}
-    for seg in lay.segments:
-        if seg.rect not in sizes:
-            src_shape = tuple(b - a for a, b in seg.rect)
-            sizes[seg.rect] = piece_nbytes(src_shape, Transform.FP8_SCALE, SCALE_DTYPE)
-        out.append(
-            Piece(
-                dst_tensor=sname,
-                dst_offset=(seg.b0 * srows + seg.r0 // FP8_BLOCK) * scols * 4,
-                nbytes=sizes[seg.rect],
-                dst_dtype=SCALE_DTYPE,
-                src_param=seg.src,
-                src_slice=seg.rect,
-                transform=Transform.FP8_SCALE,
-            )
-        )
+    sname = scale_name(name)
+    sizes = {r: piece_nbytes(tuple(b - a for a, b in r), Transform.FP8_SCALE, SCALE_DTYPE)
+             for r in sizes}
+    out += [
+        Piece(dst_tensor=sname, dst_offset=(seg.b0 * srows + seg.r0 // FP8_BLOCK) * scols * 4,
+              nbytes=sizes[seg.rect], dst_dtype=SCALE_DTYPE, src_param=seg.src,
+              src_slice=seg.rect, transform=Transform.FP8_SCALE)
+        for seg in segs
+    ]
     return out
 
 
