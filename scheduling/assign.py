@@ -100,8 +100,9 @@ def _greedy_batches(
     sizes = np.take_along_axis(sizes, by_size, axis=1)
     bin_load = load[bins].astype(np.int64)
     slot = np.empty((rows, k), dtype=np.int64)
+    argsort = bin_load.argsort  # the method: no dispatch wrapper in this hot loop
     for i in range(rows):
-        lightest = np.argsort(bin_load, kind="stable")
+        lightest = argsort(kind="stable")
         slot[i] = lightest
         bin_load[lightest] += sizes[i]
     load[bins] = bin_load

@@ -51,11 +51,13 @@ GATHER_ORDERS = ("interleaved", "canonical")
 
 
 def _param_index(params: Sequence[ParamMeta]) -> dict[str, int]:
-    index: dict[str, int] = {}
-    for i, p in enumerate(params):
-        if p.name in index:
-            raise ValueError(f"trainer parameter {p.name!r} listed twice")
-        index[p.name] = i
+    index = {p.name: i for i, p in enumerate(params)}
+    if len(index) != len(params):
+        seen: set[str] = set()
+        for p in params:
+            if p.name in seen:
+                raise ValueError(f"trainer parameter {p.name!r} listed twice")
+            seen.add(p.name)
     return index
 
 
@@ -295,8 +297,8 @@ def build_plan(
         send_nics=tuple(tr.send_nics),
         recv_nics=tuple(recv_nic_ids),
         meshes=tuple(tr.meshes),
-        mesh_group=tuple(int(g) for g in tr.mesh_group),
-        param_mesh=tuple(int(m) for m in tr.param_mesh),
+        mesh_group=tuple(tr.mesh_group.tolist()),
+        param_mesh=tuple(tr.param_mesh.tolist()),
         group_params=tuple(group_params),
         task_piece=task_piece.astype(np.int32),
         task_src=task_src.astype(np.int32),

@@ -56,24 +56,22 @@ def _trainer_meta(cfg: ModelConfig, cluster: ClusterConfig, expert_naming: str) 
     dense = cluster.dense_mesh()
     experts = cluster.expert_meshes()
     stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
-    params = []
     n_experts = cfg.n_experts  # a property that looks the architecture up: once, not per param
-    for spec in trainer_param_specs(cfg, expert_naming=expert_naming):
-        mesh: MeshDesc = dense
-        placements = _SHARD0
+    expert_mesh = [experts[cluster.expert_mesh_index(e, n_experts)] for e in range(n_experts)]
+
+    def place(spec) -> tuple[MeshDesc, tuple[Placement, ...]]:
         if spec.expert is not None:
-            mesh = experts[cluster.expert_mesh_index(spec.expert, n_experts)]
-        elif _is_stacked_expert(spec.name, spec.shape):
-            mesh, placements = stacked_mesh, stacked_placements
-        params.append(
-            ParamMeta(
-                name=spec.name,
-                shape=spec.shape,
-                dtype=spec.dtype,
-                mesh=mesh,
-                placements=placements,
-            )
-        )
+            return expert_mesh[spec.expert], _SHARD0
+        if _is_stacked_expert(spec.name, spec.shape):
+            return stacked_mesh, stacked_placements
+        return dense, _SHARD0
+
+    params = [
+        ParamMeta(name=spec.name, shape=spec.shape, dtype=spec.dtype, mesh=mesh,
+                  placements=placements)
+        for spec in trainer_param_specs(cfg, expert_naming=expert_naming)
+        for mesh, placements in (place(spec),)
+    ]
     return TrainerMeta(params=tuple(params), ranks=cluster.rank_infos())
 
 

@@ -162,15 +162,17 @@ def piece_table(
 ) -> PieceTable:
     """Columns of ``pieces``; a source parameter the trainer lacks is a ValueError."""
     n = len(pieces)
-    missing = sorted({p.src_param for p in pieces if p.src_param not in param_index})
-    if missing:
+    try:
+        param = np.fromiter(map(param_index.__getitem__, map(_SRC, pieces)), np.int64, count=n)
+    except KeyError:
+        missing = sorted({p.src_param for p in pieces if p.src_param not in param_index})
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ValueError(
             f"{len(missing)} source parameter(s) of engine pieces are not trainer "
             f"parameters: {shown}"
-        )
+        ) from None
     return PieceTable(
-        param=np.fromiter(map(param_index.__getitem__, map(_SRC, pieces)), np.int64, count=n),
+        param=param,
         name=names.many(list(map(_DST, pieces))),
         offset=np.fromiter(map(_DST_OFFSET, pieces), np.int64, count=n),
         nbytes=np.fromiter(map(_NBYTES, pieces), np.int64, count=n),
