@@ -139,7 +139,8 @@ def bench_designs(
     model: Path | None = typer.Option(
         Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
-    nic_gbps: float = typer.Option(0.5, help="NIC cap in GB/s, ours (simnic) and baselines."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
+                                              "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
     designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
