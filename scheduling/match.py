@@ -93,6 +93,8 @@ def _shape_problems(
 
 
 def _rename(pieces: list[Piece], actual: dict[str, str]) -> list[Piece]:
+    if all(k == v for k, v in actual.items()):  # no wrapper prefixes: nothing to rename
+        return pieces
     if all(actual.get(p.src_param, p.src_param) == p.src_param for p in pieces):
         return pieces
     return [dataclasses.replace(p, src_param=actual.get(p.src_param, p.src_param)) for p in pieces]
