@@ -19,8 +19,9 @@ a fabric where a GPU prepares far faster than its NIC sends):
   against pipelined would measure CPU sharing between ranks, not overlap within one;
 * ``--nic-gbps 0.2``: a simnic WRITE is a memcpy on the same cores that
   quantize, while a real RDMA WRITE costs the sender's CPU nothing; at 0.2 GB/s
-  the link takes about twice the FP8 prepare work of a rank on a quiet host,
-  so the link binds and the prepare work is there to hide;
+  the link takes 1.27 s per rank, more than a rank's FP8 prepare work on a
+  quiet host (1.0-1.6 s measured at load average 18-35), so the link binds
+  and the prepare work is there to hide;
 * ``--bucket-bytes 16M``: the pipeline's items are gather buckets; with the
   default 64 MiB a mesh group of bench_moe is 3 items and the first prepare
   and the last write of each group cannot overlap anything.
