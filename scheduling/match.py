@@ -20,6 +20,7 @@ renamed to the trainer's own names so that tasks name what the trainer holds::
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Sequence
 
 from weight_transfer.engine_layout import (
@@ -32,6 +33,7 @@ from weight_transfer.naming import TIED_ALIASES, canonical_trainer_name, matches
 from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TensorSpec, TrainerMeta
 
 MAX_LISTED = 50
+_NAME_SHAPE_DTYPE = operator.attrgetter("name", "shape", "dtype")
 
 
 def _listing(title: str, problems: list[str]) -> str:
@@ -54,7 +56,10 @@ def engine_problems(
 ) -> list[str]:
     """Differences between what engines expose and ``expected[shard][name] = (shape, dtype)``."""
     problems = []
+    agree = {s: tuple((n, *v) for n, v in want.items()) for s, want in expected.items()}
     for e in engines:
+        if tuple(map(_NAME_SHAPE_DTYPE, e.tensors)) == agree[e.shard]:
+            continue  # the common case at scale, checked without building dicts
         want = expected[e.shard]
         where = f"{e.replica} rank {e.rank}"
         have = {t.name: t for t in e.tensors}
@@ -88,6 +93,8 @@ def _shape_problems(
 
 
 def _rename(pieces: list[Piece], actual: dict[str, str]) -> list[Piece]:
+    if all(k == v for k, v in actual.items()):  # no wrapper prefixes: nothing to rename
+        return pieces
     if all(actual.get(p.src_param, p.src_param) == p.src_param for p in pieces):
         return pieces
     return [dataclasses.replace(p, src_param=actual.get(p.src_param, p.src_param)) for p in pieces]

@@ -118,16 +118,20 @@ def bench_transport(
 @bench_app.command("pipeline")
 def bench_pipeline(
     model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
-    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    cluster: Path = typer.Option(Path("configs/clusters/bench_pipeline.yaml"),
+                                 help="Cluster YAML (default: one trainer rank per core)."),
     fp8: bool = typer.Option(True, help="FP8 engines (quantize while writing)."),
-    nic_gbps: float = typer.Option(0.1, help="Trainer NIC cap in GB/s (see the docstring)."),
+    nic_gbps: float = typer.Option(0.2, help="Trainer NIC cap in GB/s (see the docstring)."),
     watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
+    repeats: int = typer.Option(3, min=1, help="Runs per mode (interleaved); the median."),
+    bucket_bytes: str = typer.Option("16M", help="Gather bucket size (pipeline items)."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """The same plan run serially and pipelined, with the speedup."""
     from scripts.bench_pipeline import run
 
-    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path))
+    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path, repeats,
+                         bucket_bytes))
 
 
 @bench_app.command("gather")
@@ -166,7 +170,8 @@ def bench_designs(
     model: Path | None = typer.Option(
         Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
-    nic_gbps: float = typer.Option(0.5, help="NIC cap in GB/s, ours (simnic) and baselines."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
+                                              "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
     designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
