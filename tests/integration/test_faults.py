@@ -42,7 +42,7 @@ def env():
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     cfg = TransferConfig.from_files(
         CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
-        update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10, setup_timeout_s=60,
+        update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
         nic_gbps=0.01)  # about 0.2-0.5 s of writes per update: long enough to hit one
     trainers = launch_trainers(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=launch_engines(cfg), config=cfg)
