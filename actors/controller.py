@@ -30,9 +30,14 @@ An update: every replica is paused (unless ``pause_during_update`` is off);
 every trainer gets ``wt_update(version)`` (the only argument that crosses
 Ray) and replays its static plan with one-sided writes; a replica is resumed
 with the new version only after every trainer reported that all its writes of
-that version landed. Any failure marks the replicas that missed bytes torn
+that version landed and, where ``config.integrity`` hashed WRITEs, every engine
+rank of the replica holds ranges that hash as the trainers' source bytes did
+(:mod:`actors.integrity_check`). Any failure marks the replicas that missed bytes
+(or hold other bytes) torn
 (``None`` in :meth:`weights_version`); they stay paused, so they never serve a
-torn version, until a later update succeeds. The error names the ranks.
+torn version, until a later update succeeds. The error names the ranks (and,
+for a checksum mismatch, the replica, rank, tensor, range and both checksums).
+With ``config.audit_path``, every update appends one JSON line (:mod:`actors.audit`).
 """
 
 from __future__ import annotations
@@ -40,15 +45,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
+from actors.audit import AuditLog
 from actors.config import TransferConfig
 from actors.connections import Connector, copy_links, plan_links
 from actors.groups import host_store, node_ip
 from actors.inference import layout_key
+from actors.integrity_check import IntegrityResult, verify_update
 from actors.ledger import ControlLedger
 from actors.messages import PlanSummary, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
@@ -121,6 +128,9 @@ class WeightTransferController:
         self._current: int | None = None
         self.metrics = actor_metrics(config.metrics)
         self.progress: ProgressHook | None = None  # hook(phase, done, total) while waiting
+        self.audit = AuditLog(config.audit_path) if config.audit_path is not None else None
+        # Test hook: called with the version after the trainers' writes, before the check.
+        self.after_transfer: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -239,7 +249,7 @@ class WeightTransferController:
                 self.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
                 rank_info=self._rank_infos[rank], barrier_timeout_s=cfg.barrier_timeout_s,
                 watermark_bytes=cfg.watermark_bytes, transport=cfg.transport_spec,
-                metrics=cfg.metrics)
+                metrics=cfg.metrics, integrity=cfg.integrity, retry=cfg.retry)
 
         links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
         self._connector.connect(links, phase="distribute the plan",
@@ -267,6 +277,7 @@ class WeightTransferController:
         """
         self._check_version(version)
         self._attempted = version
+        started_wall = time.time()  # audit record
         offset = UpdateClock.wall_offset()
         snap, start = self.ledger.snapshot(), time.perf_counter()
         names = list(self.replicas)
@@ -277,16 +288,27 @@ class WeightTransferController:
         paused_at = time.perf_counter()
         reports, errors = self._run_trainers(version, bool(trace))
         transfer_done = time.perf_counter()
+        if self.after_transfer is not None:  # test hook: between the writes and the check
+            self.after_transfer(version)
         torn = set()
         for rank in errors:
             torn.update(self.summary.replicas_by_rank.get(rank, names))
         for rep in reports.values():
             torn.update(rep.failed_replicas)
+        # Integrity (actors.integrity_check): after the writes, before any resume.
+        check = verify_update(
+            policy=self.config.integrity, reports=list(reports.values()),
+            replicas={n: self.replicas[n] for n in names if n not in torn},
+            metas=self._engine_metas, call=self.ledger.call, get=self.ledger.get,
+            timeout_s=self.config.update_timeout_s)
+        torn.update(check.torn)
         good = [n for n in names if n not in torn]
         self._finish(version, good, sorted(torn))
         if errors or torn:
             record_failure(self.metrics, errors, reports, sorted(torn), self._versions)
-            raise self._update_error(version, reports, errors, sorted(torn))
+            err = self._update_error(version, reports, errors, sorted(torn), check)
+            self._audit_update(version, started_wall, reports, check, names, err)
+            raise err
         self._current = version
         nbytes, calls = self.ledger.since(snap)
         end = time.perf_counter()
@@ -296,8 +318,10 @@ class WeightTransferController:
             version=version, seconds=end - start, per_rank=list(reports.values()),
             pause_seconds=paused_at - start, resume_seconds=end - transfer_done,
             control_bytes=nbytes, control_calls=calls, replicas=tuple(names),
-            trace=self._trace(version, clock, list(reports.values())) if trace else None)
+            trace=self._trace(version, clock, list(reports.values())) if trace else None,
+            integrity=check.as_dict())
         record_success(self.metrics, report, self._versions)
+        self._audit_update(version, started_wall, reports, check, names, None)
         if trace and not isinstance(trace, bool):
             write_chrome_trace(trace, [report.trace])
         return report
@@ -358,17 +382,32 @@ class WeightTransferController:
             log.error("could not hold torn replicas %s: %s", torn, err)
 
     def _update_error(self, version: int, reports: dict[int, RankReport],
-                      errors: dict[int, str], torn: list[str]) -> UpdateError:
+                      errors: dict[int, str], torn: list[str],
+                      check: IntegrityResult | None = None) -> UpdateError:
         problems = dict(errors)
         for rank, rep in sorted(reports.items()):
             for f in rep.failures:
                 problems[rank] = (f"{f.count} writes ({f.nbytes} B) into {f.replica} "
                                   f"({f.owner}) failed: {f.error}")
         listed = "; ".join(f"trainer rank {r}: {msg}" for r, msg in sorted(problems.items()))
-        msg = (f"update to version {version} failed on trainer ranks {sorted(problems)}: "
-               f"{listed}. Replicas {torn} are torn (weights_version None) and stay paused")
+        parts = [f"on trainer ranks {sorted(problems)}: {listed}"] if problems else []
+        if check is not None and not check.ok:
+            parts.append(check.message())
+        msg = (f"update to version {version} failed {'; '.join(parts)}. "
+               f"Replicas {torn} are torn (weights_version None) and stay paused")
         log.error(msg)
         return UpdateError(msg, version=version, ranks=problems, torn=torn)
+
+    def _audit_update(self, version: int, started_at: float, reports: dict[int, RankReport],
+                      check: IntegrityResult, names: list[str], err: Exception | None) -> None:
+        """One line in the audit log (actors.audit), if the configuration names one."""
+        if self.audit is not None:
+            self.audit.record_update(
+                version=version, started_at=started_at, finished_at=time.time(),
+                reports=list(reports.values()), integrity=check, replicas=names,
+                outcome="ok" if err is None else "failed",
+                torn=[] if err is None else getattr(err, "torn", []),
+                error=None if err is None else str(err))
 
     # ------------------------------------------------------------------ replicas
 

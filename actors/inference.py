@@ -21,7 +21,9 @@ for these NICs). During an update the rank runs no code: trainers write
 straight into the registered memory; the controller only calls ``wt_pause()``
 before and ``wt_resume(version)`` after. ``wt_copy_to(meta)`` writes this
 rank's registered buffers into the same layout of another replica, connected
-the same way (a new replica fetches a version from a peer).
+the same way (a new replica fetches a version from a peer). After an update the
+controller may ask ``wt_checksum(ranges)``: the checksums of written ranges of the
+registered memory, to compare with the trainers' (:mod:`actors.integrity_check`).
 
 ``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
@@ -37,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -44,6 +47,7 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
+from weight_transfer.integrity import checksum_ranges
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -94,6 +98,7 @@ class InferenceMixin:
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
         self._wt_shard, self._wt_nic_names = shard, list(nics)
         self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
+        self._wt_buffers: dict[int, torch.Tensor] = {}  # region addr -> its bytes (uint8)
         self._wt_spec: TransportSpec | None = None
         self._wt_default_spec = transport or DEFAULT_TRANSPORT
         self._wt_meta = None
@@ -142,6 +147,7 @@ class InferenceMixin:
                 nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
                                                       address=address)
             region = nic.register(buf)
+            self._wt_buffers[region.addr] = buf.reshape(-1).view(torch.uint8)
             tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
                                          offset=offset) for n, shape, dtype, offset in entries]
         log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
@@ -222,6 +228,24 @@ class InferenceMixin:
         log.info("%s copied %d B into %s/tp%d", self._wt_owner, nbytes, dst.replica, dst.rank)
         return nbytes
 
+    # ------------------------------------------------------------------ integrity
+
+    def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
+        registered memory (:func:`weight_transfer.integrity.checksum_ranges`)."""
+        self.wt_engine_meta()
+        return checksum_ranges(self._wt_buffers, ranges)
+
+    def wt_flip_byte(self, tensor: str, offset: int = 0) -> None:
+        """Fault injection: invert one byte of ``tensor`` in the registered memory, as a
+        corrupted WRITE would leave it."""
+        meta = self.wt_engine_meta()
+        t = next((t for t in meta.tensors if t.name == tensor), None)
+        if t is None or not 0 <= offset < t.nbytes:
+            raise ValueError(f"{self._wt_owner}: no byte {offset} of tensor {tensor!r}")
+        buf = self._wt_buffers[t.region.addr]
+        buf[t.offset + offset] ^= 0xFF
+
     def wt_nic_stats(self) -> dict[str, int]:
         nics = self._wt_nics.values()
         return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
@@ -241,6 +265,7 @@ class InferenceMixin:
         for nic in self._wt_nics.values():
             nic.close()
         self._wt_nics, self._wt_meta, self._wt_spec = {}, None, None
+        self._wt_buffers = {}
 
 
 class InferenceWorker(InferenceMixin, GroupMember):

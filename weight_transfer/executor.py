@@ -37,8 +37,17 @@ tensor in its dtype straight from that tensor; only pieces that must be cut,
 cast or quantized go through the arena. ``staging=False`` allocates every
 materialized piece afresh (the baseline of ``wt bench staging``).
 
+Every WRITE goes through a :class:`~weight_transfer.retry.RetryingWriter`:
+with ``retry`` (a :class:`~weight_transfer.retry.RetryPolicy`; default: no
+retry) a transient error (link down) is retried, counted in the report's
+``retries``. With ``integrity`` (an
+:class:`~weight_transfer.integrity.IntegrityPolicy`; default off) the exact
+source bytes of every selected WRITE that landed are hashed; the report's
+``checksums`` hold them per engine rank, for the controller to compare with
+what the engine holds. ``dest_bytes`` counts landed bytes per engine rank.
+
 A WRITE that fails with a :class:`~weight_transfer.transport.base.TransportError`
-aborts the run, unless ``on_write_error`` is given: then the failed task is
+(after its retries) aborts the run, unless ``on_write_error`` is given: then the failed task is
 handed to it and the rank goes on gathering and joining barriers (the other
 ranks of its meshes wait for it in every ``full_tensor()``). The report's
 ``bytes_written`` and ``writes`` count only the WRITEs that completed;
@@ -75,9 +84,11 @@ from weight_transfer.gather import (
     plan_buckets,
     reserve_bytes,
 )
+from weight_transfer.integrity import ChecksumLog, IntegrityPolicy, RangeSums, checksum
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.retry import RetryingWriter, RetryPolicy
 from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, Piece, WriteTask
@@ -197,6 +208,9 @@ class TransferReport:
     spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
     task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
     barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
+    retries: int = 0  # WRITEs tried again after a transient error (weight_transfer.retry)
+    checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
+    dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
 
 
 class RankTransfer:
@@ -220,6 +234,8 @@ class RankTransfer:
         gather: str = "bucket",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         record_collectives: bool = False,
+        integrity: IntegrityPolicy | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
@@ -244,7 +260,10 @@ class RankTransfer:
         self.serial = serial
         self.on_write_error = on_write_error
         self.metrics = metrics
+        self.integrity = integrity or IntegrityPolicy(mode="off")
+        self.retry = retry or RetryPolicy(attempts=1)
         self._task_spans: list[Span] = []
+        self._run = _RunState(version=0, writer=RetryingWriter(transport, self.retry))
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
         self.device_memory = bool(getattr(transport, "supports_device_memory", False))
         # A NIC that needs no source registration (simnic) writes a piece that already is a
@@ -329,8 +348,9 @@ class RankTransfer:
 
     async def _write_task(self, buf: torch.Tensor, task: WriteTask) -> None:
         start = time.perf_counter()
+        src, run = self._source(buf), self._run
         try:
-            await self.transport.write(self._source(buf), task.region, task.region_offset)
+            await run.writer.write(src, task.region, task.region_offset)
         except TransportError as exc:
             if self.metrics is not None:
                 self.metrics.failure(type(exc).__name__)
@@ -338,6 +358,7 @@ class RankTransfer:
                 raise
             self.on_write_error(task, exc)
             return
+        run.landed(task, src, self.integrity)
         self._task_spans.append(
             Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
                  nbytes=task.nbytes)
@@ -364,6 +385,8 @@ class RankTransfer:
         spans: list[Span] = []
         barriers: list[Span] = []
         self._task_spans: list[Span] = []
+        self._run = run = _RunState(version=version,
+                                    writer=RetryingWriter(self.transport, self.retry))
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
         barrier_s = 0.0
@@ -391,6 +414,9 @@ class RankTransfer:
             spans=tuple(spans),
             task_spans=tuple(self._task_spans),
             barrier_spans=tuple(barriers),
+            retries=run.writer.retries,
+            checksums=run.sums.ranges(),
+            dest_bytes=dict(run.dest_bytes),
         )
         if self.metrics is not None:
             self.metrics.nic_transfer(nic=str(getattr(self.transport, "nic", "?")),
@@ -407,6 +433,24 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+@dataclass(slots=True)
+class _RunState:
+    """One run's WRITE bookkeeping: retries, bytes per engine rank, checksums."""
+
+    version: int
+    writer: RetryingWriter
+    sums: ChecksumLog = field(default_factory=ChecksumLog)
+    dest_bytes: dict[str, int] = field(default_factory=dict)
+
+    def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
+        dest = f"{task.dst_replica}/tp{task.dst_rank}"
+        self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
+        if policy.selects(task.task_id, self.version):
+            self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
+                          addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
+                          value=checksum(src))
 
 
 def to_device(local: Any, device: torch.device) -> Any:

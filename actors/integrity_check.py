@@ -1,0 +1,154 @@
+"""After an update, before resume: do the engines hold the bytes the trainers wrote?
+
+The trainers' reports carry the checksums of the WRITEs the integrity policy
+selected (:mod:`weight_transfer.integrity`, per engine rank); every engine rank
+of a replica that got all its writes hashes the same ranges of its registered
+memory (``wt_checksum``, all ranks at once), and the two are compared here. A
+replica with a mismatch, or whose rank could not answer within the timeout,
+is torn: the controller keeps it paused and reports it::
+
+    result = verify_update(policy=cfg.integrity, reports=rank_reports,
+                           replicas={"engine0": [tp0, tp1]}, metas=engine_metas,
+                           call=ledger.call, get=ledger.get, timeout_s=120)
+    result.torn          # ["engine0"] if any range differs
+    result.message()     # replica, rank, tensor, range, expected and actual checksum
+    result.as_dict()     # mode, ranges, bytes, seconds, ok, mismatches (the audit log's)
+
+A torn replica is re-synced from a peer elsewhere (the controller); this
+module only finds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from weight_transfer.integrity import (
+    ADDR,
+    ALGORITHM,
+    CHECKSUM,
+    LENGTH,
+    OFFSET,
+    TASK,
+    IntegrityPolicy,
+    merge_ranges,
+)
+from weight_transfer.types import EngineRankMeta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mismatch:
+    """One range whose engine bytes do not hash as the trainer's did (or that could not
+    be checked: ``actual`` None and ``error`` says why)."""
+
+    replica: str
+    rank: int
+    tensor: str  # the engine tensor the range starts in ("" if none)
+    tensor_offset: int  # where the range starts in that tensor
+    length: int
+    task: int
+    expected: int
+    actual: int | None
+    error: str = ""
+
+    def describe(self) -> str:
+        where = (f"{self.replica}/tp{self.rank} tensor {self.tensor!r} bytes "
+                 f"[{self.tensor_offset}, {self.tensor_offset + self.length}) (task {self.task})")
+        if self.actual is None:
+            return f"{where}: not checked: {self.error}"
+        return (f"{where}: {ALGORITHM} expected {self.expected:#018x}, "
+                f"engine holds {self.actual:#018x}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntegrityResult:
+    """What one update's check found."""
+
+    mode: str
+    ranges: int  # ranges compared
+    bytes: int  # engine bytes they cover
+    seconds: float
+    mismatches: tuple[Mismatch, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def torn(self) -> list[str]:
+        return sorted({m.replica for m in self.mismatches})
+
+    def message(self, limit: int = 5) -> str:
+        shown = "; ".join(m.describe() for m in self.mismatches[:limit])
+        more = f"; and {len(self.mismatches) - limit} more" if len(self.mismatches) > limit else ""
+        return (f"integrity check ({self.mode}) failed for replicas {self.torn}: "
+                f"{shown}{more}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "algorithm": ALGORITHM, "ranges": self.ranges,
+                "bytes": self.bytes, "seconds": self.seconds, "ok": self.ok,
+                "mismatches": [m.describe() for m in self.mismatches[:20]]}
+
+
+def _tensor_at(meta: EngineRankMeta | None, addr: int, offset: int) -> tuple[str, int]:
+    for t in meta.tensors if meta is not None else ():
+        if t.region.addr == addr and t.offset <= offset < t.offset + t.nbytes:
+            return t.name, offset - t.offset
+    return "", offset
+
+
+def _mismatch(replica: str, rank: int, meta: EngineRankMeta | None, row: np.ndarray,
+              actual: int | None, error: str = "") -> Mismatch:
+    task, addr, offset, length, expected = (int(v) for v in row[[TASK, ADDR, OFFSET, LENGTH,
+                                                                  CHECKSUM]])
+    tensor, at = _tensor_at(meta, addr, offset)
+    return Mismatch(replica=replica, rank=rank, tensor=tensor, tensor_offset=at, length=length,
+                    task=task, expected=expected, actual=actual, error=error)
+
+
+def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
+                  replicas: Mapping[str, Sequence[Any]],
+                  metas: Mapping[str, Sequence[EngineRankMeta]],
+                  call: Callable[..., Any], get: Callable[[Any], Any],
+                  timeout_s: float) -> IntegrityResult:
+    """Compare the checksums in ``reports`` (RankReports) for the ranks of ``replicas``
+    with what those engine ranks hold; see the module docstring."""
+    start = time.perf_counter()
+    rows = {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
+            .items() if k[0] in replicas and len(v)}
+    if not policy.enabled or not rows:
+        return IntegrityResult(mode=policy.mode, ranges=0, bytes=0,
+                               seconds=time.perf_counter() - start)
+    keys = sorted(rows)
+    refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
+            for rep, rank in keys]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    found: list[Mismatch] = []
+    for (rep, rank), ref in zip(keys, refs, strict=True):
+        want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
+        if ref in pending:
+            found.append(_mismatch(rep, rank, meta, want[0], None,
+                                   f"did not answer within {timeout_s:g} s"))
+            continue
+        try:
+            got = np.asarray(get(ref), dtype=np.uint64)
+        except (ray.exceptions.RayError, ValueError) as err:
+            found.append(_mismatch(rep, rank, meta, want[0], None,
+                                   f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+            continue
+        for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
+            found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
+    merged = np.concatenate([rows[k] for k in keys])
+    return IntegrityResult(mode=policy.mode, ranges=len(merged),
+                           bytes=int(merged[:, LENGTH].sum()),
+                           seconds=time.perf_counter() - start, mismatches=tuple(found))
+
+
+def _meta(metas: Mapping[str, Sequence[EngineRankMeta]], replica: str,
+          rank: int) -> EngineRankMeta | None:
+    return next((m for m in metas.get(replica, ()) if m.rank == rank), None)
