@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -266,15 +265,9 @@ class TrainerMixin:
         self._wt_faults().set_link(up)
 
     def wt_flap_link(self, down_s: float) -> None:
-        """Fault injection: bring this rank's NIC link down now and up again ``down_s``
-        seconds later (from a timer thread: the actor may be busy in ``wt_update``)."""
-        faults = self._wt_faults()
-        if not 0 < down_s <= 60:
-            raise ValueError(f"wt_flap_link: down_s must be in (0, 60], not {down_s!r}")
-        faults.set_link(False)
-        timer = threading.Timer(down_s, faults.set_link, args=(True,))
-        timer.daemon = True
-        timer.start()
+        """Fault injection: this rank's NIC link goes down at the start of its next write and
+        up again ``down_s`` seconds later (a transient fault the retry policy rides out)."""
+        self._wt_faults().flap_link(down_s)
 
     def wt_fail_after_bytes(self, nbytes: int | None) -> None:
         """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""

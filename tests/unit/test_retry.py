@@ -3,7 +3,6 @@ a link that stays down reported naming NIC, peer and region, and permanent error
 never retried."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -64,8 +63,7 @@ def test_a_link_flap_during_the_transfer_is_ridden_out_and_counted():
     s = Setup("tiny_llama", fp8=False)
     policy = RetryPolicy(attempts=8, backoff_s=0.02, max_backoff_s=0.2)  # ~0.9 s of patience
     try:
-        s.writer.set_link(False)
-        threading.Timer(0.15, s.writer.set_link, args=(True,)).start()
+        s.writer.flap_link(0.15)  # down from the first write on, for 0.15 s
         reports = run_all(s, retry=policy)
         assert reports[0].retries > 0
         assert sum(r.bytes_written for r in reports) == s.plan.bytes_total

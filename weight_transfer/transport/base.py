@@ -102,6 +102,10 @@ class FaultInjection(Protocol):
         """Bring the link down (writes from and into the NIC fail) or up again."""
         ...
 
+    def flap_link(self, down_s: float) -> None:
+        """Bring the link down at the start of the next write, up ``down_s`` s later."""
+        ...
+
     def fail_after_bytes(self, nbytes: int | None) -> None:
         """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
         ...

@@ -16,7 +16,8 @@ One :class:`SimNic` is one NIC of one process; a process may hold several.
 * ``deregister(desc)`` revokes the region: once it returns, no write lands.
 * Link model: ``bandwidth_gbps`` caps the NIC (1 GB/s = 1e9 B/s), ``latency_us``
   is added to every write, ``max_inflight`` bounds writes in flight (more
-  await), ``set_link(False)`` and ``fail_after_bytes(n)`` inject faults.
+  await), ``set_link(False)``, ``flap_link(s)`` (down for ``s`` seconds from
+  the next write on) and ``fail_after_bytes(n)`` inject faults.
 * Uncapped writes of at most ``inline_bytes`` (default 1 MiB, under ~100 us)
   run on the event loop's thread: the hop to a worker thread costs 40 us and
   more on a busy machine. Larger or capped writes run in worker threads (ctypes
@@ -133,6 +134,7 @@ class SimNic:
         self._sems: weakref.WeakKeyDictionary[Any, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self._wake = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the NIC closes
         self._closed = False
+        self._flap: float | None = None  # flap_link: seconds down, armed for the next write
         self._path = DataPath(
             label=self.label, link=self._link, chunk_bytes=self.chunk_bytes,
             wake_fd=self._wake, is_closed=lambda: self._closed,
@@ -195,6 +197,23 @@ class SimNic:
         self._link.up = bool(up)
         if not self._closed:
             self._table.set_link(bool(up))
+
+    def flap_link(self, down_s: float) -> None:
+        """At the start of the next write, bring the link down for ``down_s`` seconds
+        (a transient fault that surely hits a write: retries then ride it out)."""
+        if isinstance(down_s, bool) or not isinstance(down_s, int | float) or \
+                not 0 < down_s <= 60:
+            raise ValueError(f"SimNic: flap_link down_s must be in (0, 60], not {down_s!r}")
+        self._flap = float(down_s)
+
+    def _start_flap(self) -> None:
+        with self._mutex:
+            down_s, self._flap = self._flap, None
+        if down_s is not None:
+            self.set_link(False)
+            timer = threading.Timer(down_s, lambda: self._closed or self.set_link(True))
+            timer.daemon = True
+            timer.start()
 
     def fail_after_bytes(self, nbytes: int | None) -> None:
         """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
@@ -263,6 +282,8 @@ class SimNic:
             raise ValueError(f"dst_offset must be an int, not {dst_offset!r}")
         check_write_range(dst, dst_offset, mem.nbytes)
         peer = self._peer_for(dst)
+        if self._flap is not None:
+            self._start_flap()
         async with self._semaphore():
             self._link.enter()
             ok = False
