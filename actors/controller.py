@@ -57,7 +57,7 @@ from actors.groups import host_store, node_ip
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_update
 from actors.ledger import ControlLedger
-from actors.messages import PlanSummary, TrainerRankMeta
+from actors.messages import PlanSummary, TrainerRankMeta, check_trainer_metas
 from actors.metrics_ray import actor_metrics
 from actors.placement import trainer_rank_infos
 from actors.reports import RankReport, UpdateReport
@@ -186,6 +186,7 @@ class WeightTransferController:
         metas = self._gather([call(t.wt_param_metas) for t in self.trainers],
                              [f"trainer {i}" for i in range(len(self.trainers))],
                              phase="gather trainer metadata")
+        check_trainer_metas(metas)  # on receipt: ValueError naming the rank and field
         order = sorted(range(len(metas)), key=lambda i: metas[i].rank)
         self.trainers = [self.trainers[i] for i in order]
         self._trainer_metas = [metas[i] for i in order]

@@ -48,6 +48,7 @@ from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from weight_transfer.integrity import checksum_ranges
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -67,6 +68,14 @@ from weight_transfer.types import (
 log = logging.getLogger(__name__)
 
 _KEEP = object()
+
+
+def _byte_view(buf: Any) -> Any:
+    """A flat uint8 view of registered memory (a tensor, an array or a buffer)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.reshape(-1).view(torch.uint8)
+    return np.frombuffer(buf, dtype=np.uint8) if not hasattr(buf, "__array_interface__") \
+        else np.asarray(buf).reshape(-1).view(np.uint8)
 
 
 def regions_of(meta: EngineRankMeta) -> list[RegionDesc]:
@@ -147,7 +156,7 @@ class InferenceMixin:
                 nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
                                                       address=address)
             region = nic.register(buf)
-            self._wt_buffers[region.addr] = buf.reshape(-1).view(torch.uint8)
+            self._wt_buffers[region.addr] = _byte_view(buf)
             tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
                                          offset=offset) for n, shape, dtype, offset in entries]
         log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
@@ -210,6 +219,7 @@ class InferenceMixin:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
         mine = self.wt_engine_meta()
+        check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
         if layout_key(mine) != layout_key(dst):
             raise ValueError(
                 f"{self._wt_owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "

@@ -179,6 +179,7 @@ def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork
                     f"{t.src_rank} group {t.mesh_group}"
                 )
             tasks[t.piece.src_param].append(t)
+            _check_slice(t, metas.get(t.piece.src_param), plan.rank)
         stray = sorted(set(tasks) - set(g.params))
         if stray:
             raise ValueError(
@@ -187,6 +188,18 @@ def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork
             )
         out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
     return out
+
+
+def _check_slice(task: WriteTask, meta: ParamMeta | None, rank: int) -> None:
+    """The task's source rectangle lies inside its parameter (else prepare would read past
+    it or fail mid-update, after other writes landed)."""
+    if meta is None:
+        return  # reported with the other stray parameters
+    sl = task.piece.src_slice
+    if len(sl) != len(meta.shape) or any(not 0 <= a < b <= d
+                                         for (a, b), d in zip(sl, meta.shape, strict=False)):
+        raise ValueError(f"rank {rank} task {task.task_id}: source slice {sl} is not inside "
+                         f"parameter {meta.name!r} of shape {meta.shape}")
 
 
 WriteErrorHook = Callable[[WriteTask, TransportError], None]

@@ -95,6 +95,27 @@ def _check_args(owner: Any, nic: Any, bandwidth_gbps: Any, latency_us: Any) -> N
         raise ValueError(f"SimNic: latency_us must be a number >= 0, not {latency_us!r}")
 
 
+# Each endpoint field's type and, for numbers, its range (a pid, an fd, clock ticks ...).
+_ENDPOINT_TYPES: dict[str, tuple[type, int]] = {
+    "pid": (int, 1 << 22), "start_time": (int, 1 << 63), "table_fd": (int, 1 << 31),
+    "table_nonce": (str, 0), "boot_id": (str, 0), "pid_ns": (int, 1 << 64)}
+
+
+def _check_endpoint(ep: dict, where: str) -> None:
+    """Types and ranges of a simnic endpoint, before any of it is used."""
+    for key, (kind, hi) in _ENDPOINT_TYPES.items():
+        value = ep[key]
+        lo = 1 if key == "pid" else 0
+        if type(value) is not kind or (kind is int and not lo <= value < hi):
+            want = f"an int in [{lo}, {hi})" if kind is int else "a string"
+            raise ValueError(f"{where}: endpoint {key} must be {want}, not {value!r:.40}")
+    try:
+        bytes.fromhex(ep["table_nonce"])
+    except ValueError:
+        raise ValueError(f"{where}: endpoint table_nonce is not hex: "
+                         f"{ep['table_nonce']!r:.40}") from None
+
+
 class SimNic:
     """A simulated RDMA NIC (implements :class:`~weight_transfer.transport.base.Transport`)."""
 
@@ -247,6 +268,7 @@ class SimNic:
         if missing:
             raise ValueError(f"peer info of {peer.owner}/{peer.nic} lacks {missing}")
         ep = peer.endpoint
+        _check_endpoint(ep, f"peer info of {peer.owner}/{peer.nic}")
         label = f"peer {peer.owner}/{peer.nic} (pid {ep['pid']})"
         if (ep["boot_id"], ep["pid_ns"]) != _vm.host_identity():
             raise PeerUnreachableError(
@@ -258,7 +280,7 @@ class SimNic:
                 return
         try:
             proc = _vm.ProcessHandle.open(ep["pid"], start_time=ep["start_time"])
-        except ProcessLookupError as e:
+        except OSError as e:  # gone (ProcessLookupError), or not a process we may open
             raise PeerUnreachableError(f"cannot connect to {label}: {e}") from None
         try:
             table = RemoteTable(ep["pid"], ep["table_fd"], bytes.fromhex(ep["table_nonce"]))
