@@ -17,8 +17,9 @@ process does 2 and 4 on its own NICs):
 
 Each receiver checks what it got before using it (:mod:`weight_transfer.receipt`):
 requests name NICs by strings, peer infos name owner, NIC and the receiving
-NIC's transport, endpoints are mappings with string keys; the backend's
-``connect`` checks its own endpoint fields.
+NIC's transport, endpoints are mappings with string keys; a backend with
+``check_peer(info)`` (simnic) checks its endpoint fields, for every connection
+before any connects.
 
 :func:`unreachable_links` checks, before any NIC is built, that a transport
 bound to one host (simnic; Mooncake on a loopback or a fixed address) is not
@@ -145,6 +146,9 @@ def connect_peers(nics: Mapping[str, Any], conns: Sequence[Connection], *,
         check_str(conn.nic, f"{where}: nic")
         nic = _nic(nics, conn.nic, owner)
         check_peer_info(conn.peer, f"{where} ({conn.nic})", transport=getattr(nic, "kind", None))
+        check_peer = getattr(nic, "check_peer", None)  # the backend's endpoint fields
+        if check_peer is not None:
+            check_peer(conn.peer)
     for conn in conns:
         _nic(nics, conn.nic, owner).connect(conn.peer)
     return len(conns)

@@ -259,16 +259,20 @@ class SimNic:
 
     # ------------------------------------------------------------------ writer side
 
-    def connect(self, peer: PeerInfo) -> None:
-        """Open ``peer``'s region table and process handle (idempotent per endpoint)."""
-        self._check_open()
+    def check_peer(self, peer: PeerInfo) -> None:
+        """ValueError naming the field if ``peer`` is not a well-formed simnic endpoint."""
         if peer.transport != self.kind:
             raise ValueError(f"{self.label} cannot connect to a {peer.transport!r} endpoint")
         missing = [k for k in _ENDPOINT_KEYS if k not in peer.endpoint]
         if missing:
             raise ValueError(f"peer info of {peer.owner}/{peer.nic} lacks {missing}")
+        _check_endpoint(peer.endpoint, f"peer info of {peer.owner}/{peer.nic}")
+
+    def connect(self, peer: PeerInfo) -> None:
+        """Open ``peer``'s region table and process handle (idempotent per endpoint)."""
+        self._check_open()
+        self.check_peer(peer)
         ep = peer.endpoint
-        _check_endpoint(ep, f"peer info of {peer.owner}/{peer.nic}")
         label = f"peer {peer.owner}/{peer.nic} (pid {ep['pid']})"
         if (ep["boot_id"], ep["pid_ns"]) != _vm.host_identity():
             raise PeerUnreachableError(
