@@ -15,11 +15,17 @@ is torn: the controller keeps it paused and reports it::
     result.as_dict()     # mode, ranges, bytes, seconds, ok, mismatches (the audit log's)
 
 A torn replica is re-synced from a peer elsewhere (the controller); this
-module only finds it.
+module only finds it, and :func:`verify_copy` checks a replica filled from a
+peer (re-sync, ``add_replica``) region by region against its source::
+
+    result = verify_copy(source=src_actors, target=dst_actors, source_metas=src_metas,
+                         target_metas=dst_metas, call=ledger.call, get=ledger.get,
+                         timeout_s=120)
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from actors.inference import regions_of
 from weight_transfer.integrity import (
     ADDR,
     ALGORITHM,
@@ -111,13 +118,34 @@ def _mismatch(replica: str, rank: int, meta: EngineRankMeta | None, row: np.ndar
                     task=task, expected=expected, actual=actual, error=error)
 
 
+def _ray_pending(refs: list, timeout_s: float) -> list:
+    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1]
+
+
+def _answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
+             pending: Callable[[list, float], list]) -> list[tuple[np.ndarray | None, str]]:
+    """Each ref's checksums, or None and why (late, failed)."""
+    late, out = pending(refs, timeout_s), []
+    for ref in refs:
+        if ref in late:
+            out.append((None, f"did not answer within {timeout_s:g} s"))
+            continue
+        try:
+            out.append((np.asarray(get(ref), dtype=np.uint64), ""))
+        except (ray.exceptions.RayError, ValueError) as err:
+            out.append((None, f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+    return out
+
+
 def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
                   replicas: Mapping[str, Sequence[Any]],
                   metas: Mapping[str, Sequence[EngineRankMeta]],
                   call: Callable[..., Any], get: Callable[[Any], Any],
-                  timeout_s: float) -> IntegrityResult:
+                  timeout_s: float,
+                  pending: Callable[[list, float], list] = _ray_pending) -> IntegrityResult:
     """Compare the checksums in ``reports`` (RankReports) for the ranks of ``replicas``
-    with what those engine ranks hold; see the module docstring."""
+    with what those engine ranks hold; see the module docstring. ``pending(refs,
+    timeout_s)`` returns the refs that did not answer in time (default: ``ray.wait``)."""
     start = time.perf_counter()
     rows = {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
             .items() if k[0] in replicas and len(v)}
@@ -127,19 +155,13 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
     keys = sorted(rows)
     refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
             for rep, rank in keys]
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     found: list[Mismatch] = []
-    for (rep, rank), ref in zip(keys, refs, strict=True):
+    for (rep, rank), (got, why) in zip(keys, _answers(refs, get, timeout_s, pending),
+                                       strict=True):
         want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
-        if ref in pending:
+        if got is None or len(got) != len(want):
             found.append(_mismatch(rep, rank, meta, want[0], None,
-                                   f"did not answer within {timeout_s:g} s"))
-            continue
-        try:
-            got = np.asarray(get(ref), dtype=np.uint64)
-        except (ray.exceptions.RayError, ValueError) as err:
-            found.append(_mismatch(rep, rank, meta, want[0], None,
-                                   f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+                                   why or f"answered {len(got)} checksums for {len(want)}"))
             continue
         for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
             found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
@@ -152,3 +174,40 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
 def _meta(metas: Mapping[str, Sequence[EngineRankMeta]], replica: str,
           rank: int) -> EngineRankMeta | None:
     return next((m for m in metas.get(replica, ()) if m.rank == rank), None)
+
+
+def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
+                source_metas: Sequence[EngineRankMeta], target_metas: Sequence[EngineRankMeta],
+                call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
+                pending: Callable[[list, float], list] = _ray_pending) -> IntegrityResult:
+    """After a replica was filled from a peer (re-sync, ``add_replica``): every registered
+    region of each target rank must hash as the same region of its source rank. Both
+    sides hash whole regions, all ranks at once; a difference or a rank that does not
+    answer is a Mismatch of the target replica (``task`` -1, the region's first tensor)."""
+    start = time.perf_counter()
+    refs, jobs = [], []
+    for rank, (src, dst) in enumerate(zip(source_metas, target_metas, strict=True)):
+        src_regions, dst_regions = regions_of(src), regions_of(dst)
+        if len(src_regions) != len(dst_regions):
+            raise ValueError(f"{dst.replica}/tp{rank} has {len(dst_regions)} regions, its "
+                             f"source {src.replica}/tp{rank} {len(src_regions)}")
+        rows = [np.array([[r.addr, 0, r.length] for r in regions], dtype=np.uint64)
+                for regions in (src_regions, dst_regions)]
+        refs += [call(source[rank].wt_checksum, rows[0]), call(target[rank].wt_checksum, rows[1])]
+        jobs.append((dst, dst_regions))
+    answers = _answers(refs, get, timeout_s, pending)
+    found, nbytes = [], 0
+    for k, (dst, regions) in enumerate(jobs):
+        (want, why_src), (got, why_dst) = answers[2 * k], answers[2 * k + 1]
+        for i, region in enumerate(regions):
+            nbytes += region.length
+            tensor, _ = _tensor_at(dst, region.addr, 0)
+            whole = functools.partial(Mismatch, replica=dst.replica, rank=dst.rank, tensor=tensor,
+                                      tensor_offset=0, length=region.length, task=-1)
+            if want is None or got is None:
+                found.append(whole(expected=0, actual=None, error=f"source: {why_src}"
+                                   if want is None else why_dst))
+            elif got[i] != want[i]:
+                found.append(whole(expected=int(want[i]), actual=int(got[i])))
+    return IntegrityResult(mode="copy", ranges=sum(len(r) for _, r in jobs), bytes=nbytes,
+                           seconds=time.perf_counter() - start, mismatches=tuple(found))

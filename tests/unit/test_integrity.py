@@ -142,3 +142,74 @@ def test_off_reports_no_checksums():
         assert rep.checksums == () and rep.bytes_written > 0
     finally:
         s.close()
+
+
+class FakeEngine:
+    """An engine rank's ``wt_checksum`` over its registered buffer, called in-process."""
+
+    def __init__(self, meta, buf):
+        self.bufs = {meta.tensors[0].region.addr: buf}
+
+    def wt_checksum(self, rows):
+        return checksum_ranges(self.bufs, rows)
+
+
+def in_process(**kw):
+    return dict(call=lambda method, *a: method(*a), get=lambda r: r, timeout_s=5,
+                pending=lambda refs, t: [], **kw)
+
+
+def test_verify_update_names_the_replica_rank_tensor_and_checksums_of_a_flipped_byte():
+    from actors.integrity_check import verify_update
+    from actors.reports import RankReport
+
+    s = Setup("tiny_llama", fp8=False)
+    try:
+        policy = IntegrityPolicy(mode="full")
+        reports = [RankReport(transfer=asyncio.run(
+            s.transfer(r.rank, integrity=policy).run(version=1))) for r in s.trainer_meta.ranks]
+        metas, actors = {}, {}
+        for e in s.engines:
+            metas.setdefault(e.replica, []).append(e)
+            actors.setdefault(e.replica, []).append(FakeEngine(e, s.buffers[(e.replica, e.rank)]))
+        clean = verify_update(policy=policy, reports=reports, replicas=actors, metas=metas,
+                              **in_process())
+        assert clean.ok and clean.ranges == s.plan.num_tasks
+        assert clean.bytes == s.plan.bytes_total
+        victim = metas["engine1"][1]
+        tensor = victim.tensors[2]
+        s.buffers[("engine1", 1)][tensor.offset + 5] ^= 0x01
+        bad = verify_update(policy=policy, reports=reports, replicas=actors, metas=metas,
+                            **in_process())
+        assert bad.torn == ["engine1"] and len(bad.mismatches) == 1
+        m = bad.mismatches[0]
+        assert (m.replica, m.rank, m.tensor) == ("engine1", 1, tensor.name)
+        assert m.tensor_offset <= 5 < m.tensor_offset + m.length
+        assert m.actual != m.expected
+        assert f"engine1/tp1 tensor '{tensor.name}'" in bad.message()
+        # Only the replicas asked about are checked (a torn one is skipped).
+        only0 = verify_update(policy=policy, reports=reports, replicas={"engine0": actors[
+            "engine0"]}, metas=metas, **in_process())
+        assert only0.ok and 0 < only0.ranges < clean.ranges
+    finally:
+        s.close()
+
+
+def test_verify_copy_compares_whole_regions_with_the_source():
+    from actors.integrity_check import verify_copy
+
+    s = Setup("tiny_llama", fp8=False)
+    try:
+        asyncio.run(s.transfer(0).run(version=1))
+        src = [e for e in s.engines if e.replica == "engine0"]
+        dst = [e for e in s.engines if e.replica == "engine1"]
+        for a, b in zip(src, dst, strict=True):  # a faithful copy of engine0 into engine1
+            s.buffers[(b.replica, b.rank)].copy_(s.buffers[(a.replica, a.rank)])
+        make = [[FakeEngine(e, s.buffers[(e.replica, e.rank)]) for e in g] for g in (src, dst)]
+        kw = in_process(source=make[0], target=make[1], source_metas=src, target_metas=dst)
+        assert verify_copy(**kw).ok
+        s.buffers[("engine1", 0)][-1] ^= 0xFF
+        bad = verify_copy(**kw)
+        assert [(m.replica, m.rank, m.task) for m in bad.mismatches] == [("engine1", 0, -1)]
+    finally:
+        s.close()
