@@ -22,15 +22,19 @@ or ``failed``), ``torn`` (replicas left torn), ``error`` (the message, or null).
 Append-safe: each record is one ``write`` of a whole line to a file opened
 with ``O_APPEND`` (so lines of several writers never interleave), then
 ``fsync``; a failure to write the log is logged, never raised into an update.
+:func:`audited_update` (on ``WeightTransferController.update``) records the
+failures that end an update before it can record them itself (a pause that
+failed, say).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +100,30 @@ class AuditLog:
             "pairs": rows, "integrity": None if integrity is None else integrity.as_dict(),
             "outcome": outcome, "torn": [] if outcome == "ok" else [target], "error": error,
         })
+
+
+def audited_update(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorates a controller's ``update(version, ...)``: an exception that the update did
+    not record itself (a pause that failed, a timeout before any report) still leaves a
+    ``failed`` line, when the controller has an ``audit`` log and got as far as attempting
+    ``version`` (``_attempted``; a refused version number is not an update)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, version: int, *args: Any, **kwargs: Any) -> Any:
+        started = time.time()
+        try:
+            return method(self, version, *args, **kwargs)
+        except Exception as err:
+            audit = getattr(self, "audit", None)
+            if (audit is not None and not getattr(err, "audited", False)
+                    and getattr(self, "_attempted", None) == version):
+                audit.record_update(version=version, started_at=started, finished_at=time.time(),
+                                    reports=[], outcome="failed", torn=getattr(err, "torn", []),
+                                    replicas=list(getattr(self, "replicas", ())),
+                                    error=f"{type(err).__name__}: {err}")
+            raise
+
+    return wrapper
 
 
 def read_audit(path: str | os.PathLike) -> list[dict[str, Any]]:

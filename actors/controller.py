@@ -50,7 +50,7 @@ from typing import Any
 
 import ray
 
-from actors.audit import AuditLog
+from actors.audit import AuditLog, audited_update
 from actors.config import TransferConfig
 from actors.connections import Connector, copy_links, plan_links
 from actors.groups import host_store, node_ip
@@ -270,6 +270,7 @@ class WeightTransferController:
             raise ValueError(f"version {version} must be greater than {self._attempted}, "
                              "the last version attempted")
 
+    @audited_update  # a failure the body does not record still leaves an audit line
     def update(self, version: int, *, trace: bool | str | os.PathLike = False) -> UpdateReport:
         """Move the trainers' current weights into every replica as ``version``.
 
@@ -402,6 +403,8 @@ class WeightTransferController:
     def _audit_update(self, version: int, started_at: float, reports: dict[int, RankReport],
                       check: IntegrityResult, names: list[str], err: Exception | None) -> None:
         """One line in the audit log (actors.audit), if the configuration names one."""
+        if err is not None:
+            err.audited = True  # audited_update records nothing more
         if self.audit is not None:
             self.audit.record_update(
                 version=version, started_at=started_at, finished_at=time.time(),

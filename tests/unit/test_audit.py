@@ -87,3 +87,31 @@ def test_integrity_result_summary():
         for i in range(7)))
     assert bad.torn == ["e0", "e1"]
     assert "and 2 more" in bad.message() and "not checked: did not answer" in bad.message()
+
+
+def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_path):
+    from actors.audit import audited_update
+
+    class Controller:
+        def __init__(self):
+            self.audit, self.replicas, self._attempted = AuditLog(tmp_path / "a.jsonl"), \
+                {"engine0": [], "engine1": []}, None
+
+        @audited_update
+        def update(self, version, *, recorded=False):
+            if version < 0:
+                raise ValueError("version must be positive")  # refused: not an update
+            self._attempted = version
+            err = TimeoutError("pause before version 3: engine0/tp1 did not answer")
+            if recorded:
+                err.audited = True
+            raise err
+
+    ctl = Controller()
+    for version, kw in ((-1, {}), (3, {}), (4, {"recorded": True})):
+        with pytest.raises((ValueError, TimeoutError)):
+            ctl.update(version, **kw)
+    (line,) = read_audit(tmp_path / "a.jsonl")
+    assert line["version"] == 3 and line["outcome"] == "failed" and line["pairs"] == []
+    assert line["error"] == "TimeoutError: pause before version 3: engine0/tp1 did not answer"
+    assert line["replicas"] == ["engine0", "engine1"]
