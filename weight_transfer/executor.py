@@ -223,6 +223,7 @@ class TransferReport:
     barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
     retries: int = 0  # WRITEs tried again after a transient error (weight_transfer.retry)
     checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
+    hash_seconds: float = 0.0  # time spent hashing them
     dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
 
 
@@ -429,6 +430,7 @@ class RankTransfer:
             barrier_spans=tuple(barriers),
             retries=run.writer.retries,
             checksums=run.sums.ranges(),
+            hash_seconds=run.hash_seconds,
             dest_bytes=dict(run.dest_bytes),
         )
         if self.metrics is not None:
@@ -456,14 +458,18 @@ class _RunState:
     writer: RetryingWriter
     sums: ChecksumLog = field(default_factory=ChecksumLog)
     dest_bytes: dict[str, int] = field(default_factory=dict)
+    hash_seconds: float = 0.0
 
     def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
         dest = f"{task.dst_replica}/tp{task.dst_rank}"
         self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
         if policy.selects(task.task_id, self.version):
+            start = time.perf_counter()
+            value = checksum(src)
+            self.hash_seconds += time.perf_counter() - start
             self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
                           addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
-                          value=checksum(src))
+                          value=value)
 
 
 def to_device(local: Any, device: torch.device) -> Any:

@@ -114,6 +114,7 @@ def test_reported_checksums_match_the_engine_memory_they_landed_in(mode):
         tasks = {t.task_id: t for r in s.trainer_meta.ranks for t in s.plan.tasks_for(r.rank)}
         merged = merge_ranges([x for rep in reports for x in rep.checksums])
         hashed = sorted(int(t) for rows in merged.values() for t in rows[:, TASK])
+        assert all(rep.hash_seconds > 0 for rep in reports if rep.checksums)
         assert hashed == sorted(t for t in tasks if policy.selects(t, 3))
         for (replica, rank), rows in merged.items():
             buf = s.buffers[(replica, rank)]
@@ -139,7 +140,7 @@ def test_off_reports_no_checksums():
     s = Setup("tiny_llama", fp8=False)
     try:
         rep = asyncio.run(s.transfer(0, integrity=IntegrityPolicy(mode="off")).run(version=1))
-        assert rep.checksums == () and rep.bytes_written > 0
+        assert rep.checksums == () and rep.bytes_written > 0 and rep.hash_seconds == 0
     finally:
         s.close()
 
