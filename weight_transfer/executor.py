@@ -366,8 +366,8 @@ class RankTransfer:
         try:
             await run.writer.write(src, task.region, task.region_offset)
         except TransportError as exc:
-            if self.metrics is not None:
-                self.metrics.failure(type(exc).__name__)
+            if self.metrics is not None:  # by the fault's class (a retried one: its last)
+                self.metrics.failure(type(exc.__cause__ or exc).__name__)
             if self.on_write_error is None:
                 raise
             self.on_write_error(task, exc)
