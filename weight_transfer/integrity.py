@@ -163,7 +163,12 @@ def checksum_ranges(buffers: Mapping[int, Any], ranges: np.ndarray) -> np.ndarra
     uint8 tensor or anything :func:`checksum` hashes, sliceable by bytes). A row
     naming an unknown region or a range outside it is a ValueError naming it.
     """
-    ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    ranges = np.asarray(ranges)
+    if ranges.ndim != 2 or ranges.shape[1] != 3 or ranges.dtype.kind not in "iu":
+        raise ValueError(f"checksum ranges must be an integer array of (addr, offset, length) "
+                         f"rows, not {ranges.dtype} of shape {ranges.shape}")
+    if ranges.dtype.kind == "i" and len(ranges) and ranges.min() < 0:
+        raise ValueError("checksum ranges: negative address, offset or length")
     out = np.empty(len(ranges), dtype=np.uint64)
     for i, (addr, offset, length) in enumerate(ranges.tolist()):
         buf = buffers.get(addr)

@@ -89,6 +89,13 @@ def test_checksum_ranges_reads_regions_by_address_and_refuses_outside():
         checksum_ranges(bufs, np.array([[1, 0, 1]], dtype=np.uint64))
     with pytest.raises(ValueError, match=r"range 1: 91 B at offset 10 is outside the 100 B"):
         checksum_ranges(bufs, np.array([[1000, 0, 1], [9000, 10, 91]], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"integer array of \(addr, offset, length\) rows, "
+                                         r"not uint64 of shape \(1, 4\)"):
+        checksum_ranges(bufs, np.array([[1000, 0, 1, 1]], dtype=np.uint64))
+    with pytest.raises(ValueError, match="not float64"):
+        checksum_ranges(bufs, np.array([[1000.0, 0, 1]]))
+    with pytest.raises(ValueError, match="negative"):
+        checksum_ranges(bufs, np.array([[1000, -1, 1]]))
 
 
 def test_log_groups_rows_by_engine_rank_and_merges_senders():
