@@ -67,7 +67,6 @@ Usage (the Ray actor is a thin shell around this)::
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -84,17 +83,21 @@ from weight_transfer.gather import (
     plan_buckets,
     reserve_bytes,
 )
-from weight_transfer.integrity import ChecksumLog, IntegrityPolicy, RangeSums, checksum
+from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
+from weight_transfer.plan_check import GroupWork, check_trainer_plan
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
 from weight_transfer.retry import RetryingWriter, RetryPolicy
+from weight_transfer.run_log import RunLog
 from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, Piece, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
+
+__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "to_device"]
 
 
 @dataclass(slots=True)
@@ -148,58 +151,6 @@ class BucketWork:
     @property
     def tasks(self) -> list[WriteTask]:
         return [t for p in self.params for t in p.tasks]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupWork:
-    """One mesh group on this rank: parameters in gather order, tasks by parameter."""
-
-    group: int
-    params: tuple[ParamMeta, ...]
-    tasks: dict[str, list[WriteTask]]
-
-
-def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork]:
-    """Validate a rank's plan against the parameter metadata; group its tasks by parameter.
-
-    ``plan`` has ``rank`` and ``groups``, each with ``group``, ``params`` (names,
-    gather order) and ``tasks`` (``WriteTask``), as ``scheduling.plan.TrainerPlan``.
-    """
-    metas = {p.name: p for p in params}
-    out = []
-    for g in plan.groups:
-        missing = [n for n in g.params if n not in metas]
-        if missing:
-            raise ValueError(f"rank {plan.rank} group {g.group}: unknown parameters {missing[:10]}")
-        tasks: dict[str, list[WriteTask]] = collections.defaultdict(list)
-        for t in g.tasks:
-            if t.src_rank != plan.rank or t.mesh_group != g.group:
-                raise ValueError(
-                    f"rank {plan.rank} group {g.group}: task {t.task_id} belongs to rank "
-                    f"{t.src_rank} group {t.mesh_group}"
-                )
-            tasks[t.piece.src_param].append(t)
-            _check_slice(t, metas.get(t.piece.src_param), plan.rank)
-        stray = sorted(set(tasks) - set(g.params))
-        if stray:
-            raise ValueError(
-                f"rank {plan.rank} group {g.group}: tasks read parameters the rank never "
-                f"gathers: {stray[:10]}"
-            )
-        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
-    return out
-
-
-def _check_slice(task: WriteTask, meta: ParamMeta | None, rank: int) -> None:
-    """The task's source rectangle lies inside its parameter (else prepare would read past
-    it or fail mid-update, after other writes landed)."""
-    if meta is None:
-        return  # reported with the other stray parameters
-    sl = task.piece.src_slice
-    if len(sl) != len(meta.shape) or any(not 0 <= a < b <= d
-                                         for (a, b), d in zip(sl, meta.shape, strict=False)):
-        raise ValueError(f"rank {rank} task {task.task_id}: source slice {sl} is not inside "
-                         f"parameter {meta.name!r} of shape {meta.shape}")
 
 
 WriteErrorHook = Callable[[WriteTask, TransportError], None]
@@ -277,7 +228,7 @@ class RankTransfer:
         self.integrity = integrity or IntegrityPolicy(mode="off")
         self.retry = retry or RetryPolicy(attempts=1)
         self._task_spans: list[Span] = []
-        self._run = _RunState(version=0, writer=RetryingWriter(transport, self.retry))
+        self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
         self.device_memory = bool(getattr(transport, "supports_device_memory", False))
         # A NIC that needs no source registration (simnic) writes a piece that already is a
@@ -399,7 +350,7 @@ class RankTransfer:
         spans: list[Span] = []
         barriers: list[Span] = []
         self._task_spans: list[Span] = []
-        self._run = run = _RunState(version=version,
+        self._run = run = RunLog(version=version,
                                     writer=RetryingWriter(self.transport, self.retry))
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
@@ -448,31 +399,6 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-
-
-@dataclass(slots=True)
-class _RunState:
-    """One run's WRITE bookkeeping: retries, bytes per engine rank, checksums."""
-
-    version: int
-    writer: RetryingWriter
-    sums: ChecksumLog = field(default_factory=ChecksumLog)
-    dest_bytes: dict[str, int] = field(default_factory=dict)
-    hash_seconds: float = 0.0
-    piece_sums: dict[Piece, int] = field(default_factory=dict)  # one hash per piece and run
-
-    def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
-        dest = f"{task.dst_replica}/tp{task.dst_rank}"
-        self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
-        if policy.selects(task.task_id, self.version):
-            value = self.piece_sums.get(task.piece)
-            if value is None:  # a piece sent to several replicas is the same bytes: hashed once
-                start = time.perf_counter()
-                value = self.piece_sums[task.piece] = checksum(src)
-                self.hash_seconds += time.perf_counter() - start
-            self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
-                          addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
-                          value=value)
 
 
 def to_device(local: Any, device: torch.device) -> Any:
