@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from actors.groups import node_ip
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     Endpoint,
@@ -131,6 +132,9 @@ class Connector:
                 + [self._call(a.wt_host) for a in actors])
         labels = [f"{label} {i}" for i in range(n)] * 2
         out = self._gather(refs, labels, phase=phase or f"gather {label} metadata")
+        for i, meta in enumerate(out[:n]):  # on receipt: regions, tensors, sizes, dtypes
+            check_engine_meta(meta, f"{label} {i} ({getattr(meta, 'replica', '?')}/tp"
+                                    f"{getattr(meta, 'rank', '?')})")
         for meta, host in zip(out[:n], out[n:], strict=True):
             for ep in engine_endpoints(meta):
                 self.hosts[ep.owner] = host

@@ -47,17 +47,24 @@ resume with the new version. A replica whose actor died is dropped from the
 plan; torn replicas whose ranks answer are re-filled from a peer that holds
 the version right away (``auto_resync``). The :class:`UpdateError` names the
 trainer ranks, the replicas and their ranks. See docs/reliability.md.
+Where ``config.integrity`` hashed WRITEs, every engine rank of a replica must
+hold ranges that hash as the trainers' source bytes did before the replica
+resumes (:mod:`actors.integrity_check`): a mismatch tears it, and the error
+names the replica, rank, tensor, range and both checksums. With
+``config.audit_path``, every update and re-sync appends one JSON line
+(:mod:`actors.audit`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
+from actors.audit import AuditLog
 from actors.config import TransferConfig
 from actors.connections import Connector, plan_links
 from actors.controller_replicas import ReplicaOps
@@ -65,7 +72,7 @@ from actors.controller_update import UpdateError, UpdateSteps
 from actors.engine_control import cause_of, dead_replicas, describe_faults, fan_out
 from actors.groups import host_store, node_ip
 from actors.ledger import ControlLedger
-from actors.messages import PlanSummary, TrainerRankMeta
+from actors.messages import PlanSummary, TrainerRankMeta, check_trainer_metas
 from actors.metrics_ray import actor_metrics
 from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
@@ -115,6 +122,9 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         self._attempted: int | None = None
         self.metrics = actor_metrics(config.metrics)
         self.progress: ProgressHook | None = None  # hook(phase, done, total) while waiting
+        self.audit = AuditLog(config.audit_path) if config.audit_path is not None else None
+        # Test hook: called with the version after the trainers' writes, before the check.
+        self.after_transfer: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -181,6 +191,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         metas = self._gather([call(t.wt_param_metas) for t in self.trainers],
                              [f"trainer {i}" for i in range(len(self.trainers))],
                              phase="gather trainer metadata")
+        check_trainer_metas(metas)  # on receipt: ValueError naming the rank and field
         order = sorted(range(len(metas)), key=lambda i: metas[i].rank)
         self.trainers = [self.trainers[i] for i in order]
         self._trainer_metas = [metas[i] for i in order]
@@ -277,7 +288,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
                 self.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
                 rank_info=self._rank_infos[rank], barrier_timeout_s=cfg.barrier_timeout_s,
                 watermark_bytes=cfg.watermark_bytes, transport=cfg.transport_spec,
-                metrics=cfg.metrics)
+                metrics=cfg.metrics, integrity=cfg.integrity, retry=cfg.retry)
 
         links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
         self._connector.connect(links, phase="distribute the plan",

@@ -12,7 +12,10 @@ replica's engine ranks straight into the other's registered memory
 A re-sync holds the replica first (epoch-fenced pause, version None), copies,
 then resumes it with the version under the same deadline
 (``config.update_timeout_s``); a replica that cannot be held, filled or
-resumed stays torn and paused, and the error names its ranks.
+resumed stays torn and paused, and the error names its ranks. Where
+``config.integrity`` is on, every region of the filled replica must hash as
+its source's (:func:`actors.integrity_check.verify_copy`) before it serves.
+Every re-sync appends one line to the audit log (``config.audit_path``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import ray
 from actors.connections import copy_links
 from actors.engine_control import describe_faults, fan_out, next_epoch, wall_deadline
 from actors.inference import layout_key
+from actors.integrity_check import IntegrityResult, verify_copy
 from actors.telemetry import replica_versions
 
 log = logging.getLogger(__name__)
@@ -48,16 +52,32 @@ class ReplicaOps:
         return next((n for n, v in self._versions.items() if v == version and n != besides),
                     None)
 
-    def _copy_replica(self, source: str, target: str, *, version: int, timeout: float) -> int:
-        """Peer copy of every rank of ``source`` into ``target`` (connected first); bytes."""
+    def _copy_replica(self, source: str, target: str, *, version: int, timeout: float
+                      ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
+        """Peer copy of every rank of ``source`` into ``target`` (connected first): bytes
+        per (source rank, target rank), and the check of the filled regions against their
+        sources where ``config.integrity`` is on (RuntimeError naming a mismatch)."""
         src, dst = self._engine_metas[source], self._engine_metas[target]
         self._connector.connect(copy_links(src, dst), phase=f"connect {source} to {target}")
         refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, dst[r])
                 for r in range(len(dst))]
-        done = self._gather(refs, [f"{source}/tp{r} -> {target}/tp{r}" for r in range(len(refs))],
+        labels = [(f"{source}/tp{r}", f"{target}/tp{r}") for r in range(len(refs))]
+        done = self._gather(refs, [f"{a} -> {b}" for a, b in labels],
                             phase=f"copy version {version} from {source} to {target}",
                             timeout=timeout)
-        return sum(done)
+        check = self._check_copy(source, target, timeout)
+        return dict(zip(labels, done, strict=True)), check
+
+    def _check_copy(self, source: str, target: str, timeout: float) -> IntegrityResult | None:
+        if not self.config.integrity.enabled:
+            return None
+        check = verify_copy(source=self.replicas[source], target=self.replicas[target],
+                            source_metas=self._engine_metas[source],
+                            target_metas=self._engine_metas[target], call=self.ledger.call,
+                            get=self.ledger.get, timeout_s=timeout)
+        if not check.ok:
+            raise RuntimeError(f"copy from {source} to {target}: {check.message()}")
+        return check
 
     def add_replica(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""
@@ -142,6 +162,14 @@ class ReplicaOps:
         if source is None:
             raise RuntimeError(f"resync({name}): no other replica holds version {version}")
         started = time.time()
+        try:
+            return self._resync_from(name, source, version, started)
+        except Exception as err:
+            self._audit_resync(name=name, source=source, version=version, started=started,
+                               pairs={}, check=None, error=err)
+            raise
+
+    def _resync_from(self, name: str, source: str, version: int, started: float) -> int:
         deadline = time.monotonic() + self.config.update_timeout_s
         self._versions[name] = None
         self._paused.add(name)
@@ -150,8 +178,12 @@ class ReplicaOps:
         if faults:
             raise RuntimeError(f"resync({name}): could not hold it: "
                                f"{describe_faults(faults)[name]}")
-        nbytes = self._copy_replica(source, name, version=version,
-                                    timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            pairs, check = self._copy_replica(source, name, version=version,
+                                       timeout=max(0.0, deadline - time.monotonic()))
+        except (RuntimeError, TimeoutError):
+            self._hold([name], {})
+            raise
         faults = fan_out(self.ledger, self.replicas, [name], "wt_resume", version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         if faults:
@@ -162,11 +194,19 @@ class ReplicaOps:
         self._paused.discard(name)
         replica_versions(self.metrics, {name: version})
         log.info("replica %s re-synced to version %d from %s (%d B)", name, version, source,
-                 nbytes)
+                 sum(pairs.values()))
         self._audit_resync(name=name, source=source, version=version, started=started,
-                           ended=time.time(), nbytes=nbytes)
+                           pairs=pairs, check=check, error=None)
         return version
 
-    def _audit_resync(self, **fields: Any) -> None:
-        """AUDIT HOOK: one JSON line per re-sync. Wire ``actors.audit.record_resync(...)`` here
-        (name, source, version, start and end time, bytes) once that module exists."""
+    def _audit_resync(self, *, name: str, source: str, version: int, started: float,
+                      pairs: dict[tuple[str, str], int], check: IntegrityResult | None,
+                      error: Exception | None) -> None:
+        """One JSON line per re-sync in the audit log, if the configuration names one."""
+        if self.audit is None:
+            return
+        self.audit.record_resync(
+            version=version, source=source, target=name, started_at=started,
+            finished_at=time.time(), pairs=pairs, outcome="ok" if error is None else "failed",
+            integrity=check,
+            error=None if error is None else f"{type(error).__name__}: {error}")

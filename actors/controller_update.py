@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import ray
 
+from actors.audit import audited_update
 from actors.engine_control import (
     RankFault,
     cause_of,
@@ -46,6 +47,7 @@ from actors.engine_control import (
     responsive,
     wall_deadline,
 )
+from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
 from weight_transfer.trace import write_chrome_trace
@@ -100,6 +102,7 @@ class UpdateSteps:
     def _current(self) -> int | None:
         return self._newest()
 
+    @audited_update  # a failure the body does not record still leaves an audit line
     def update(self, version: int, *, trace: bool | str | os.PathLike = False) -> UpdateReport:
         """Move the trainers' current weights into every replica as ``version``.
 
@@ -110,6 +113,7 @@ class UpdateSteps:
         """
         self._check_version(version)
         self._attempted = version
+        started_wall = time.time()  # audit record
         offset = UpdateClock.wall_offset()
         snap, start = self.ledger.snapshot(), time.perf_counter()
         timeout = self.config.update_timeout_s
@@ -126,17 +130,28 @@ class UpdateSteps:
         reports, errors = self._run_trainers(version, bool(trace),
                                              deadline - timeout * RESUME_SHARE)
         transfer_done = time.perf_counter()
+        if self.after_transfer is not None:  # test hook: between the writes and the check
+            self.after_transfer(version)
         torn = set(faults)  # a replica that did not pause may have served while written
         for rank in errors:
             torn.update(self.summary.replicas_by_rank.get(rank, names))
         for rep in reports.values():
             torn.update(rep.failed_replicas)
+        # Integrity (actors.integrity_check): after the writes, before any resume.
+        check = verify_update(
+            policy=self.config.integrity, reports=list(reports.values()),
+            replicas={n: self.replicas[n] for n in names if n not in torn},
+            metas=self._engine_metas, call=self.ledger.call, get=self.ledger.get,
+            timeout_s=max(0.0, deadline - time.monotonic()))
+        torn.update(check.torn)
         _merge(faults, self._finish(version, [n for n in names if n not in torn], deadline))
         torn.update(faults)
         if errors or torn:
             _merge(faults, self._hold(sorted(torn), faults))
             record_failure(self.metrics, errors, reports, sorted(torn), self._versions)
-            raise self._fail(version, reports, errors, faults, sorted(torn))
+            err = self._fail(version, reports, errors, faults, sorted(torn), check)
+            self._audit_update(version, started_wall, reports, check, names, err)
+            raise err
         nbytes, calls = self.ledger.since(snap)
         end = time.perf_counter()
         clock = UpdateClock(start=start, paused=paused_at, transferred=transfer_done, end=end,
@@ -145,8 +160,10 @@ class UpdateSteps:
             version=version, seconds=end - start, per_rank=list(reports.values()),
             pause_seconds=paused_at - start, resume_seconds=end - transfer_done,
             control_bytes=nbytes, control_calls=calls, replicas=tuple(names),
-            trace=self._trace(version, clock, list(reports.values())) if trace else None)
+            trace=self._trace(version, clock, list(reports.values())) if trace else None,
+            integrity=check.as_dict())
         record_success(self.metrics, report, self._versions)
+        self._audit_update(version, started_wall, reports, check, names, None)
         if trace and not isinstance(trace, bool):
             write_chrome_trace(trace, [report.trace])
         return report
@@ -235,7 +252,8 @@ class UpdateSteps:
         return dead
 
     def _fail(self, version: int, reports: dict[int, RankReport], errors: dict[int, str],
-              faults: dict[str, list[RankFault]], torn: list[str]) -> UpdateError:
+              faults: dict[str, list[RankFault]], torn: list[str],
+              check: IntegrityResult | None = None) -> UpdateError:
         """Drop dead replicas, re-fill the torn ones that answer; the error to raise."""
         lost = [n for n in dead_replicas(faults) if len(self.replicas) > 1]
         for name in lost:
@@ -253,11 +271,12 @@ class UpdateSteps:
                         resynced.append(name)
                     except (RuntimeError, TimeoutError, ValueError) as exc:
                         log.error("re-sync of torn replica %s failed: %s", name, exc)
-        return self._update_error(version, reports, errors, faults, torn, lost, resynced)
+        return self._update_error(version, reports, errors, faults, torn, lost, resynced, check)
 
     def _update_error(self, version: int, reports: dict[int, RankReport],
                       errors: dict[int, str], faults: dict[str, list[RankFault]],
-                      torn: list[str], lost: list[str], resynced: list[str]) -> UpdateError:
+                      torn: list[str], lost: list[str], resynced: list[str],
+                      check: IntegrityResult | None = None) -> UpdateError:
         problems = dict(errors)
         for rank, rep in sorted(reports.items()):
             for f in rep.failures:
@@ -266,8 +285,10 @@ class UpdateSteps:
         replicas = describe_faults(faults)
         parts = [f"trainer rank {r}: {msg}" for r, msg in sorted(problems.items())]
         parts += [f"replica {n}: {msg}" for n, msg in replicas.items()]
+        if check is not None and not check.ok:
+            parts.append(check.message())
         who = (f"trainer ranks {sorted(problems)}" if problems else
-               f"replicas {sorted(replicas)}")
+               f"replicas {sorted(replicas) or sorted(torn)}")
         msg = f"update to version {version} failed on {who}: {'; '.join(parts).rstrip('.')}. "
         held = [n for n in torn if n not in lost and n not in resynced]
         msg += f"Replicas {torn} are torn"
@@ -280,3 +301,16 @@ class UpdateSteps:
         log.error(msg)
         return UpdateError(msg, version=version, ranks=problems, torn=torn, replicas=replicas,
                            lost=lost, resynced=resynced)
+
+    def _audit_update(self, version: int, started_at: float, reports: dict[int, RankReport],
+                      check: IntegrityResult, names: list[str], err: Exception | None) -> None:
+        """One line in the audit log (actors.audit), if the configuration names one."""
+        if err is not None:
+            err.audited = True  # audited_update records nothing more
+        if self.audit is not None:
+            self.audit.record_update(
+                version=version, started_at=started_at, finished_at=time.time(),
+                reports=list(reports.values()), integrity=check, replicas=names,
+                outcome="ok" if err is None else "failed",
+                torn=[] if err is None else getattr(err, "torn", []),
+                error=None if err is None else str(err))

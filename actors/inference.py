@@ -25,7 +25,9 @@ refuses a resume that comes after its deadline, so a rank that was stopped
 while the controller gave up on it does not resume serving when it continues
 (:mod:`actors.engine_control`). ``wt_copy_to(meta)`` writes this
 rank's registered buffers into the same layout of another replica, connected
-the same way (a new replica fetches a version from a peer).
+the same way (a new replica fetches a version from a peer). After an update the
+controller may ask ``wt_checksum(ranges)``: the checksums of written ranges of the
+registered memory, to compare with the trainers' (:mod:`actors.integrity_check`).
 
 ``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
@@ -42,6 +44,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -49,6 +52,8 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
+from weight_transfer.integrity import checksum_ranges
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -69,6 +74,14 @@ log = logging.getLogger(__name__)
 
 _KEEP = object()
 EVENTS_KEPT = 1024  # wt_events() keeps this many latest pause/resume/version events
+
+
+def _byte_view(buf: Any) -> Any:
+    """A flat uint8 view of registered memory (a tensor, an array or a buffer)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.reshape(-1).view(torch.uint8)
+    return np.frombuffer(buf, dtype=np.uint8) if not hasattr(buf, "__array_interface__") \
+        else np.asarray(buf).reshape(-1).view(np.uint8)
 
 
 def regions_of(meta: EngineRankMeta) -> list[RegionDesc]:
@@ -100,6 +113,7 @@ class InferenceMixin:
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
         self._wt_shard, self._wt_nic_names = shard, list(nics)
         self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
+        self._wt_buffers: dict[int, torch.Tensor] = {}  # region addr -> its bytes (uint8)
         self._wt_spec: TransportSpec | None = None
         self._wt_default_spec = transport or DEFAULT_TRANSPORT
         self._wt_meta = None
@@ -151,6 +165,7 @@ class InferenceMixin:
                 nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
                                                       address=address)
             region = nic.register(buf)
+            self._wt_buffers[region.addr] = _byte_view(buf)
             tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
                                          offset=offset) for n, shape, dtype, offset in entries]
         log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
@@ -259,6 +274,7 @@ class InferenceMixin:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
         mine = self.wt_engine_meta()
+        check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
         if layout_key(mine) != layout_key(dst):
             raise ValueError(
                 f"{self._wt_owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "
@@ -276,6 +292,24 @@ class InferenceMixin:
         nbytes = sum(region.length for _, _, region in jobs)
         log.info("%s copied %d B into %s/tp%d", self._wt_owner, nbytes, dst.replica, dst.rank)
         return nbytes
+
+    # ------------------------------------------------------------------ integrity
+
+    def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
+        registered memory (:func:`weight_transfer.integrity.checksum_ranges`)."""
+        self.wt_engine_meta()
+        return checksum_ranges(self._wt_buffers, ranges)
+
+    def wt_flip_byte(self, tensor: str, offset: int = 0) -> None:
+        """Fault injection: invert one byte of ``tensor`` in the registered memory, as a
+        corrupted WRITE would leave it."""
+        meta = self.wt_engine_meta()
+        t = next((t for t in meta.tensors if t.name == tensor), None)
+        if t is None or not 0 <= offset < t.nbytes:
+            raise ValueError(f"{self._wt_owner}: no byte {offset} of tensor {tensor!r}")
+        buf = self._wt_buffers[t.region.addr]
+        buf[t.offset + offset] ^= 0xFF
 
     def wt_nic_stats(self) -> dict[str, int]:
         nics = self._wt_nics.values()
@@ -300,6 +334,7 @@ class InferenceMixin:
         for nic in self._wt_nics.values():
             nic.close()
         self._wt_nics, self._wt_meta, self._wt_spec = {}, None, None
+        self._wt_buffers = {}
 
 
 class InferenceWorker(InferenceMixin, GroupMember):

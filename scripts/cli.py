@@ -188,6 +188,22 @@ def bench_designs(
                          timeout_s=timeout_s, json_path=json_path, png=png))
 
 
+@bench_app.command("integrity")
+def bench_integrity(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    model: Path | None = typer.Option(None, help="Model YAML [the run config's]."),
+    modes: str = typer.Option("off,sample,full", help="Integrity modes to compare."),
+    fraction: float = typer.Option(0.1, help="Fraction of the sample mode."),
+    updates: int = typer.Option(5, min=1, help="Timed updates per mode and round."),
+    rounds: int = typer.Option(2, min=1, help="Times the modes take turns."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Update seconds with checksums off, sampled and full, side by side."""
+    from scripts.bench_integrity import run
+
+    raise typer.Exit(run(config, model, modes, fraction, updates, rounds, json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),

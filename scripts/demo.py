@@ -176,7 +176,9 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
         fp8=run.fp8, seed=run.seed, lr=run.train.lr,
         pause_during_update=run.transfer.pause_during_update,
         setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s,
-        transport=run.transfer.transport, transport_options=run.transfer.spec.options)
+        transport=run.transfer.transport, transport_options=run.transfer.spec.options,
+        integrity=run.transfer.integrity, retry=run.transfer.retry,
+        audit_path=run.transfer.audit_path)
     config = TransferConfig(**(fields | overrides))
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)

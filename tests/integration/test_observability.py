@@ -122,7 +122,8 @@ def test_failures_by_kind_then_recovery_are_counted(env):
     assert snap["wt_update_failures"][(("kind", "torn_replica"),)] == len(torn)
     assert all(snap["wt_replica_version"][(("replica", r),)] == -1 for r in torn)
     rank1 = _trainer_snapshot(trainers[1])["wt_update_failures"]
-    assert rank1[(("kind", "PeerUnreachableError"),)] > 0  # per failed WRITE, by error class
+    # Per failed WRITE, by the fault's class (link down: retried, then given up).
+    assert rank1[(("kind", "LinkDownError"),)] > 0
     _train(trainers, 4)
     ctl.update(4)
     snap = ctl.metrics.snapshot()
