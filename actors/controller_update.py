@@ -77,6 +77,20 @@ class UpdateError(RuntimeError):
         self.lost, self.resynced = list(lost), list(resynced)
 
 
+def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
+    """The engine ranks that could not be checked (no answer, died, failed) as faults of
+    their replicas, so they are held like ranks that missed a pause or a resume."""
+    out: dict[str, list[RankFault]] = {}
+    for m in check.mismatches:
+        if m.actual is not None or any(f.rank == m.rank for f in out.get(m.replica, ())):
+            continue
+        kind = ("unresponsive" if m.error.startswith("did not answer") else
+                "dead" if "ActorDiedError" in m.error else "failed")
+        out.setdefault(m.replica, []).append(RankFault(
+            replica=m.replica, rank=m.rank, kind=kind, method="wt_checksum", error=m.error))
+    return out
+
+
 def _merge(into: dict[str, list[RankFault]], more: Mapping[str, list[RankFault]]) -> None:
     for name, faults in more.items():
         into.setdefault(name, []).extend(faults)
@@ -142,7 +156,8 @@ class UpdateSteps:
             policy=self.config.integrity, reports=list(reports.values()),
             replicas={n: self.replicas[n] for n in names if n not in torn},
             metas=self._engine_metas, call=self.ledger.call, get=self.ledger.get,
-            timeout_s=max(0.0, deadline - time.monotonic()))
+            timeout_s=max(0.0, deadline - timeout * RESUME_SHARE - time.monotonic()))
+        _merge(faults, check_faults(check))  # ranks that did not answer the check
         torn.update(check.torn)
         _merge(faults, self._finish(version, [n for n in names if n not in torn], deadline))
         torn.update(faults)
