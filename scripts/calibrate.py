@@ -168,7 +168,7 @@ def param_overhead_us(root: Path, cluster_path: Path, constants: dict[str, float
         sim_cluster = bench_cluster(plan_cluster(cluster_path), consts, cap=UNCAPPED_GBPS,
                                     serial=False, watermark=512 << 20)
         predicted = simulate(plan, sim_cluster, resolution=1e-3).seconds
-        items = sum(int((c.reserve > 0).sum(axis=1).max(initial=0))
+        items = sum(int(c.params.sum(axis=1).max(initial=0))
                     for c in group_costs(plan, sim_cluster))
         measured = min(asyncio.run(run_ranks(plan, tm, state, targets, serial=False,
                                              gbps=UNCAPPED_GBPS, watermark=512 << 20))
