@@ -48,9 +48,11 @@ CHECK_CONFIGS = (
     ("tiny_moe", True, 0.05, "serial", None, None),
     ("bench_moe", True, 0.1, "pipelined", None, None),
     ("bench_moe", False, 0.2, "serial", None, None),
-    # what `wt bench pipeline` runs by default: 2 ranks, 16 MiB buckets
+    # 2 ranks and 16 MiB buckets, as `wt bench pipeline` (whose default model is bench_dense)
     ("bench_moe", True, 0.2, "pipelined", "bench_pipeline", 16 << 20),
     ("bench_moe", True, 0.2, "serial", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "pipelined", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "serial", "bench_pipeline", 16 << 20),
 )
 
 
