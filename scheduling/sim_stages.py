@@ -20,9 +20,9 @@ as the executor does), each gathered in one collective:
    node, else the slower of that and ``inter_node_gbps``, default the NIC);
    then the rank's own pieces are cut (``copy_gbps``) or FP8-quantized
    (``fp8_quant_gbps`` of source bytes), each distinct piece once; a
-   coalesced bucket pays the hop latencies once; every item of the rank's
-   order also pays ``param_overhead_us`` (the pipeline item's Python cost and
-   its gather call, even on one rank);
+   coalesced bucket pays the hop latencies once; every parameter of the
+   rank's order also pays ``param_overhead_us`` (its Python cost in the
+   pipeline and in its gather, even on one rank);
 4. **write**: the rank's NIC sends the parameter's writes after the previous
    parameter's (FIFO), at the rate that makes the rank's whole group take
    what the NIC model (:mod:`scheduling.simulate`) says the group's NICs
@@ -62,6 +62,7 @@ class GroupCosts:
     write_bytes: np.ndarray  # [R, K]
     write_count: np.ndarray  # [R, K] writes
     reserve: np.ndarray  # [R, K] watermark bytes
+    params: np.ndarray  # [R, K] parameters in each item (0: the rank has no such item)
     tasks: tuple[np.ndarray, np.ndarray, np.ndarray]  # plan rows of the group, their (row, k)
 
 
@@ -155,7 +156,7 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
         col = np.full(len(plan.params), -1, dtype=np.int64)  # its item in its mesh's order
         shape = (len(ranks), max(k_max, 1))
         h2d, gather, reserve = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        fixed = np.zeros(shape)  # per-item fixed cost where the rank has an item
+        n_params = np.zeros(shape)  # parameters per item where the rank has an item
         mesh = np.zeros(len(ranks), dtype=np.int64)
         for m, (mesh_id, (mranks, seq)) in enumerate(seqs.items()):
             item_of, item_reserve, coalesced = items[mesh_id]
@@ -168,7 +169,7 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
             gather[rows[:, None], cols] = _item_gathers(gather_p[seq], item_of, coalesced,
                                                         len(mranks), cluster.sim)
             reserve[rows[:, None], cols] = item_reserve
-            fixed[rows[:, None], cols] = cluster.sim.param_overhead_us * 1e-6
+            n_params[rows[:, None], cols] = np.bincount(item_of, minlength=n_items)
         sel = np.flatnonzero(plan.task_group == g)
         key = rank_row[src[sel]] * shape[1] + col[task_param[sel]]
         size = shape[0] * shape[1]
@@ -177,12 +178,13 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
         # Each distinct piece a rank writes is prepared (and reserved) once.
         pkey = np.unique(key * len(plan.pieces) + plan.task_piece[sel])
         pkey_pos, pkey_piece = pkey // len(plan.pieces), pkey % len(plan.pieces)
-        prep = fixed + np.bincount(pkey_pos, piece_cost[pkey_piece], minlength=size).reshape(shape)
+        prep = (n_params * (cluster.sim.param_overhead_us * 1e-6)
+                + np.bincount(pkey_pos, piece_cost[pkey_piece], minlength=size).reshape(shape))
         sizes = piece_bytes[pkey_piece]
         reserve += np.bincount(pkey_pos, sizes, minlength=size).reshape(shape)
         out.append(GroupCosts(ranks=ranks, mesh=mesh, h2d=h2d, gather=gather, prepare=prep,
                               write_bytes=wbytes, write_count=wcount, reserve=reserve,
-                              tasks=(sel, key // shape[1], key % shape[1])))
+                              params=n_params, tasks=(sel, key // shape[1], key % shape[1])))
     return out
 
 

@@ -13,23 +13,27 @@ the reference loader.
 The defaults, and why (pipelining pays where the link is the bottleneck, as on
 a fabric where a GPU prepares far faster than its NIC sends):
 
+* ``configs/models/bench_dense.yaml`` with FP8 engines: a 286 M-parameter Llama
+  in one mesh group. bench_moe has two groups with a barrier between them, and
+  its expert group is all FP8 quantization with few bytes to send, so there
+  the CPU binds whatever the cap;
 * ``configs/clusters/bench_pipeline.yaml``: 2 trainer ranks, one per core of
   this 2-core host, as each real rank has its own GPU. With more ranks than
   cores, one rank's serial prepare runs while another rank writes, and serial
   against pipelined would measure CPU sharing between ranks, not overlap within one;
-* ``--nic-gbps 0.2``: a simnic WRITE is a memcpy on the same cores that
-  quantize, while a real RDMA WRITE costs the sender's CPU nothing; at 0.2 GB/s
-  the link takes 1.27 s per rank, more than a rank's FP8 prepare work on a
-  quiet host (1.0-1.6 s measured at load average 18-35), so the link binds
+* ``--nic-gbps 0.1``: a simnic WRITE is a memcpy on the same cores that
+  quantize, while a real RDMA WRITE costs the sender's CPU nothing; at 0.1 GB/s
+  the link takes 3.5 s per rank, at least a rank's prepare work (3.3 s
+  measured at load average 10-14, less on a quiet host), so the link binds
   and the prepare work is there to hide;
 * ``--bucket-bytes 16M``: the pipeline's items are gather buckets; with the
-  default 64 MiB a mesh group of bench_moe is 3 items and the first prepare
-  and the last write of each group cannot overlap anything.
+  executor's default 64 MiB the first prepare and the last write of a group
+  overlap nothing for longer.
 
 The output says which binds: the link bound (the busiest trainer NIC's bytes
 at the cap) against the busiest rank's prepare work in the serial run::
 
-    wt bench pipeline --json out.json          # bench_moe, FP8, the defaults above
+    wt bench pipeline --json out.json          # bench_dense, FP8, the defaults above
     python -m scripts.cli bench pipeline --help  # without the console script
 
 The options are defined once, in :mod:`scripts.cli`; this module has only ``run``.

@@ -48,9 +48,11 @@ CHECK_CONFIGS = (
     ("tiny_moe", True, 0.05, "serial", None, None),
     ("bench_moe", True, 0.1, "pipelined", None, None),
     ("bench_moe", False, 0.2, "serial", None, None),
-    # what `wt bench pipeline` runs by default: 2 ranks, 16 MiB buckets
+    # 2 ranks and 16 MiB buckets, as `wt bench pipeline` (whose default model is bench_dense)
     ("bench_moe", True, 0.2, "pipelined", "bench_pipeline", 16 << 20),
     ("bench_moe", True, 0.2, "serial", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "pipelined", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "serial", "bench_pipeline", 16 << 20),
 )
 
 
@@ -168,7 +170,7 @@ def param_overhead_us(root: Path, cluster_path: Path, constants: dict[str, float
         sim_cluster = bench_cluster(plan_cluster(cluster_path), consts, cap=UNCAPPED_GBPS,
                                     serial=False, watermark=512 << 20)
         predicted = simulate(plan, sim_cluster, resolution=1e-3).seconds
-        items = sum(int((c.reserve > 0).sum(axis=1).max(initial=0))
+        items = sum(int(c.params.sum(axis=1).max(initial=0))
                     for c in group_costs(plan, sim_cluster))
         measured = min(asyncio.run(run_ranks(plan, tm, state, targets, serial=False,
                                              gbps=UNCAPPED_GBPS, watermark=512 << 20))

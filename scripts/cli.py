@@ -117,11 +117,11 @@ def bench_transport(
 
 @bench_app.command("pipeline")
 def bench_pipeline(
-    model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
+    model: Path = typer.Option(Path("configs/models/bench_dense.yaml"), help="Model YAML."),
     cluster: Path = typer.Option(Path("configs/clusters/bench_pipeline.yaml"),
                                  help="Cluster YAML (default: one trainer rank per core)."),
     fp8: bool = typer.Option(True, help="FP8 engines (quantize while writing)."),
-    nic_gbps: float = typer.Option(0.2, help="Trainer NIC cap in GB/s (see the docstring)."),
+    nic_gbps: float = typer.Option(0.1, help="Trainer NIC cap in GB/s (see the docstring)."),
     watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
     repeats: int = typer.Option(3, min=1, help="Runs per mode (interleaved); the median."),
     bucket_bytes: str = typer.Option("16M", help="Gather bucket size (pipeline items)."),
