@@ -23,6 +23,13 @@ the field before any actor is asked anything::
     cfg.transport_spec          # TransportSpec(kind="mooncake", options=MooncakeOptions(...))
 
 ``nic_gbps`` is a shortcut for the simnic option ``bandwidth_gbps``.
+
+``integrity`` (``{"mode": "off" | "sample" | "full", "fraction": 0.1}`` or a
+mode name), ``retry`` (``{"attempts", "backoff_s", "backoff_factor",
+"max_backoff_s"}``) and ``audit_path`` (a file for one JSON line per update)
+are checked here too and typed (:class:`~weight_transfer.integrity.IntegrityPolicy`,
+:class:`~weight_transfer.retry.RetryPolicy`); docs/configuration.md says what
+each does.
 """
 
 from __future__ import annotations
@@ -33,8 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from scheduling.cluster import ClusterConfig, load_cluster_config
+from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.models import ModelConfig, load_model_config
+from weight_transfer.retry import RetryPolicy, parse_retry
 from weight_transfer.transport.options import TransportOptions, TransportSpec, parse_transport
+
+# Sample, not off: a NIC or driver that corrupts writes shows in the first update at a
+# tenth of full's hashing cost, and ten consecutive updates check every range once.
+DEFAULT_INTEGRITY = IntegrityPolicy(mode="sample", fraction=0.1)
+DEFAULT_RETRY = RetryPolicy()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +70,11 @@ class TransferConfig:
     metrics: str = "auto"  # metrics backend: auto (ray inside Ray), ray, prometheus, null
     transport: str = "simnic"  # the data plane of every trainer and engine NIC
     transport_options: Mapping[str, Any] | TransportOptions | None = None  # checked, then typed
+    # Checksums of written ranges, compared after every update (weight_transfer.integrity).
+    integrity: Mapping[str, Any] | str | IntegrityPolicy = DEFAULT_INTEGRITY
+    # Transient WRITE errors (link down) retried under this policy (weight_transfer.retry).
+    retry: Mapping[str, Any] | RetryPolicy = DEFAULT_RETRY
+    audit_path: str | Path | None = None  # one JSON line per update / re-sync (actors.audit)
 
     def __post_init__(self) -> None:
         for name in ("setup_timeout_s", "update_timeout_s", "barrier_timeout_s", "lr"):
@@ -71,6 +90,12 @@ class TransferConfig:
         if not self.actor_cpus > 0:
             raise ValueError(f"TransferConfig.actor_cpus must be > 0, not {self.actor_cpus}")
         spec = parse_transport(self.transport, self.transport_options, where="TransferConfig")
+        object.__setattr__(self, "integrity",
+                           parse_integrity(self.integrity, where="TransferConfig.integrity"))
+        object.__setattr__(self, "retry", parse_retry(self.retry, where="TransferConfig.retry"))
+        if self.audit_path is not None and not isinstance(self.audit_path, str | Path):
+            raise ValueError(f"TransferConfig.audit_path must be a path or None, not "
+                             f"{self.audit_path!r}")
         object.__setattr__(self, "transport_options", spec.options)  # typed from here on
         if self.nic_gbps is not None and self.transport != "simnic":
             raise ValueError(

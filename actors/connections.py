@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from actors.groups import node_ip
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     Endpoint,
@@ -90,17 +91,36 @@ class Connector:
         self.owners: dict[str, Any] = {}
         self.hosts: dict[str, HostId] = {}
         self.links: set[Link] = set()
+        self._trainer_owners: set[str] = set()
 
     def add_trainer(self, rank: int, actor: Any, host: HostId | None) -> None:
         self.owners[trainer_owner(rank)] = actor
         self.hosts[trainer_owner(rank)] = host
+        self._trainer_owners.add(trainer_owner(rank))
 
     def add_engine(self, meta: EngineRankMeta, actor: Any) -> None:
         self.owners.update({ep.owner: actor for ep in engine_endpoints(meta)})
 
-    def drop_engine(self, meta: EngineRankMeta) -> None:
-        for ep in engine_endpoints(meta):
-            self.owners.pop(ep.owner, None)
+    def drop_engine(self, meta: EngineRankMeta, *, keep_links: bool = False) -> None:
+        """Forget an engine rank's NICs and (unless ``keep_links``: the same actor comes
+        back at once) the links to and from them, so a later one connects again."""
+        owners = {ep.owner for ep in engine_endpoints(meta)}
+        for owner in owners:
+            self.owners.pop(owner, None)
+        if not keep_links:
+            self._forget_links(owners)
+
+    def drop_trainers(self) -> None:
+        """Forget every trainer rank and its links (new trainer actors connect again)."""
+        owners, self._trainer_owners = self._trainer_owners, set()
+        for owner in owners:
+            self.owners.pop(owner, None)
+            self.hosts.pop(owner, None)
+        self._forget_links(owners)
+
+    def _forget_links(self, owners: set[str]) -> None:
+        self.links = {k for k in self.links
+                      if k.writer.owner not in owners and k.target.owner not in owners}
 
     def gather_engines(
         self, actors: Sequence[Any], *, label: str, phase: str | None = None
@@ -112,6 +132,9 @@ class Connector:
                 + [self._call(a.wt_host) for a in actors])
         labels = [f"{label} {i}" for i in range(n)] * 2
         out = self._gather(refs, labels, phase=phase or f"gather {label} metadata")
+        for i, meta in enumerate(out[:n]):  # on receipt: regions, tensors, sizes, dtypes
+            check_engine_meta(meta, f"{label} {i} ({getattr(meta, 'replica', '?')}/tp"
+                                    f"{getattr(meta, 'rank', '?')})")
         for meta, host in zip(out[:n], out[n:], strict=True):
             for ep in engine_endpoints(meta):
                 self.hosts[ep.owner] = host

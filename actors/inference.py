@@ -19,9 +19,15 @@ rkeys) and ``wt_host()``; then, for the two-way connection set-up,
 named) and ``wt_connect_peers(conns)`` (connect to the trainers' infos made
 for these NICs). During an update the rank runs no code: trainers write
 straight into the registered memory; the controller only calls ``wt_pause()``
-before and ``wt_resume(version)`` after. ``wt_copy_to(meta)`` writes this
+before and ``wt_resume(version)`` after, each with an epoch that fences
+stale commands: a rank ignores a command older than the newest it has seen and
+refuses a resume that comes after its deadline, so a rank that was stopped
+while the controller gave up on it does not resume serving when it continues
+(:mod:`actors.engine_control`). ``wt_copy_to(meta)`` writes this
 rank's registered buffers into the same layout of another replica, connected
-the same way (a new replica fetches a version from a peer).
+the same way (a new replica fetches a version from a peer). After an update the
+controller may ask ``wt_checksum(ranges)``: the checksums of written ranges of the
+registered memory, to compare with the trainers' (:mod:`actors.integrity_check`).
 
 ``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
@@ -34,9 +40,11 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -45,6 +53,8 @@ from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from weight_transfer.engine_copy import copy_jobs, layout_key, regions_of  # noqa: F401
+from weight_transfer.integrity import checksum_ranges
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -63,6 +73,15 @@ from weight_transfer.types import (
 log = logging.getLogger(__name__)
 
 _KEEP = object()
+EVENTS_KEPT = 1024  # wt_events() keeps this many latest pause/resume/version events
+
+
+def _byte_view(buf: Any) -> Any:
+    """A flat uint8 view of registered memory (a tensor, an array or a buffer)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.reshape(-1).view(torch.uint8)
+    return np.frombuffer(buf, dtype=np.uint8) if not hasattr(buf, "__array_interface__") \
+        else np.asarray(buf).reshape(-1).view(np.uint8)
 
 
 class InferenceMixin:
@@ -82,12 +101,16 @@ class InferenceMixin:
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
         self._wt_shard, self._wt_nic_names = shard, list(nics)
         self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
+        self._wt_buffers: dict[int, torch.Tensor] = {}  # region addr -> its bytes (uint8)
         self._wt_spec: TransportSpec | None = None
         self._wt_default_spec = transport or DEFAULT_TRANSPORT
         self._wt_meta = None
         self._wt_version: int | None = None
-        self._wt_events: list[tuple[str, int | None, float]] = []
+        # The latest events only: a long run must not grow the actor's memory.
+        self._wt_events: deque[tuple[str, int | None, float]] = deque(maxlen=EVENTS_KEPT)
         self._wt_lock = threading.Lock()
+        self._wt_cmd_lock = threading.Lock()  # pause, resume and version commands, fenced
+        self._wt_epoch = 0  # the newest controller epoch seen
 
     @property
     def _wt_owner(self) -> str:
@@ -130,6 +153,7 @@ class InferenceMixin:
                 nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
                                                       address=address)
             region = nic.register(buf)
+            self._wt_buffers[region.addr] = _byte_view(buf)
             tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
                                          offset=offset) for n, shape, dtype, offset in entries]
         log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
@@ -153,31 +177,77 @@ class InferenceMixin:
     def _wt_log(self, event: str) -> None:
         self._wt_events.append((event, self._wt_version, time.time()))
 
-    def wt_pause(self, timeout_s: float = 60.0) -> None:
-        """Hold generation at its next step boundary; returns once no step runs."""
+    def _wt_fence(self, epoch: int | None, what: str) -> bool:
+        """Whether a command of ``epoch`` is current (None: unfenced, from a user); call under
+        ``_wt_cmd_lock``. A command older than the newest one seen is ignored."""
+        if epoch is None:
+            return True
+        if epoch < self._wt_epoch:
+            log.warning("%s ignored a stale %s (epoch %d < %d)", self._wt_owner, what, epoch,
+                        self._wt_epoch)
+            self._wt_log(f"stale {what}")
+            return False
+        self._wt_epoch = epoch
+        return True
+
+    def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Hold generation at its next step boundary; returns once no step runs.
+
+        ``epoch`` (the controller's, see :mod:`actors.engine_control`): a pause
+        older than the newest command seen is ignored (returns False); a fenced
+        pause comes before writes or holds a torn replica, so the version held
+        becomes None until a resume names one.
+        """
         self._wt_require()
-        self._wt_adapter.pause()
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "pause"):
+                return False
+            if epoch is not None:
+                self._wt_version = None
+            self._wt_adapter.pause()
         wait_idle = getattr(self._wt_adapter, "wait_idle", None)
         if wait_idle is not None and not wait_idle(timeout_s):
             raise TimeoutError(f"{self._wt_owner}: a generation step still runs "
                                f"{timeout_s:g} s after pause()")
         self._wt_log("pause")
+        return True
 
-    def wt_resume(self, version: Any = _KEEP) -> None:
-        """Record ``version`` (if given) as the weights now held, then let generation go on."""
+    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+                  deadline: float | None = None) -> bool:
+        """Record ``version`` (if given) as the weights now held, then let generation go on.
+
+        Refused (returns False, the rank stays paused) when ``epoch`` is older
+        than the newest command seen or ``time.time()`` is past ``deadline``:
+        the controller gave up waiting for this resume and held the replica.
+        """
         self._wt_require()
-        if version is not _KEEP:
-            self._wt_version = version
-        self._wt_log("resume")
-        self._wt_adapter.resume()
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "resume"):
+                return False
+            if deadline is not None and time.time() > deadline:
+                log.warning("%s refused a resume to version %s that came %.3f s after its "
+                            "deadline", self._wt_owner, version, time.time() - deadline)
+                self._wt_log("late resume")
+                return False
+            if version is not _KEEP:
+                self._wt_version = version
+            self._wt_log("resume")
+            self._wt_adapter.resume()
+        return True
 
     def wt_paused(self) -> bool:
         self._wt_require()
         return bool(self._wt_adapter.paused)
 
-    def wt_set_version(self, version: int | None) -> None:
-        self._wt_version = version
-        self._wt_log("version")
+    def wt_set_version(self, version: int | None, epoch: int | None = None) -> bool:
+        """Record the version held (no pause: ``pause_during_update`` off); fenced as
+        :meth:`wt_pause`."""
+        with self._wt_cmd_lock:
+            if not self._wt_fence(epoch, "version"):
+                return False
+            self._wt_version = version
+            self._wt_log("version")
+        return True
 
     def wt_version(self) -> int | None:
         return self._wt_version
@@ -191,7 +261,9 @@ class InferenceMixin:
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
-        jobs = copy_jobs(self.wt_engine_meta(), dst, self._wt_nics, owner=self._wt_owner)
+        mine = self.wt_engine_meta()
+        check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
+        jobs = copy_jobs(mine, dst, self._wt_nics, owner=self._wt_owner)
 
         async def run() -> None:
             await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))
@@ -200,6 +272,24 @@ class InferenceMixin:
         nbytes = sum(region.length for _, _, region in jobs)
         log.info("%s copied %d B into %s/tp%d", self._wt_owner, nbytes, dst.replica, dst.rank)
         return nbytes
+
+    # ------------------------------------------------------------------ integrity
+
+    def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
+        registered memory (:func:`weight_transfer.integrity.checksum_ranges`)."""
+        self.wt_engine_meta()
+        return checksum_ranges(self._wt_buffers, ranges)
+
+    def wt_flip_byte(self, tensor: str, offset: int = 0) -> None:
+        """Fault injection: invert one byte of ``tensor`` in the registered memory, as a
+        corrupted WRITE would leave it."""
+        meta = self.wt_engine_meta()
+        t = next((t for t in meta.tensors if t.name == tensor), None)
+        if t is None or not 0 <= offset < t.nbytes:
+            raise ValueError(f"{self._wt_owner}: no byte {offset} of tensor {tensor!r}")
+        buf = self._wt_buffers[t.region.addr]
+        buf[t.offset + offset] ^= 0xFF
 
     def wt_nic_stats(self) -> dict[str, int]:
         nics = self._wt_nics.values()
@@ -211,15 +301,20 @@ class InferenceMixin:
         return None if self._wt_spec is None else self._wt_spec.kind
 
     def wt_deregister(self) -> None:
-        """Fault injection: revoke every registered region (later writes into it fail)."""
+        """Fault injection: revoke every registered region (later writes into it fail).
+        The next :meth:`wt_engine_meta` registers the buffers again (new rkeys): a later
+        ``setup()`` of the controller re-plans with them."""
         meta = self.wt_engine_meta()
-        for region in regions_of(meta):
-            self._wt_nics[region.nic].deregister(region)
+        with self._wt_lock:
+            for region in regions_of(meta):
+                self._wt_nics[region.nic].deregister(region)
+            self._wt_meta = None
 
     def wt_close(self) -> None:
         for nic in self._wt_nics.values():
             nic.close()
         self._wt_nics, self._wt_meta, self._wt_spec = {}, None, None
+        self._wt_buffers = {}
 
 
 class InferenceWorker(InferenceMixin, GroupMember):

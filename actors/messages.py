@@ -2,6 +2,7 @@
 
 Frozen, slotted, keyword-only dataclasses: everything that crosses Ray's
 object store besides the version number and the reports. Weights never do.
+:func:`check_trainer_metas` checks the trainers' metadata on receipt.
 The connection set-up sends the records of
 :mod:`weight_transfer.transport.handshake` (``InfoRequest``, ``PeerInfo``,
 ``Connection``) and the transport's ``TransportSpec``.
@@ -9,8 +10,11 @@ The connection set-up sends the records of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from weight_transfer.models import EXPERT_NAMINGS
+from weight_transfer.receipt import check_int, check_params, check_str
 from weight_transfer.transport.handshake import HostId
 from weight_transfer.types import ParamMeta, RankInfo
 
@@ -25,6 +29,37 @@ class TrainerRankMeta:
     expert_naming: str
     params: tuple[ParamMeta, ...]
     host: HostId | None = None  # hostname and address (several Ray nodes may share a host)
+
+
+def check_trainer_meta(meta: object, where: str = "trainer metadata") -> TrainerRankMeta:
+    """One trainer rank's metadata as the controller receives it: ValueError naming the
+    field for a wrong type, a rank outside [0, world), an unknown expert naming, an invalid
+    or repeated parameter (see :mod:`weight_transfer.receipt`)."""
+    if not isinstance(meta, TrainerRankMeta):
+        raise ValueError(f"{where} must be a TrainerRankMeta, not {type(meta).__name__}")
+    world = check_int(meta.world, f"{where}: world", lo=1, hi=1 << 24)
+    where = f"trainer rank {check_int(meta.rank, f'{where}: rank', hi=world - 1)}"
+    check_str(meta.node, f"{where}: node", empty=True)
+    if meta.expert_naming not in EXPERT_NAMINGS:
+        raise ValueError(f"{where}: expert_naming must be one of {list(EXPERT_NAMINGS)}, not "
+                         f"{meta.expert_naming!r}")
+    check_params(meta.params, where)
+    if meta.host is not None and not (isinstance(meta.host, HostId) and
+                                      isinstance(meta.host.hostname, str) and
+                                      isinstance(meta.host.address, str)):
+        raise ValueError(f"{where}: host must be a HostId of two strings, not {meta.host!r}")
+    return meta
+
+
+def check_trainer_metas(metas: Sequence[object]) -> list[TrainerRankMeta]:
+    """Every trainer rank's metadata: each valid, one world, ranks 0..world-1 once each."""
+    out = [check_trainer_meta(m, f"trainer metadata {i}") for i, m in enumerate(metas)]
+    worlds = sorted({m.world for m in out})
+    ranks = sorted(m.rank for m in out)
+    if len(worlds) != 1 or ranks != list(range(worlds[0])):
+        raise ValueError(f"trainer metadata: ranks {ranks} of world sizes {worlds}; expected "
+                         f"each rank 0..world-1 exactly once, one world size")
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -128,7 +128,9 @@ class UpdateReport:
     ``transfer_seconds`` the slowest rank's step; ``stages`` the slowest rank's
     busy time per stage and ``stages_summed`` the sum over ranks;
     ``control_bytes`` the pickled size of every Ray call argument and result
-    the update exchanged (the object store's share of the update).
+    the update exchanged (the object store's share of the update);
+    ``integrity`` what the checksum check compared (``IntegrityResult.as_dict``:
+    mode, ranges, bytes, seconds, ok); ``retries`` the WRITEs retried.
     """
 
     version: int
@@ -144,10 +146,16 @@ class UpdateReport:
     replicas: tuple[str, ...] = ()
     per_rank: tuple[RankReport, ...] = ()
     trace: UpdateTrace | None = field(default=None, hash=False, repr=False)  # update(trace=)
+    integrity: dict[str, Any] | None = field(default=None, hash=False)  # the checksum check
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def retries(self) -> int:
+        """WRITEs the ranks tried again after a transient error (weight_transfer.retry)."""
+        return sum(r.transfer.retries for r in self.per_rank)
 
     @classmethod
     def combine(
@@ -191,6 +199,8 @@ class UpdateReport:
             "control_bytes": self.control_bytes,
             "control_calls": self.control_calls,
             "replicas": list(self.replicas),
+            "retries": self.retries,
+            "integrity": self.integrity,
             "per_rank": [
                 {"rank": r.rank, "seconds": r.transfer.seconds,
                  "bytes": r.transfer.bytes_written, "writes": r.transfer.writes,

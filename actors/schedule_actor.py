@@ -25,11 +25,12 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from actors.messages import PlanResult, PlanSummary, TrainerRankMeta
+from actors.messages import PlanResult, PlanSummary, TrainerRankMeta, check_trainer_metas
 from scheduling import Plan, compute_plan
 from scheduling.cluster import ClusterConfig
 from scheduling.serialize import dumps_plan, dumps_trainer_plan
 from weight_transfer.models import ModelConfig
+from weight_transfer.receipt import check_engine_meta
 from weight_transfer.types import EngineRankMeta, ParamMeta, RankInfo, TrainerMeta
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,9 @@ class Scheduler:
     ) -> PlanResult:
         """Merge, plan, validate; one blob per trainer rank and the summary."""
         start = time.perf_counter()
+        check_trainer_metas(trainer_metas)  # on receipt, as the controller did
+        for i, m in enumerate(engine_metas):
+            check_engine_meta(m, f"engine metadata {i}")
         params, naming = merge_trainer_metas(trainer_metas)
         if [r.rank for r in rank_infos] != list(range(len(trainer_metas))):
             raise ValueError(f"rank infos of ranks {[r.rank for r in rank_infos]} do not match "

@@ -19,9 +19,9 @@ plan, the engines' peer infos made for this NIC, barrier store), and
 ``wt_update(version)`` at every update (only the version crosses Ray; the rank
 replays its static plan with one-sided writes and returns a constant-size
 :class:`~actors.reports.RankReport`). ``wt_set_link`` and
-``wt_fail_after_bytes`` inject NIC faults for tests, through the optional
-``FaultInjection`` interface (simnic only; other transports refuse with a
-``TypeError`` naming the transport).
+``wt_fail_after_bytes`` (and ``wt_flap_link``, down for a while) inject NIC
+faults for tests, through the optional ``FaultInjection`` interface (simnic
+only; other transports refuse with a ``TypeError`` naming the transport).
 
 ``TrainerActor`` builds the transformers model (same seed on every rank),
 joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
@@ -57,9 +57,11 @@ from actors.trainer_model import (
 from actors.write_guard import WriteGuard
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
-from weight_transfer.executor import RankTransfer
+from weight_transfer.executor import RankTransfer, check_trainer_plan
+from weight_transfer.integrity import IntegrityPolicy
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
+from weight_transfer.retry import RetryPolicy
 from weight_transfer.trace import rank_trace_of
 from weight_transfer.transport.base import fault_injection
 from weight_transfer.transport.handshake import (
@@ -173,9 +175,14 @@ class TrainerMixin:
         watermark_bytes: int = 1 << 30,
         transport: TransportSpec | None = None,
         metrics: str = "auto",
+        integrity: IntegrityPolicy | None = None,
+        retry: RetryPolicy | None = None,
     ) -> int:
         """Connection set-up, round 2: take this rank's plan, connect its NIC to the engine
-        NICs (``peers``: their peer infos made for it). Returns its number of tasks."""
+        NICs (``peers``: their peer infos made for it). Returns its number of tasks.
+
+        The plan is decoded and checked against this rank's parameters first: a
+        corrupt or foreign plan is a ValueError, and the rank keeps its previous plan."""
         model = self._wt_require_model()
         plan = loads_trainer_plan(plan_blob)
         if plan.rank != self._wt_rank or rank_info.rank != self._wt_rank:
@@ -183,6 +190,8 @@ class TrainerMixin:
                 f"trainer rank {self._wt_rank} was sent the plan of rank {plan.rank} "
                 f"(rank info of {rank_info.rank})"
             )
+        metas = param_metas_from_module(model)
+        check_trainer_plan(plan, metas)  # before anything of the previous plan is dropped
         if self._wt_link is not None:
             self._wt_link.transfer.close()
         # Re-plan (add_replica): the same NIC, its connections kept; only new peers come.
@@ -192,10 +201,10 @@ class TrainerMixin:
         kv = connect_store(*store, timeout_s=barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
                                name="wt-update", timeout_s=barrier_timeout_s)
-        metas = param_metas_from_module(model)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
                                 transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
-                                on_write_error=guard.record, metrics=actor_metrics(metrics))
+                                on_write_error=guard.record, metrics=actor_metrics(metrics),
+                                integrity=integrity, retry=retry)
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
@@ -254,6 +263,11 @@ class TrainerMixin:
     def wt_set_link(self, up: bool) -> None:
         """Fault injection: bring this rank's NIC link down (writes fail) or up."""
         self._wt_faults().set_link(up)
+
+    def wt_flap_link(self, down_s: float) -> None:
+        """Fault injection: this rank's NIC link goes down at the start of its next write and
+        up again ``down_s`` seconds later (a transient fault the retry policy rides out)."""
+        self._wt_faults().flap_link(down_s)
 
     def wt_fail_after_bytes(self, nbytes: int | None) -> None:
         """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""

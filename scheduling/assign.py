@@ -82,14 +82,66 @@ def interleave_order(signature: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _greedy_batches(
     nbytes: np.ndarray, bins: np.ndarray, load: np.ndarray, out: np.ndarray
 ) -> None:
-    """Put items (in order) into ``bins``, batch by batch, largest item to lightest bin."""
-    k = len(bins)
-    for start in range(0, len(nbytes), k):
-        b = nbytes[start : start + k]
-        by_size = np.argsort(-b, kind="stable")
-        lightest = bins[np.argsort(load[bins], kind="stable")[: len(b)]]
-        out[start + by_size] = lightest
-        load[lightest] += b[by_size]
+    """Put items (in order) into ``bins``, batch by batch, largest item to lightest bin.
+
+    Batches are rows of a matrix (the last one padded with empty items, which land
+    on the heaviest bins and add nothing): the item order of every batch is one
+    vectorized sort, and only the bin order, which depends on the loads so far,
+    is sorted batch by batch (ties: the order of ``bins``; items: input order).
+    """
+    k, n = len(bins), len(nbytes)
+    if n == 0:
+        return
+    rows = -(-n // k)
+    sizes = np.zeros(rows * k, dtype=np.int64)
+    sizes[:n] = nbytes
+    sizes = sizes.reshape(rows, k)
+    by_size = np.argsort(-sizes, axis=1, kind="stable")
+    sizes = np.take_along_axis(sizes, by_size, axis=1)
+    bin_load = load[bins].astype(np.int64)
+    slot = np.empty((rows, k), dtype=np.int64)
+    argsort = bin_load.argsort  # the method: no dispatch wrapper in this hot loop
+    for i in range(rows):
+        lightest = argsort(kind="stable")
+        slot[i] = lightest
+        bin_load[lightest] += sizes[i]
+    load[bins] = bin_load
+    pos = (np.arange(rows, dtype=np.int64)[:, None] * k + by_size).ravel()
+    keep = pos < n
+    out[pos[keep]] = bins[slot.ravel()[keep]]
+
+
+def greedy_batches_many(jobs: Sequence[tuple[np.ndarray, np.ndarray]], load: np.ndarray,
+                        outs: Sequence[np.ndarray]) -> None:
+    """:func:`_greedy_batches` of several jobs ``(nbytes, bins)`` at once, batch ``r`` of
+    every job in one vectorized step. The jobs' bins must be disjoint (their loads never
+    meet), so the result is what running them one after the other gives."""
+    if not jobs:
+        return
+    ks = [len(b) for _, b in jobs]
+    k, rows = max(ks), max(-(-len(n) // kk) for (n, _), kk in zip(jobs, ks, strict=True))
+    rows = max(rows, 1)
+    sizes = np.zeros((len(jobs), rows, k), dtype=np.int64)
+    bin_load = np.full((len(jobs), k), np.iinfo(np.int64).max // 2, dtype=np.int64)
+    for m, ((nbytes, bins), kk) in enumerate(zip(jobs, ks, strict=True)):
+        flat = np.zeros(-(-len(nbytes) // kk) * kk, dtype=np.int64)
+        flat[: len(nbytes)] = nbytes
+        sizes[m, : len(flat) // kk, :kk] = flat.reshape(-1, kk)
+        bin_load[m, :kk] = load[bins]  # padding bins: never the lightest
+    by_size = np.argsort(-sizes, axis=2, kind="stable")
+    sizes = np.take_along_axis(sizes, by_size, axis=2)
+    slot = np.empty((len(jobs), rows, k), dtype=np.int64)
+    flat_load = bin_load.ravel()  # a view: row m's bins at m * k ...
+    base = (np.arange(len(jobs), dtype=np.int64) * k)[:, None]
+    for r in range(rows):
+        lightest = bin_load.argsort(axis=1, kind="stable")
+        slot[:, r] = lightest
+        flat_load[lightest + base] += sizes[:, r]  # a permutation per row: no repeats
+    for m, ((nbytes, bins), kk, out) in enumerate(zip(jobs, ks, outs, strict=True)):
+        load[bins] = bin_load[m, :kk]
+        pos = (np.arange(rows, dtype=np.int64)[:, None] * kk + by_size[m]).ravel()
+        keep = (by_size[m].ravel() < kk) & (pos < len(nbytes))
+        out[pos[keep]] = bins[slot[m].ravel()[keep]]
 
 
 def assign_sources(

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduling.assign import assign_sources, interleave_order, mesh_groups, spread_order
+from scheduling.assign import (
+    assign_sources,
+    greedy_batches_many,
+    interleave_order,
+    mesh_groups,
+    spread_order,
+)
 from scheduling.plan import Plan
 from scheduling.tables import (
     Interner,
@@ -51,11 +57,13 @@ GATHER_ORDERS = ("interleaved", "canonical")
 
 
 def _param_index(params: Sequence[ParamMeta]) -> dict[str, int]:
-    index: dict[str, int] = {}
-    for i, p in enumerate(params):
-        if p.name in index:
-            raise ValueError(f"trainer parameter {p.name!r} listed twice")
-        index[p.name] = i
+    index = {p.name: i for i, p in enumerate(params)}
+    if len(index) != len(params):
+        seen: set[str] = set()
+        for p in params:
+            if p.name in seen:
+                raise ValueError(f"trainer parameter {p.name!r} listed twice")
+            seen.add(p.name)
     return index
 
 
@@ -295,8 +303,8 @@ def build_plan(
         send_nics=tuple(tr.send_nics),
         recv_nics=tuple(recv_nic_ids),
         meshes=tuple(tr.meshes),
-        mesh_group=tuple(int(g) for g in tr.mesh_group),
-        param_mesh=tuple(int(m) for m in tr.param_mesh),
+        mesh_group=tuple(tr.mesh_group.tolist()),
+        param_mesh=tuple(tr.param_mesh.tolist()),
         group_params=tuple(group_params),
         task_piece=task_piece.astype(np.int32),
         task_src=task_src.astype(np.int32),
@@ -320,23 +328,56 @@ def _assign(task_piece: np.ndarray, pt: PieceTable, tr: _Trainers, n_recv_nics: 
     src = np.empty(n, dtype=np.int64)
     rotation = np.empty(n, dtype=np.int64)
     bounds = np.concatenate(([0], np.flatnonzero(np.diff(task_mesh)) + 1, [n]))
+    runs = [(a, b, int(task_mesh[a])) for a, b in itertools.pairwise(bounds) if a < b]
     nic_load = np.zeros(int(rank_nic.max()) + 1, dtype=np.int64)
     rank_load = np.zeros(len(rank_nic), dtype=np.int64)
-    group = -1
-    for a, b in itertools.pairwise(bounds):
-        if a == b:
-            continue
-        m = int(task_mesh[a])
-        if mesh_group[m] != group:  # each group is balanced on its own (barrier between)
-            group = int(mesh_group[m])
-            nic_load[:] = 0
-            rank_load[:] = 0
-        ranks = meshes[m].ranks
-        src[a:b] = assign_sources(nbytes[a:b], ranks, rank_nic, nic_load, rank_load)
-        pos = np.zeros(len(rank_nic), dtype=np.int64)
-        pos[list(ranks)] = np.arange(len(ranks))
-        rotation[a:b] = pos[src[a:b]] * n_recv_nics // len(ranks)
+    # each group is balanced on its own (barrier between): loads start at zero per group
+    for _, group_runs in itertools.groupby(runs, key=lambda r: int(mesh_group[r[2]])):
+        group_runs = list(group_runs)
+        nic_load[:] = 0
+        rank_load[:] = 0
+        if _independent(group_runs, meshes, rank_nic):
+            _assign_together(group_runs, nbytes, meshes, rank_nic, nic_load, rank_load, src)
+        else:
+            for a, b, m in group_runs:
+                src[a:b] = assign_sources(nbytes[a:b], meshes[m].ranks, rank_nic, nic_load,
+                                          rank_load)
+        for a, b, m in group_runs:
+            ranks = meshes[m].ranks
+            pos = np.zeros(len(rank_nic), dtype=np.int64)
+            pos[list(ranks)] = np.arange(len(ranks))
+            rotation[a:b] = pos[src[a:b]] * n_recv_nics // len(ranks)
     return src, rotation
+
+
+def _independent(runs, meshes, rank_nic) -> bool:
+    """Whether runs can be assigned at once with the same result as one after the other:
+    one run per mesh, one mesh rank per NIC, no NIC shared between the meshes."""
+    seen: set[int] = set()
+    for _, _, m in runs:
+        nics = set(rank_nic[list(meshes[m].ranks)].tolist())
+        if len(nics) != len(meshes[m].ranks) or not seen.isdisjoint(nics):
+            return False
+        seen |= nics
+    return len({m for _, _, m in runs}) == len(runs)
+
+
+def _assign_together(runs, nbytes, meshes, rank_nic, nic_load, rank_load, src) -> None:
+    """:func:`assign_sources` of independent runs (:func:`_independent`), batch by batch
+    over all of them at once: the same greedy, far fewer Python steps."""
+    jobs, outs, lookups = [], [], []
+    for a, b, m in runs:
+        ranks = np.asarray(meshes[m].ranks, dtype=np.int64)
+        nics = np.unique(rank_nic[ranks])
+        lookup = np.empty(int(nics.max()) + 1, dtype=np.int64)
+        lookup[rank_nic[ranks]] = ranks
+        jobs.append((nbytes[a:b], nics))
+        outs.append(np.empty(b - a, dtype=np.int64))
+        lookups.append(lookup)
+    greedy_batches_many(jobs, nic_load, outs)
+    for (a, b, _), out, lookup in zip(runs, outs, lookups, strict=True):
+        src[a:b] = lookup[out]
+        np.add.at(rank_load, src[a:b], nbytes[a:b])
 
 
 def _check_rows(task_row, task_piece, task_dst, pieces, engines) -> None:

@@ -140,6 +140,19 @@ class SimConfig(_Strict):
         description="per parameter and rank: a pipeline item's Python cost and its gather call")
     write_overhead_us: float = Field(
         default=0.0, ge=0, description="sender CPU time of one write, not overlapped with others")
+    # The pipeline's items, as the executor cuts them (weight_transfer/buckets.py).
+    gather_mode: Literal["bucket", "param"] = Field(
+        default="bucket", description="executor gather mode: coalesced buckets or one per param")
+    bucket_bytes: int = Field(
+        default=64 << 20, ge=1,
+        description="executor bucket_bytes (capped at a quarter of watermark_bytes, as there)")
+    # Contention: the CPU work of every trainer rank on shared cores (a CPU-only host).
+    cpu_cores: float | None = Field(
+        default=None, gt=0,
+        description="cores every trainer rank's CPU work shares (None: a device per rank)")
+    write_copy_gbps: float | None = Field(
+        default=None, gt=0,
+        description="sender CPU copy of written bytes, GB/s (simnic; None: the NIC reads memory)")
 
 
 class ClusterConfig(_Strict):

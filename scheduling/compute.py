@@ -16,6 +16,7 @@ from scheduling.build import build_plan
 from scheduling.cluster import ClusterConfig
 from scheduling.match import match_engines
 from scheduling.plan import Plan
+from weight_transfer.shard_geometry import gc_paused
 from weight_transfer.types import EngineRankMeta, TrainerMeta
 
 
@@ -42,22 +43,23 @@ def compute_plan(
     ``gather_order`` is ``"interleaved"`` (destinations alternate, the default)
     or ``"canonical"`` (the trainer metadata's order).
     """
-    engines = tuple(engine_metas)
-    fp8 = cluster.inference.fp8 if fp8 is None else fp8
-    pieces = match_engines(
-        model,
-        trainer_meta,
-        engines,
-        fp8=fp8,
-        expert_naming=expert_naming,
-        ignore=tuple(ignore),
-    )
-    return build_plan(
-        trainer_meta,
-        engines,
-        pieces,
-        pieces_per_nic=pieces_per_nic,
-        min_piece_bytes=min_piece_bytes,
-        max_piece_bytes=max_piece_bytes,
-        gather_order=gather_order,
-    )
+    with gc_paused():  # ~10^6 acyclic objects: GC passes over them would cost seconds
+        engines = tuple(engine_metas)
+        fp8 = cluster.inference.fp8 if fp8 is None else fp8
+        pieces = match_engines(
+            model,
+            trainer_meta,
+            engines,
+            fp8=fp8,
+            expert_naming=expert_naming,
+            ignore=tuple(ignore),
+        )
+        return build_plan(
+            trainer_meta,
+            engines,
+            pieces,
+            pieces_per_nic=pieces_per_nic,
+            min_piece_bytes=min_piece_bytes,
+            max_piece_bytes=max_piece_bytes,
+            gather_order=gather_order,
+        )

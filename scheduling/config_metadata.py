@@ -23,6 +23,7 @@ from __future__ import annotations
 from scheduling.cluster import ClusterConfig
 from scheduling.match import layout_specs
 from weight_transfer.models import ModelConfig, trainer_param_specs
+from weight_transfer.shard_geometry import gc_paused
 from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,
@@ -47,27 +48,30 @@ def trainer_meta_from_config(
     cfg: ModelConfig, cluster: ClusterConfig, *, expert_naming: str = "per_expert"
 ) -> TrainerMeta:
     """Trainer parameters of ``cfg`` placed on the cluster's meshes (see module docstring)."""
+    with gc_paused():  # ~10^5 acyclic records: GC passes over them cost more than building
+        return _trainer_meta(cfg, cluster, expert_naming)
+
+
+def _trainer_meta(cfg: ModelConfig, cluster: ClusterConfig, expert_naming: str) -> TrainerMeta:
     dense = cluster.dense_mesh()
     experts = cluster.expert_meshes()
     stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
-    params = []
     n_experts = cfg.n_experts  # a property that looks the architecture up: once, not per param
-    for spec in trainer_param_specs(cfg, expert_naming=expert_naming):
-        mesh: MeshDesc = dense
-        placements = _SHARD0
+    expert_mesh = [experts[cluster.expert_mesh_index(e, n_experts)] for e in range(n_experts)]
+
+    def place(spec) -> tuple[MeshDesc, tuple[Placement, ...]]:
         if spec.expert is not None:
-            mesh = experts[cluster.expert_mesh_index(spec.expert, n_experts)]
-        elif _is_stacked_expert(spec.name, spec.shape):
-            mesh, placements = stacked_mesh, stacked_placements
-        params.append(
-            ParamMeta(
-                name=spec.name,
-                shape=spec.shape,
-                dtype=spec.dtype,
-                mesh=mesh,
-                placements=placements,
-            )
-        )
+            return expert_mesh[spec.expert], _SHARD0
+        if _is_stacked_expert(spec.name, spec.shape):
+            return stacked_mesh, stacked_placements
+        return dense, _SHARD0
+
+    params = [
+        ParamMeta(name=spec.name, shape=spec.shape, dtype=spec.dtype, mesh=mesh,
+                  placements=placements)
+        for spec in trainer_param_specs(cfg, expert_naming=expert_naming)
+        for mesh, placements in (place(spec),)
+    ]
     return TrainerMeta(params=tuple(params), ranks=cluster.rank_infos())
 
 
@@ -92,7 +96,11 @@ def engine_metas_from_config(
     cfg: ModelConfig, cluster: ClusterConfig, *, fp8: bool | None = None
 ) -> list[EngineRankMeta]:
     """Every inference rank of the cluster with its tensors in one synthetic region."""
-    fp8 = cluster.inference.fp8 if fp8 is None else fp8
+    with gc_paused():  # ~10^5 acyclic records per cluster: see trainer_meta_from_config
+        return _engine_metas(cfg, cluster, cluster.inference.fp8 if fp8 is None else fp8)
+
+
+def _engine_metas(cfg: ModelConfig, cluster: ClusterConfig, fp8: bool) -> list[EngineRankMeta]:
     layouts: dict[ShardSpec, tuple[list[tuple[str, tuple[int, ...], str, int]], int]] = {}
     out = []
     inf = cluster.inference
@@ -114,10 +122,10 @@ def engine_metas_from_config(
                 index=replica * inf.gpus_per_replica + local,
                 length=length,
             )
-            tensors = tuple(
+            tensors = tuple([
                 EngineTensorMeta(name=n, shape=shape, dtype=dt, region=region, offset=off)
                 for n, shape, dt, off in rows
-            )
+            ])
             out.append(
                 EngineRankMeta(
                     replica=name, rank=local, node=node, nic=nic, shard=shard, tensors=tensors

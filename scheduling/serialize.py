@@ -9,7 +9,10 @@ task columns travel as raw little-endian numpy bytes::
     assert loads_trainer_plan(blob) == plan.trainer_plan(rank)
     plan2 = loads_plan(dumps_plan(plan))                 # same tasks, same order
 
-Unknown format versions are a ValueError.
+Decoding checks every field before use (:mod:`scheduling.decode`,
+:mod:`scheduling.decode_plan`): a corrupt blob, an unknown format version, a
+negative or overflowing size, an index outside its table, an unknown dtype or
+transform, a task outside its region is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -17,27 +20,22 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-import numpy as np
 
+from scheduling.decode import FORMAT, Reader, check_tasks, unpack
+from scheduling.decode_plan import COLUMNS, decode_plan
 from scheduling.plan import Plan, TrainerGroup, TrainerPlan
 from scheduling.tables import Interner
+from weight_transfer.receipt import check_int
 from weight_transfer.types import (
     EngineRankMeta,
-    EngineTensorMeta,
     MeshDesc,
     ParamMeta,
     Piece,
-    Placement,
-    RankInfo,
     RegionDesc,
-    ShardSpec,
-    Transform,
     WriteTask,
 )
 
-FORMAT = 1
-_COLUMNS = ("task_piece", "task_src", "task_dst", "task_region", "task_offset", "task_group",
-            "trainer_ptr")
+_COLUMNS = COLUMNS
 
 
 class _Enc:
@@ -62,41 +60,10 @@ class _Enc:
         return [list(m.ranks), list(m.shape), [self.s(d) for d in m.dim_names]]
 
 
-class _Dec:
-    def __init__(self, strings: list[str]) -> None:
-        self.s = strings
-
-    def piece(self, v: list) -> Piece:
-        s = self.s
-        flat = v[5]
-        return Piece(dst_tensor=s[v[0]], dst_offset=v[1], nbytes=v[2], dst_dtype=s[v[3]],
-                     src_param=s[v[4]], src_slice=tuple(zip(flat[::2], flat[1::2], strict=True)),
-                     transform=Transform(s[v[6]]))
-
-    def region(self, v: list) -> RegionDesc:
-        s = self.s
-        return RegionDesc(owner=s[v[0]], nic=s[v[1]], addr=v[2], length=v[3], rkey=v[4],
-                          transport=s[v[5]], node=s[v[6]])
-
-    def mesh(self, v: list | None) -> MeshDesc | None:
-        if v is None:
-            return None
-        return MeshDesc(ranks=tuple(v[0]), shape=tuple(v[1]),
-                        dim_names=tuple(self.s[d] for d in v[2]))
-
-
 def _pack(kind: str, body: dict[str, Any], enc: _Enc) -> bytes:
     return msgpack.packb(
         {"format": FORMAT, "kind": kind, "strings": enc.s.values, **body}, use_bin_type=True
     )
-
-
-def _unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], _Dec]:
-    data = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("kind") != kind:
-        got = (data.get("kind"), data.get("format")) if isinstance(data, dict) else type(data)
-        raise ValueError(f"not a {kind} blob of format {FORMAT} (got {got})")
-    return data, _Dec(data["strings"])
 
 
 # --------------------------------------------------------------------------- trainer plan
@@ -125,20 +92,42 @@ def dumps_trainer_plan(tp: TrainerPlan) -> bytes:
 
 
 def loads_trainer_plan(blob: bytes) -> TrainerPlan:
-    data, dec = _unpack(blob, "trainer_plan")
-    pieces = [dec.piece(v) for v in data["pieces"]]
-    regions = [dec.region(v) for v in data["regions"]]
-    rank, groups = data["rank"], []
-    for group, mesh, params, flat in data["groups"]:
+    """Decode what one trainer receives, checking every field (ValueError naming it)."""
+    data = unpack(blob, "trainer_plan")
+    rd = Reader(data, "trainer_plan")
+    pieces = [rd.piece(v, f"pieces[{i}]") for i, v in enumerate(rd.list(data, "pieces"))]
+    regions = [rd.region(v, f"regions[{i}]") for i, v in enumerate(rd.list(data, "regions"))]
+    rank = check_int(rd.field(data, "rank"), "trainer_plan blob: rank", hi=1 << 24)
+    groups, seen = [], set()
+    for k, g in enumerate(rd.list(data, "groups")):
+        where = f"groups[{k}]"
+        group, mesh, params, flat = rd.list(g, where, 4)
+        check_int(group, f"trainer_plan blob: {where}: group", hi=1 << 24)
+        if group in seen:
+            raise ValueError(f"trainer_plan blob: mesh group {group} is listed twice")
+        seen.add(group)
+        flat = rd.ints(flat, f"{where}: tasks")
+        if len(flat) % 6:
+            raise ValueError(f"trainer_plan blob: {where}: {len(flat)} task fields is not a "
+                             "multiple of 6")
         tasks = tuple(
-            WriteTask(task_id=flat[i], mesh_group=group, src_rank=rank, piece=pieces[flat[i + 1]],
-                      dst_replica=dec.s[flat[i + 2]], dst_rank=flat[i + 3],
-                      region=regions[flat[i + 4]], region_offset=flat[i + 5])
+            WriteTask(task_id=flat[i], mesh_group=group, src_rank=rank,
+                      piece=pieces[rd.index(flat[i + 1], pieces, f"{where} task {i // 6}: piece")],
+                      dst_replica=rd.str(flat[i + 2], f"{where} task {i // 6}: replica"),
+                      dst_rank=flat[i + 3],
+                      region=regions[rd.index(flat[i + 4], regions,
+                                              f"{where} task {i // 6}: region")],
+                      region_offset=flat[i + 5])
             for i in range(0, len(flat), 6)
         )
-        groups.append(TrainerGroup(group=group, mesh=dec.mesh(mesh),
-                                   params=tuple(dec.s[p] for p in params), tasks=tasks))
-    return TrainerPlan(rank=rank, groups=tuple(groups))
+        names = tuple(rd.str(p, f"{where}: params") for p in rd.list(params, f"{where}: params"))
+        if len(set(names)) != len(names):
+            raise ValueError(f"trainer_plan blob: {where}: a parameter is gathered twice")
+        groups.append(TrainerGroup(group=group, mesh=rd.mesh(mesh, f"{where}: mesh"),
+                                   params=names, tasks=tasks))
+    plan = TrainerPlan(rank=rank, groups=tuple(groups))
+    check_tasks(plan.tasks, f"trainer_plan blob of rank {rank}")
+    return plan
 
 
 # --------------------------------------------------------------------------- whole plan
@@ -182,39 +171,11 @@ def dumps_plan(plan: Plan) -> bytes:
     return _pack("plan", body, enc)
 
 
-def loads_plan(blob: bytes) -> Plan:
-    data, dec = _unpack(blob, "plan")
-    s = dec.s
-    meshes = [dec.mesh(m) for m in data["meshes"]]
-    params = tuple(
-        ParamMeta(name=s[n], shape=tuple(shape), dtype=s[dt], mesh=meshes[m],
-                  placements=tuple(Placement(kind=s[k], dim=d) for k, d in pl))
-        for n, shape, dt, m, pl in data["params"]
-    )
-    regions = tuple(dec.region(v) for v in data["regions"])
-    engines = tuple(
-        EngineRankMeta(
-            replica=s[rep], rank=rank, node=s[node], nic=s[nic],
-            shard=ShardSpec(tp_rank=sh[0], tp_size=sh[1], ep_rank=sh[2], ep_size=sh[3]),
-            tensors=tuple(EngineTensorMeta(name=s[tn], shape=tuple(ts), dtype=s[td],
-                                           region=regions[tr], offset=to)
-                          for tn, ts, td, tr, to in tensors),
-        )
-        for rep, rank, node, nic, sh, tensors in data["engines"]
-    )
-    cols = {c: np.frombuffer(b, dtype=np.dtype(dt).newbyteorder("<")).astype(dt)
-            for c, (dt, b) in data["columns"].items()}
-    return Plan(
-        params=params,
-        trainer_ranks=tuple(RankInfo(rank=r, node=s[n], nic=s[c]) for r, n, c in data["ranks"]),
-        engines=engines,
-        pieces=tuple(dec.piece(v) for v in data["pieces"]),
-        regions=regions,
-        send_nics=tuple(s[i] for i in data["send_nics"]),
-        recv_nics=tuple(s[i] for i in data["recv_nics"]),
-        meshes=tuple(meshes[i] for i in data["sched_meshes"]),
-        mesh_group=tuple(data["mesh_group"]),
-        param_mesh=tuple(data["param_mesh"]),
-        group_params=tuple(tuple(g) for g in data["group_params"]),
-        **cols,
-    )
+def loads_plan(blob: bytes, *, validate: bool = True) -> Plan:
+    """Decode a whole plan, checking every field (ValueError naming it); ``validate`` also
+    runs :meth:`Plan.validate` (every destination byte written exactly once)."""
+    data = unpack(blob, "plan")
+    plan = decode_plan(data, Reader(data, "plan"))
+    if validate:
+        plan.validate()
+    return plan

@@ -3,12 +3,15 @@
 ``weight_transfer/executor.py`` runs, per mesh group and per rank, the rank's
 parameters in the plan's gather order through ``h2d -> prepare -> write``
 under a byte watermark, then a barrier over every rank. This module replays
-that with costs from the cluster's ``sim:`` section, one position of the
-gather order at a time, vectorized over ranks:
+that with costs from the cluster's ``sim:`` section, one pipeline item of the
+gather order at a time, vectorized over ranks. The items are the executor's:
+gather buckets of consecutive parameters (:func:`weight_transfer.buckets.plan_buckets`
+with ``gather_mode`` and ``bucket_bytes``, capped at a quarter of the watermark
+as the executor does), each gathered in one collective:
 
-1. **admit**: a parameter enters once the bytes held by the parameters before
-   it that are still in flight plus its own reserve (gathered tensor +
-   prepared pieces) fit under ``watermark_bytes`` (alone if it never fits);
+1. **admit**: an item enters once the bytes held by the items before
+   it that are still in flight plus its own reserve (the bucket's gather
+   memory + prepared pieces) fit under ``watermark_bytes`` (alone if it never fits);
 2. **h2d**: the rank's local shard to the device, ``(bytes / mesh size) /
    h2d_gbps`` (one at a time);
 3. **prepare**: ``full_tensor()`` is a collective, so it starts when every
@@ -16,9 +19,10 @@ gather order at a time, vectorized over ranks:
    (n-1) * latency`` (``bw``: ``intra_node_gbps`` when the mesh sits in one
    node, else the slower of that and ``inter_node_gbps``, default the NIC);
    then the rank's own pieces are cut (``copy_gbps``) or FP8-quantized
-   (``fp8_quant_gbps`` of source bytes), each distinct piece once; every
-   parameter of the rank's order also pays ``param_overhead_us`` (the pipeline
-   item's Python cost and its gather call, even on one rank);
+   (``fp8_quant_gbps`` of source bytes), each distinct piece once; a
+   coalesced bucket pays the hop latencies once; every parameter of the
+   rank's order also pays ``param_overhead_us`` (its Python cost in the
+   pipeline and in its gather, even on one rank);
 4. **write**: the rank's NIC sends the parameter's writes after the previous
    parameter's (FIFO), at the rate that makes the rank's whole group take
    what the NIC model (:mod:`scheduling.simulate`) says the group's NICs
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from weight_transfer.buckets import plan_buckets, reserve_bytes
 from weight_transfer.types import Transform, dtype_size
 
 if TYPE_CHECKING:
@@ -57,6 +62,7 @@ class GroupCosts:
     write_bytes: np.ndarray  # [R, K]
     write_count: np.ndarray  # [R, K] writes
     reserve: np.ndarray  # [R, K] watermark bytes
+    params: np.ndarray  # [R, K] parameters in each item (0: the rank has no such item)
     tasks: tuple[np.ndarray, np.ndarray, np.ndarray]  # plan rows of the group, their (row, k)
 
 
@@ -134,7 +140,7 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
     """Per mesh group, the cost arrays :func:`run_group` replays."""
     h2d_p, gather_p = _param_costs(plan, cluster)
     piece_cost, piece_param = _piece_costs(plan, cluster)
-    param_bytes = np.array([p.nbytes for p in plan.params], dtype=np.float64)
+    piece_bytes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
     nbytes = plan.task_nbytes().astype(np.float64)
     task_param = piece_param[plan.task_piece]
     src = plan.task_src.astype(np.int64)
@@ -145,36 +151,65 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
         ranks = np.array(sorted(r for seq in seqs.values() for r in seq[0]), dtype=np.int64)
         rank_row = np.full(n_tr, -1, dtype=np.int64)
         rank_row[ranks] = np.arange(len(ranks))
-        k_max = max((len(s[1]) for s in seqs.values()), default=0)
-        pos = np.full(len(plan.params), -1, dtype=np.int64)  # position in its mesh's order
+        items = {m: _items(plan, seq, cluster.sim) for m, (_, seq) in seqs.items()}
+        k_max = max((len(it[1]) for it in items.values()), default=0)
+        col = np.full(len(plan.params), -1, dtype=np.int64)  # its item in its mesh's order
         shape = (len(ranks), max(k_max, 1))
         h2d, gather, reserve = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        fixed = np.zeros(shape)  # per-parameter fixed cost where the rank has a parameter
+        n_params = np.zeros(shape)  # parameters per item where the rank has an item
         mesh = np.zeros(len(ranks), dtype=np.int64)
-        for m, (mranks, seq) in enumerate(seqs.values()):
+        for m, (mesh_id, (mranks, seq)) in enumerate(seqs.items()):
+            item_of, item_reserve, coalesced = items[mesh_id]
             rows = rank_row[list(mranks)]
             mesh[rows] = m
-            pos[seq] = np.arange(len(seq))
-            h2d[rows[:, None], np.arange(len(seq))] = h2d_p[seq]
-            gather[rows[:, None], np.arange(len(seq))] = gather_p[seq]
-            reserve[rows[:, None], np.arange(len(seq))] = param_bytes[seq]
-            fixed[rows[:, None], np.arange(len(seq))] = cluster.sim.param_overhead_us * 1e-6
+            col[seq] = item_of
+            n_items = len(item_reserve)
+            cols = np.arange(n_items)
+            h2d[rows[:, None], cols] = np.bincount(item_of, h2d_p[seq], minlength=n_items)
+            gather[rows[:, None], cols] = _item_gathers(gather_p[seq], item_of, coalesced,
+                                                        len(mranks), cluster.sim)
+            reserve[rows[:, None], cols] = item_reserve
+            n_params[rows[:, None], cols] = np.bincount(item_of, minlength=n_items)
         sel = np.flatnonzero(plan.task_group == g)
-        key = rank_row[src[sel]] * shape[1] + pos[task_param[sel]]
+        key = rank_row[src[sel]] * shape[1] + col[task_param[sel]]
         size = shape[0] * shape[1]
         wbytes = np.bincount(key, nbytes[sel], minlength=size).reshape(shape)
         wcount = np.bincount(key, minlength=size).reshape(shape).astype(np.float64)
         # Each distinct piece a rank writes is prepared (and reserved) once.
         pkey = np.unique(key * len(plan.pieces) + plan.task_piece[sel])
         pkey_pos, pkey_piece = pkey // len(plan.pieces), pkey % len(plan.pieces)
-        prep = fixed + np.bincount(pkey_pos, piece_cost[pkey_piece], minlength=size).reshape(shape)
-        sizes = np.fromiter((plan.pieces[i].nbytes for i in pkey_piece), np.float64,
-                            count=len(pkey_piece))
+        prep = (n_params * (cluster.sim.param_overhead_us * 1e-6)
+                + np.bincount(pkey_pos, piece_cost[pkey_piece], minlength=size).reshape(shape))
+        sizes = piece_bytes[pkey_piece]
         reserve += np.bincount(pkey_pos, sizes, minlength=size).reshape(shape)
         out.append(GroupCosts(ranks=ranks, mesh=mesh, h2d=h2d, gather=gather, prepare=prep,
                               write_bytes=wbytes, write_count=wcount, reserve=reserve,
-                              tasks=(sel, key // shape[1], key % shape[1])))
+                              params=n_params, tasks=(sel, key // shape[1], key % shape[1])))
     return out
+
+
+def _items(plan: Plan, seq: np.ndarray, sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A mesh's pipeline items as the executor cuts them (:func:`plan_buckets`): per
+    parameter of ``seq`` its item, per item its gather reserve and whether coalesced."""
+    bucket_bytes = max(1, min(sim.bucket_bytes, sim.watermark_bytes // 4))  # as the executor
+    buckets = plan_buckets([plan.params[p] for p in seq.tolist()], mode=sim.gather_mode,
+                           bucket_bytes=bucket_bytes)
+    item_of = np.repeat(np.arange(len(buckets)), [len(b.params) for b in buckets])
+    return (item_of, np.array([reserve_bytes(b) for b in buckets], dtype=np.float64),
+            np.array([b.coalesced for b in buckets], dtype=bool))
+
+
+def _item_gathers(param_gather: np.ndarray, item_of: np.ndarray, coalesced: np.ndarray,
+                  n: int, sim) -> np.ndarray:
+    """Gather seconds per item: its parameters' ring all-gathers, but one collective's
+    hop latencies for a coalesced bucket (one all-gather of all their bytes)."""
+    total = np.bincount(item_of, param_gather, minlength=len(coalesced))
+    if n <= 1:
+        return total
+    count = np.bincount(item_of, minlength=len(coalesced))
+    saved = np.where(coalesced & (total > 0), (count - 1) * (n - 1) * sim.gather_latency_us
+                     * 1e-6, 0.0)
+    return total - saved
 
 
 def _sequences(plan: Plan, g: int, order, task_params: np.ndarray) -> dict:

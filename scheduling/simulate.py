@@ -26,7 +26,10 @@ does per rank and parameter (watermark, h2d, gather, prepare, FIFO writes at
 the rate the NIC model found, a barrier per group) with the costs of the
 cluster's ``sim:`` section; ``stage_seconds`` is each stage's busy time on the
 critical rank and ``binding`` the stage that took most of it. With every stage
-cost unset (the default) the prediction is the NIC model's. ``nic_model="bound"``
+cost unset (the default) the prediction is the NIC model's. On a CPU-only host
+(``cpu_cores`` set) every rank's CPU work shares the cores: a group takes at
+least the sum of that work / the cores (:func:`cpu_floor`; ``binding`` is then
+``"cpu"``). ``nic_model="bound"``
 skips the discrete-event NIC model and lets each group's NICs take their lower
 bound (fast, for sweeps).
 
@@ -260,7 +263,7 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
     sim = cluster.sim
     overhead = sim.write_latency_us * 1e-6 / inflight if write_latency else 0.0
     overhead += sim.write_overhead_us * 1e-6  # CPU time: not hidden by in-flight writes
-    group_s, critical = [], dict.fromkeys(STAGES, 0.0)
+    group_s, critical, cpu_bound = [], dict.fromkeys(STAGES, 0.0), False
     start = np.zeros(plan.num_tasks) if record else None
     end = np.zeros(plan.num_tasks) if record else None
     for g, costs in enumerate(group_costs(plan, cluster)):
@@ -272,6 +275,9 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
                           write_overhead_s=overhead)
         # The NIC model stays a floor: its in-flight and fairness effects are not replayed.
         secs = max(times.seconds, t_nic)
+        shared = cpu_floor(costs, times, sim)
+        if shared > secs:
+            secs, cpu_bound = shared, True
         if len(costs.ranks):
             crit = int(np.argmax(times.write_end.max(axis=1)))
             for st in STAGES:
@@ -280,6 +286,7 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
             _record(plan, g, costs, times, float(sum(group_s)), start, end)
         group_s.append(secs)
     binding = max(critical, key=critical.get) if any(critical.values()) else "write"
+    binding = "cpu" if cpu_bound else binding
     seconds = float(sum(group_s))
     return SimResult(
         seconds=seconds, lower_bound_seconds=nic.lower_bound_seconds,
@@ -290,6 +297,25 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
         task_start=start if record else nic.task_start,
         task_end=end if record else nic.task_end,
     )
+
+
+def cpu_floor(costs, times, sim) -> float:
+    """Seconds the group's CPU work needs on ``sim.cpu_cores`` shared cores (0: none set).
+
+    On a CPU-only host the ranks' prepare work (cuts, FP8 quantization, the
+    per-parameter overhead), their writes' fixed CPU cost and, with
+    ``write_copy_gbps``, the copy of every written byte (a simnic WRITE is a
+    memcpy) all run on the same cores: however well one rank overlaps them,
+    the group takes at least the sum of that work over the ranks / the cores
+    (processor sharing). On a GPU cluster (``cpu_cores`` unset) each rank
+    computes on its own device and only the per-rank replay counts.
+    """
+    if sim.cpu_cores is None or not len(costs.ranks):
+        return 0.0
+    work = times.busy["prepare"].sum() + costs.write_count.sum() * sim.write_overhead_us * 1e-6
+    if sim.write_copy_gbps is not None:
+        work += costs.write_bytes.sum() / (sim.write_copy_gbps * 1e9)
+    return float(work / sim.cpu_cores)
 
 
 def _record(plan: Plan, g: int, costs, times, offset: float, start, end) -> None:

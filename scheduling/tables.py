@@ -68,34 +68,22 @@ def engine_table(
 ) -> EngineTable:
     """Flatten engine metas; duplicate tensor names on one rank are a ValueError."""
     region_ids: dict[RegionDesc, int] = {}
-    name_ids: dict[tuple[str, ...], np.ndarray] = {}  # ranks of one shard share names
+    # ranks of one shard list the same names, shapes and dtypes: their columns once
+    columns: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     cols: list[list[np.ndarray]] = [[] for _ in range(6)]
     for e, meta in enumerate(engines):
         tensors = meta.tensors
-        key = tuple(map(_NAME, tensors))
-        ids = name_ids.get(key)
-        if ids is None:
-            if len(set(key)) != len(key):
-                dup = sorted({n for n in key if key.count(n) > 1})
-                raise ValueError(
-                    f"engine {meta.replica} rank {meta.rank}: tensors listed twice: {dup}"
-                )
-            ids = name_ids[key] = names.many(key)
-        regions = list(map(_REGION, tensors))
-        region = [region_ids.setdefault(r, len(region_ids)) for r in dict.fromkeys(regions)]
-        if len(region) == 1:
-            region_col = np.full(len(key), region[0], dtype=np.int64)
-        else:
-            region_col = np.fromiter((region_ids[r] for r in regions), np.int64, len(key))
-        dtype_ids = dtypes.many(list(map(_DTYPE, tensors)))
-        sizes = np.array([dtype_size(d) for d in dtypes.values], dtype=np.int64)[dtype_ids]
-        numels = np.fromiter(map(math.prod, map(_SHAPE, tensors)), np.int64, count=len(key))
+        key = tuple(map(_NAME_SHAPE_DTYPE, tensors))
+        shared = columns.get(key)
+        if shared is None:
+            shared = columns[key] = _tensor_columns(meta, names, dtypes)
+        ids, sizes, dtype_ids = shared
         for col, v in zip(cols, (
             np.full(len(key), e, dtype=np.int64),
             ids,
-            region_col,
+            _region_column(tensors, region_ids),
             np.fromiter(map(_OFFSET, tensors), np.int64, count=len(key)),
-            sizes * numels,
+            sizes,
             dtype_ids,
         ), strict=True):
             col.append(v)
@@ -117,7 +105,32 @@ def engine_table(
     )
 
 
+def _tensor_columns(meta: EngineRankMeta, names: Interner, dtypes: Interner):
+    """(name ids, byte sizes, dtype ids) of one rank's tensors; ValueError on duplicates."""
+    key = tuple(map(_NAME, meta.tensors))
+    if len(set(key)) != len(key):
+        dup = sorted({n for n in key if key.count(n) > 1})
+        raise ValueError(f"engine {meta.replica} rank {meta.rank}: tensors listed twice: {dup}")
+    ids = names.many(key)
+    dtype_ids = dtypes.many(list(map(_DTYPE, meta.tensors)))
+    esize = np.array([dtype_size(d) for d in dtypes.values], dtype=np.int64)[dtype_ids]
+    numels = np.fromiter(map(math.prod, map(_SHAPE, meta.tensors)), np.int64, count=len(key))
+    return ids, esize * numels, dtype_ids
+
+
+def _region_column(tensors, region_ids: dict[RegionDesc, int]) -> np.ndarray:
+    """Region id of each tensor (one region per rank is the rule: no hashing per tensor)."""
+    regions = list(map(_REGION, tensors))
+    if regions and regions.count(regions[0]) == len(regions):  # identity first: C speed
+        rid = region_ids.setdefault(regions[0], len(region_ids))
+        return np.full(len(regions), rid, dtype=np.int64)
+    for r in dict.fromkeys(regions):
+        region_ids.setdefault(r, len(region_ids))
+    return np.fromiter((region_ids[r] for r in regions), np.int64, len(regions))
+
+
 _NAME = operator.attrgetter("name")
+_NAME_SHAPE_DTYPE = operator.attrgetter("name", "shape", "dtype")
 _SHAPE = operator.attrgetter("shape")
 _OFFSET = operator.attrgetter("offset")
 _REGION = operator.attrgetter("region")
@@ -149,15 +162,17 @@ def piece_table(
 ) -> PieceTable:
     """Columns of ``pieces``; a source parameter the trainer lacks is a ValueError."""
     n = len(pieces)
-    missing = sorted({p.src_param for p in pieces if p.src_param not in param_index})
-    if missing:
+    try:
+        param = np.fromiter(map(param_index.__getitem__, map(_SRC, pieces)), np.int64, count=n)
+    except KeyError:
+        missing = sorted({p.src_param for p in pieces if p.src_param not in param_index})
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ValueError(
             f"{len(missing)} source parameter(s) of engine pieces are not trainer "
             f"parameters: {shown}"
-        )
+        ) from None
     return PieceTable(
-        param=np.fromiter(map(param_index.__getitem__, map(_SRC, pieces)), np.int64, count=n),
+        param=param,
         name=names.many(list(map(_DST, pieces))),
         offset=np.fromiter(map(_DST_OFFSET, pieces), np.int64, count=n),
         nbytes=np.fromiter(map(_NBYTES, pieces), np.int64, count=n),

@@ -5,12 +5,14 @@
 * ``copy_gbps``: one 64 MiB ``torch`` copy (the cuts into staging, and what a
   simnic WRITE costs);
 * ``fp8_quant_gbps``: ``weight_transfer.quant.quantize_fp8_blocks`` of a bf16
-  matrix, run by ``ranks`` threads at once as the bench's ranks do, per rank;
+  matrix by one thread (one rank alone: the ranks' sharing of the cores is
+  the simulator's ``cpu_cores`` model, not folded into the rate);
+* ``cpu_cores``: the cores this process may run on, which the bench's ranks share;
 * ``intra_node_gbps`` / ``gather_latency_us``: a gloo all-gather between 2
   processes on loopback (a large and a tiny one, solved for bandwidth and latency
   with the ring formula of :mod:`scheduling.sim_stages`);
-* ``write_overhead_us``: ``ranks`` simnics at once, each issuing a few hundred
-  64-byte writes together into an engine process, per write and rank;
+* ``write_overhead_us``: one simnic issuing a few hundred 64-byte writes
+  together into an engine process, per write;
 * ``param_overhead_us``: the fixed cost of a pipeline item (its gather call,
   even on one rank, and the Python around it): ``wt bench pipeline``'s ranks run
   ``PARAM_MODEL`` (not a check configuration) uncapped, minus what the stage
@@ -34,16 +36,23 @@ from typing import Any
 
 import torch
 
+from weight_transfer.buckets import DEFAULT_BUCKET_BYTES
+
 PARAM_MODEL = "tiny_mixtral"  # many small parameters; not among CHECK_CONFIGS
 UNCAPPED_GBPS = 1000.0  # the capped (worker-thread) write path, as the bench, but no waiting
 
 CHECK_CONFIGS = (
-    # model, fp8, NIC cap GB/s, mode
-    ("tiny_llama", False, 0.02, "pipelined"),
-    ("tiny_moe", True, 0.05, "pipelined"),
-    ("tiny_moe", True, 0.05, "serial"),
-    ("bench_moe", True, 0.1, "pipelined"),
-    ("bench_moe", False, 0.2, "serial"),
+    # model, fp8, NIC cap GB/s, mode, cluster (None: --cluster), bucket bytes (None: default)
+    ("tiny_llama", False, 0.02, "pipelined", None, None),
+    ("tiny_moe", True, 0.05, "pipelined", None, None),
+    ("tiny_moe", True, 0.05, "serial", None, None),
+    ("bench_moe", True, 0.1, "pipelined", None, None),
+    ("bench_moe", False, 0.2, "serial", None, None),
+    # 2 ranks and 16 MiB buckets, as `wt bench pipeline` (whose default model is bench_dense)
+    ("bench_moe", True, 0.2, "pipelined", "bench_pipeline", 16 << 20),
+    ("bench_moe", True, 0.2, "serial", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "pipelined", "bench_pipeline", 16 << 20),
+    ("bench_dense", True, 0.1, "serial", "bench_pipeline", 16 << 20),
 )
 
 
@@ -161,7 +170,7 @@ def param_overhead_us(root: Path, cluster_path: Path, constants: dict[str, float
         sim_cluster = bench_cluster(plan_cluster(cluster_path), consts, cap=UNCAPPED_GBPS,
                                     serial=False, watermark=512 << 20)
         predicted = simulate(plan, sim_cluster, resolution=1e-3).seconds
-        items = sum(int((c.reserve > 0).sum(axis=1).max(initial=0))
+        items = sum(int(c.params.sum(axis=1).max(initial=0))
                     for c in group_costs(plan, sim_cluster))
         measured = min(asyncio.run(run_ranks(plan, tm, state, targets, serial=False,
                                              gbps=UNCAPPED_GBPS, watermark=512 << 20))
@@ -169,11 +178,14 @@ def param_overhead_us(root: Path, cluster_path: Path, constants: dict[str, float
     return max(measured - predicted, 0.0) / max(items, 1) * 1e6
 
 
-def measure(root: Path, cluster_path: Path, ranks: int = 4) -> dict[str, float]:
+def measure(root: Path, cluster_path: Path) -> dict[str, float]:
+    """The constants of one rank alone, and the cores they share (processor sharing in
+    the simulator: ``cpu_cores``, :func:`scheduling.simulate.cpu_floor`)."""
     bw, lat = gloo_allgather()
-    out = {"copy_gbps": round(copy_gbps(), 3), "fp8_quant_gbps": round(fp8_quant_gbps(ranks), 3),
+    out = {"copy_gbps": round(copy_gbps(), 3), "fp8_quant_gbps": round(fp8_quant_gbps(1), 3),
            "intra_node_gbps": round(bw, 3), "gather_latency_us": round(lat, 1),
-           "write_overhead_us": round(write_overhead_us(ranks), 1)}
+           "write_overhead_us": round(write_overhead_us(1), 1),
+           "cpu_cores": float(len(os.sched_getaffinity(0)))}
     out["param_overhead_us"] = round(param_overhead_us(root, cluster_path, out), 1)
     return out
 
@@ -190,7 +202,7 @@ def write_sim(path: Path, constants: dict[str, float]) -> None:
 
 
 def bench_cluster(cluster, constants: dict[str, float], *, cap: float, serial: bool,
-                  watermark: int):
+                  watermark: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """The cluster as ``wt bench pipeline`` runs it: full tensors (no gathers, no h2d),
     trainer NICs capped at ``cap`` GB/s, engine side at memcpy speed."""
     sim = cluster.sim.model_copy(update={
@@ -198,7 +210,10 @@ def bench_cluster(cluster, constants: dict[str, float], *, cap: float, serial: b
         "copy_gbps": constants["copy_gbps"], "watermark_bytes": 1 if serial else watermark,
         "max_inflight": 1 if serial else 4,
         "write_overhead_us": constants.get("write_overhead_us", 0.0),
-        "param_overhead_us": constants.get("param_overhead_us", 0.0)})
+        "param_overhead_us": constants.get("param_overhead_us", 0.0),
+        # one host: every rank's prepare, write overheads and simnic copies share its cores
+        "cpu_cores": constants.get("cpu_cores"), "write_copy_gbps": constants["copy_gbps"],
+        "gather_mode": "bucket", "bucket_bytes": bucket_bytes})
     return cluster.model_copy(update={
         "sim": sim,
         "trainer": cluster.trainer.model_copy(update={"nic_gbps": cap * 8}),
@@ -232,21 +247,28 @@ def _bench_setup(root: Path, cluster_path: Path, model: str, fp8: bool):
 
 
 def check_one(root: Path, cluster_path: Path, constants: dict[str, float], model: str,
-              fp8: bool, cap: float, mode: str, watermark: int = 512 << 20,
+              fp8: bool, cap: float, mode: str, cluster: str | None = None,
+              bucket_bytes: int | None = None, watermark: int = 512 << 20,
               repeats: int = 2) -> dict[str, Any]:
     """Predict and run one ``wt bench pipeline`` configuration (the best of ``repeats``
     runs, as the constants are best-of: a loaded machine only adds time)."""
     from scheduling import simulate
     from scripts.bench_pipeline import run_ranks
 
+    if cluster is not None:
+        cluster_path = root / "configs" / "clusters" / f"{cluster}.yaml"
+    bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
     with _bench_setup(root, cluster_path, model, fp8) as (plan, tm, state, targets):
         serial = mode == "serial"
         sim_cluster = bench_cluster(plan_cluster(cluster_path), constants, cap=cap,
-                                    serial=serial, watermark=watermark)
+                                    serial=serial, watermark=watermark,
+                                    bucket_bytes=bucket_bytes)
         predicted = simulate(plan, sim_cluster, resolution=1e-3)
         measured = min(asyncio.run(run_ranks(plan, tm, state, targets, serial=serial, gbps=cap,
-                                             watermark=watermark)) for _ in range(repeats))
-    return {"config": f"{model} {'fp8' if fp8 else 'bf16'} {cap:g}GB/s {mode}",
+                                             watermark=watermark, bucket_bytes=bucket_bytes))
+                       for _ in range(repeats))
+    ranks = len(plan.trainer_ranks)
+    return {"config": f"{model} {'fp8' if fp8 else 'bf16'} {cap:g}GB/s {ranks} ranks {mode}",
             "predicted_s": predicted.seconds, "measured_s": measured,
             "lower_bound_s": predicted.lower_bound_seconds, "binding": predicted.binding,
             "error": predicted.seconds / measured - 1, "bytes": plan.bytes_total}

@@ -52,6 +52,37 @@ def demo(
                              transport=transport, engine=engine))
 
 
+@app.command("chaos")
+def chaos(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    faults: str | None = typer.Option(
+        None, help="Comma-separated faults to run (default: every one, in order): "
+                   "engine-killed-before, engine-killed-during, engine-stopped-before, "
+                   "engine-stopped-during, region-revoked, trainer-killed-during, "
+                   "nic-link-down, nic-transient-error."),
+    update_timeout_s: float = typer.Option(15.0, help="The controller's update timeout."),
+    nic_gbps: float = typer.Option(0.01, help="NIC cap in GB/s, so a fault lands mid-write."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Inject each fault (dead, stopped, revoked, NIC) into the demo cluster; did it heal?"""
+    from scripts.chaos import run
+
+    raise typer.Exit(run(config=config, faults=faults, update_timeout_s=update_timeout_s,
+                         nic_gbps=nic_gbps, json_path=json_path))
+
+
+@app.command("soak")
+def soak(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    updates: int = typer.Option(200, min=1, help="Consecutive updates after the warm-up."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Many updates back to back: RSS, fds, threads and store keys must not grow."""
+    from scripts.soak import run
+
+    raise typer.Exit(run(config=config, updates=updates, json_path=json_path))
+
+
 @app.command("trace")
 def trace(
     path: Path = typer.Argument(..., help="A trace written by `wt demo --trace PATH`."),
@@ -94,17 +125,21 @@ def bench_transport(
 
 @bench_app.command("pipeline")
 def bench_pipeline(
-    model: Path = typer.Option(Path("configs/models/bench_moe.yaml"), help="Model YAML."),
-    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    model: Path = typer.Option(Path("configs/models/bench_dense.yaml"), help="Model YAML."),
+    cluster: Path = typer.Option(Path("configs/clusters/bench_pipeline.yaml"),
+                                 help="Cluster YAML (default: one trainer rank per core)."),
     fp8: bool = typer.Option(True, help="FP8 engines (quantize while writing)."),
     nic_gbps: float = typer.Option(0.1, help="Trainer NIC cap in GB/s (see the docstring)."),
     watermark: str = typer.Option("512M", help="Pipeline memory watermark per rank."),
+    repeats: int = typer.Option(3, min=1, help="Runs per mode (interleaved); the median."),
+    bucket_bytes: str = typer.Option("16M", help="Gather bucket size (pipeline items)."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """The same plan run serially and pipelined, with the speedup."""
     from scripts.bench_pipeline import run
 
-    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path))
+    raise typer.Exit(run(model, cluster, fp8, nic_gbps, watermark, json_path, repeats,
+                         bucket_bytes))
 
 
 @bench_app.command("gather")
@@ -143,7 +178,8 @@ def bench_designs(
     model: Path | None = typer.Option(
         Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
-    nic_gbps: float = typer.Option(0.5, help="NIC cap in GB/s, ours (simnic) and baselines."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
+                                              "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
     designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
@@ -158,6 +194,22 @@ def bench_designs(
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,
                          timeout_s=timeout_s, json_path=json_path, png=png))
+
+
+@bench_app.command("integrity")
+def bench_integrity(
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    model: Path | None = typer.Option(None, help="Model YAML [the run config's]."),
+    modes: str = typer.Option("off,sample,full", help="Integrity modes to compare."),
+    fraction: float = typer.Option(0.1, help="Fraction of the sample mode."),
+    updates: int = typer.Option(5, min=1, help="Timed updates per mode and round."),
+    rounds: int = typer.Option(2, min=1, help="Times the modes take turns."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Update seconds with checksums off, sampled and full, side by side."""
+    from scripts.bench_integrity import run
+
+    raise typer.Exit(run(config, model, modes, fraction, updates, rounds, json_path))
 
 
 @app.command("selftest")

@@ -28,10 +28,13 @@ from pydantic import (
     Field,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
 from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.integrity import IntegrityPolicy, parse_integrity
+from weight_transfer.retry import RetryPolicy, parse_retry
 from weight_transfer.transport.options import (
     MooncakeOptions,
     RdmaOptions,
@@ -97,6 +100,20 @@ class TransferConfig(_Section):
     simnic: SimNicOptions = SimNicOptions()
     mooncake: MooncakeOptions = MooncakeOptions()
     rdma: RdmaOptions = RdmaOptions()
+    # The controller's checksums, retries and audit log (actors.config.TransferConfig).
+    integrity: IntegrityPolicy = IntegrityPolicy(mode="sample", fraction=0.1)
+    retry: RetryPolicy = RetryPolicy()
+    audit_path: Path | None = None
+
+    @field_validator("integrity", mode="before")
+    @classmethod
+    def _integrity(cls, value: Any) -> IntegrityPolicy:
+        return parse_integrity(value, where="integrity")
+
+    @field_validator("retry", mode="before")
+    @classmethod
+    def _retry(cls, value: Any) -> RetryPolicy:
+        return parse_retry(value, where="retry")
 
     @property
     def spec(self) -> TransportSpec:

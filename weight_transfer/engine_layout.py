@@ -61,62 +61,71 @@ def piece_nbytes(src_shape: tuple[int, ...], transform: Transform, dst_dtype: st
     return math.prod(src_shape) * dtype_size(dst_dtype)
 
 
-def _check_blocks(lay: TensorLayout, shapes: dict, shard: ShardSpec) -> None:
-    """ValueError if a quantized tensor's shard cuts an FP8 block (each geometry once:
-    the experts of a layer repeat one)."""
-    seen = set()
-    for seg in lay.segments:
-        full = shapes[seg.src].shape
-        if (seg.rect, seg.r0, full) in seen:
-            continue
-        seen.add((seg.rect, seg.r0, full))
-        n = seg.rect[-2][1] - seg.rect[-2][0]
-        bad = block_cuts(seg.rect, full, (seg.r0, seg.r0 + n), lay.shape[-2])
+def _check_blocks(lay: TensorLayout, shapes: dict, shard: ShardSpec, memo: dict | None = None):
+    """ValueError if a quantized tensor's shard cuts an FP8 block. Each (cuts, source
+    shapes) once: ``memo`` remembers those found whole (every MoE layer repeats one)."""
+    cuts = lay.cuts
+    fulls = tuple(shapes[src].shape for src in lay.sources)
+    key = ("blocks whole", cuts, lay.shape[-2], fulls)
+    if memo is not None and key in memo:
+        return
+    for i, (rect, r0, full) in enumerate(zip(cuts.rects, cuts.r0, fulls, strict=True)):
+        n = rect[-2][1] - rect[-2][0]
+        bad = block_cuts(rect, full, (r0, r0 + n), lay.shape[-2])
         if bad:
             raise ValueError(
                 f"FP8 {FP8_BLOCK}x{FP8_BLOCK} blocks cut by the layout of {lay.rule.engine} "
-                f"on {shard} (from {seg.src}): " + "; ".join(bad)
+                f"on {shard} (from {lay.sources[i]}): " + "; ".join(bad)
             )
+    if memo is not None:
+        memo[key] = True
 
 
-def _pieces_of(lay: TensorLayout, fp8: bool, shapes: dict, shard: ShardSpec) -> list[Piece]:
+def _geometry(lay: TensorLayout, quant: bool, esize: int) -> tuple[tuple, tuple]:
+    """(offset, bytes, rect) of each source's weight piece and, if ``quant``, scale piece."""
+    cuts = lay.cuts
     rows, cols = (lay.shape[0], 1) if len(lay.shape) == 1 else lay.shape[-2:]
+    sizes = {r: math.prod([b - a for a, b in r]) * esize for r in dict.fromkeys(cuts.rects)}
+    weights = tuple(
+        ((b0 * rows + r0) * cols * esize, sizes[rect], rect)
+        for rect, b0, r0 in zip(cuts.rects, cuts.b0, cuts.r0, strict=True)
+    )
+    if not quant:
+        return weights, ()
+    srows, scols = scale_shape(lay.shape)[-2:]
+    sizes = {r: piece_nbytes(tuple(b - a for a, b in r), Transform.FP8_SCALE, SCALE_DTYPE)
+             for r in sizes}
+    scales = tuple(
+        ((b0 * srows + r0 // FP8_BLOCK) * scols * 4, sizes[rect], rect)
+        for rect, b0, r0 in zip(cuts.rects, cuts.b0, cuts.r0, strict=True)
+    )
+    return weights, scales
+
+
+def _pieces_of(lay: TensorLayout, fp8: bool, shapes: dict, shard: ShardSpec,
+               memo: dict) -> list[Piece]:
     quant = fp8 and lay.rule.fp8
     name, dtype = lay.rule.engine, FP8_DTYPE if quant else lay.rule.dtype
-    esize = dtype_size(dtype)
+    key = (lay.cuts, lay.shape, quant, dtype)  # layouts sharing cuts share the geometry
+    geometry = memo.get(key)
+    if geometry is None:
+        geometry = memo[key] = _geometry(lay, quant, dtype_size(dtype))
+    weights, scales = geometry
     transform = Transform.FP8_WEIGHT if quant else Transform.COPY
     out = [
-        Piece(
-            dst_tensor=name,
-            dst_offset=(seg.b0 * rows + seg.r0) * cols * esize,
-            nbytes=math.prod([b - a for a, b in seg.rect]) * esize,
-            dst_dtype=dtype,
-            src_param=seg.src,
-            src_slice=seg.rect,
-            transform=transform,
-        )
-        for seg in lay.segments
+        Piece(dst_tensor=name, dst_offset=off, nbytes=n, dst_dtype=dtype, src_param=src,
+              src_slice=rect, transform=transform)
+        for src, (off, n, rect) in zip(lay.sources, weights, strict=True)
     ]
     if not quant:
         return out
-    _check_blocks(lay, shapes, shard)
-    srows, scols = scale_shape(lay.shape)[-2:]
-    sname, sizes = scale_name(name), {}
-    for seg in lay.segments:
-        if seg.rect not in sizes:
-            src_shape = tuple(b - a for a, b in seg.rect)
-            sizes[seg.rect] = piece_nbytes(src_shape, Transform.FP8_SCALE, SCALE_DTYPE)
-        out.append(
-            Piece(
-                dst_tensor=sname,
-                dst_offset=(seg.b0 * srows + seg.r0 // FP8_BLOCK) * scols * 4,
-                nbytes=sizes[seg.rect],
-                dst_dtype=SCALE_DTYPE,
-                src_param=seg.src,
-                src_slice=seg.rect,
-                transform=Transform.FP8_SCALE,
-            )
-        )
+    _check_blocks(lay, shapes, shard, memo)
+    sname = scale_name(name)
+    out += [
+        Piece(dst_tensor=sname, dst_offset=off, nbytes=n, dst_dtype=SCALE_DTYPE, src_param=src,
+              src_slice=rect, transform=Transform.FP8_SCALE)
+        for src, (off, n, rect) in zip(lay.sources, scales, strict=True)
+    ]
     return out
 
 
@@ -140,9 +149,10 @@ def engine_pieces(
 def _build_pieces(cfg, shard, fp8, expert_naming, ignore) -> tuple[Piece, ...]:
     shapes = trainer_param_shapes(cfg, expert_naming=expert_naming)
     out: list[Piece] = []
+    memo: dict = {}
     with gc_paused():
         for lay in tensor_layouts(cfg, shard, expert_naming=expert_naming, ignore=ignore):
-            out += _pieces_of(lay, fp8, shapes, shard)
+            out += _pieces_of(lay, fp8, shapes, shard, memo)
     return tuple(out)
 
 
@@ -182,11 +192,12 @@ def _layout_problems(cfg, fp8, tp_size, ep_size, patterns) -> list[str]:
     ]
     shapes = trainer_param_shapes(cfg)
     problems: list[str] = []
+    memo: dict = {}
     for shard in shards:
         try:  # geometry only, no pieces: per_expert names are the checkpoint's
             for lay in tensor_layouts(cfg, shard, ignore=patterns):
                 if fp8 and lay.rule.fp8:
-                    _check_blocks(lay, shapes, shard)
+                    _check_blocks(lay, shapes, shard, memo)
         except ValueError as exc:
             if str(exc) not in problems:
                 problems.append(str(exc))

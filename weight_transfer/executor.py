@@ -37,8 +37,17 @@ tensor in its dtype straight from that tensor; only pieces that must be cut,
 cast or quantized go through the arena. ``staging=False`` allocates every
 materialized piece afresh (the baseline of ``wt bench staging``).
 
+Every WRITE goes through a :class:`~weight_transfer.retry.RetryingWriter`:
+with ``retry`` (a :class:`~weight_transfer.retry.RetryPolicy`; default: no
+retry) a transient error (link down) is retried, counted in the report's
+``retries``. With ``integrity`` (an
+:class:`~weight_transfer.integrity.IntegrityPolicy`; default off) the exact
+source bytes of every selected WRITE that landed are hashed; the report's
+``checksums`` hold them per engine rank, for the controller to compare with
+what the engine holds. ``dest_bytes`` counts landed bytes per engine rank.
+
 A WRITE that fails with a :class:`~weight_transfer.transport.base.TransportError`
-aborts the run, unless ``on_write_error`` is given: then the failed task is
+(after its retries) aborts the run, unless ``on_write_error`` is given: then the failed task is
 handed to it and the rank goes on gathering and joining barriers (the other
 ranks of its meshes wait for it in every ``full_tensor()``). The report's
 ``bytes_written`` and ``writes`` count only the WRITEs that completed;
@@ -58,7 +67,6 @@ Usage (the Ray actor is a thin shell around this)::
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -75,15 +83,21 @@ from weight_transfer.gather import (
     plan_buckets,
     reserve_bytes,
 )
+from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
+from weight_transfer.plan_check import GroupWork, check_trainer_plan
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.retry import RetryingWriter, RetryPolicy
+from weight_transfer.run_log import RunLog
 from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, Piece, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
+
+__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "to_device"]
 
 
 @dataclass(slots=True)
@@ -139,45 +153,6 @@ class BucketWork:
         return [t for p in self.params for t in p.tasks]
 
 
-@dataclass(frozen=True, slots=True)
-class GroupWork:
-    """One mesh group on this rank: parameters in gather order, tasks by parameter."""
-
-    group: int
-    params: tuple[ParamMeta, ...]
-    tasks: dict[str, list[WriteTask]]
-
-
-def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork]:
-    """Validate a rank's plan against the parameter metadata; group its tasks by parameter.
-
-    ``plan`` has ``rank`` and ``groups``, each with ``group``, ``params`` (names,
-    gather order) and ``tasks`` (``WriteTask``), as ``scheduling.plan.TrainerPlan``.
-    """
-    metas = {p.name: p for p in params}
-    out = []
-    for g in plan.groups:
-        missing = [n for n in g.params if n not in metas]
-        if missing:
-            raise ValueError(f"rank {plan.rank} group {g.group}: unknown parameters {missing[:10]}")
-        tasks: dict[str, list[WriteTask]] = collections.defaultdict(list)
-        for t in g.tasks:
-            if t.src_rank != plan.rank or t.mesh_group != g.group:
-                raise ValueError(
-                    f"rank {plan.rank} group {g.group}: task {t.task_id} belongs to rank "
-                    f"{t.src_rank} group {t.mesh_group}"
-                )
-            tasks[t.piece.src_param].append(t)
-        stray = sorted(set(tasks) - set(g.params))
-        if stray:
-            raise ValueError(
-                f"rank {plan.rank} group {g.group}: tasks read parameters the rank never "
-                f"gathers: {stray[:10]}"
-            )
-        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
-    return out
-
-
 WriteErrorHook = Callable[[WriteTask, TransportError], None]
 
 
@@ -197,6 +172,10 @@ class TransferReport:
     spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
     task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
     barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
+    retries: int = 0  # WRITEs tried again after a transient error (weight_transfer.retry)
+    checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
+    hash_seconds: float = 0.0  # time spent hashing them
+    dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
 
 
 class RankTransfer:
@@ -220,6 +199,8 @@ class RankTransfer:
         gather: str = "bucket",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         record_collectives: bool = False,
+        integrity: IntegrityPolicy | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
@@ -244,7 +225,10 @@ class RankTransfer:
         self.serial = serial
         self.on_write_error = on_write_error
         self.metrics = metrics
+        self.integrity = integrity or IntegrityPolicy(mode="off")
+        self.retry = retry or RetryPolicy(attempts=1)
         self._task_spans: list[Span] = []
+        self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
         self.device_memory = bool(getattr(transport, "supports_device_memory", False))
         # A NIC that needs no source registration (simnic) writes a piece that already is a
@@ -329,15 +313,17 @@ class RankTransfer:
 
     async def _write_task(self, buf: torch.Tensor, task: WriteTask) -> None:
         start = time.perf_counter()
+        src, run = self._source(buf), self._run
         try:
-            await self.transport.write(self._source(buf), task.region, task.region_offset)
+            await run.writer.write(src, task.region, task.region_offset)
         except TransportError as exc:
-            if self.metrics is not None:
-                self.metrics.failure(type(exc).__name__)
+            if self.metrics is not None:  # by the fault's class (a retried one: its last)
+                self.metrics.failure(type(exc.__cause__ or exc).__name__)
             if self.on_write_error is None:
                 raise
             self.on_write_error(task, exc)
             return
+        run.landed(task, src, self.integrity)
         self._task_spans.append(
             Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
                  nbytes=task.nbytes)
@@ -364,6 +350,8 @@ class RankTransfer:
         spans: list[Span] = []
         barriers: list[Span] = []
         self._task_spans: list[Span] = []
+        self._run = run = RunLog(version=version,
+                                    writer=RetryingWriter(self.transport, self.retry))
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
         barrier_s = 0.0
@@ -391,6 +379,10 @@ class RankTransfer:
             spans=tuple(spans),
             task_spans=tuple(self._task_spans),
             barrier_spans=tuple(barriers),
+            retries=run.writer.retries,
+            checksums=run.sums.ranges(),
+            hash_seconds=run.hash_seconds,
+            dest_bytes=dict(run.dest_bytes),
         )
         if self.metrics is not None:
             self.metrics.nic_transfer(nic=str(getattr(self.transport, "nic", "?")),

@@ -1,10 +1,13 @@
 """Shard geometry: where the sources of each rule land on one engine rank.
 
 :func:`tensor_layouts` gives, for a model config and one engine rank's
-:class:`ShardSpec`, every engine tensor's local shape and its *segments*: a
-rectangle of one trainer parameter (global coordinates) and the (expert, row)
-where it lands in the local tensor. :mod:`weight_transfer.engine_layout` turns these
-into byte pieces; this module knows no bytes and no dtypes.
+:class:`ShardSpec`, every engine tensor's local shape, its sources (trainer
+names) and their :class:`Cuts`: per source a rectangle of the trainer parameter
+(global coordinates) and the (expert, row) where it lands in the local tensor.
+Layouts that cut alike share one ``Cuts`` object (every MoE layer's experts),
+so that derived geometry is computed once per object, not per layer.
+:mod:`weight_transfer.engine_layout` turns these into byte pieces; this module
+knows no bytes and no dtypes.
 
 The cuts are vLLM's (see :mod:`weight_transfer.naming` for the tables):
 
@@ -48,23 +51,34 @@ from weight_transfer.types import ShardSpec
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A trainer rectangle landing at (batch ``b0``, row ``r0``) of a local tensor."""
+Rect = tuple[tuple[int, int], ...]
 
-    src: str
-    rect: tuple[tuple[int, int], ...]
-    b0: int
-    r0: int
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Cuts:
+    """Where a layout's sources land: per source a trainer rectangle (global
+    coordinates) and the (batch ``b0``, row ``r0``) of the local tensor it fills.
+
+    Layouts that cut alike share one object (the experts of every MoE layer of a
+    rank, the same projection of every layer): whatever is derived from the cuts
+    alone (byte offsets, FP8 block checks) is computed once per object. Compared
+    by identity.
+    """
+
+    rects: tuple[Rect, ...]
+    b0: tuple[int, ...]
+    r0: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class TensorLayout:
-    """One engine tensor of one rank: its rule, local shape and source segments."""
+    """One engine tensor of one rank: its rule, local shape, and where each source
+    (trainer parameter name, in order) lands (``cuts``, aligned with ``sources``)."""
 
     rule: BoundRule
     shape: tuple[int, ...]
-    segments: tuple[Segment, ...]
+    sources: tuple[str, ...]
+    cuts: Cuts
 
 
 def _cut(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
@@ -101,10 +115,11 @@ def _rows(
 
 
 def _dense_layout(
-    cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict, naming: str
+    cfg: ModelConfig, rule: BoundRule, s: ShardSpec, shapes: dict, naming: str, interned: dict
 ) -> TensorLayout:
-    segments, local_rows, cols = [], 0, None
-    for part, src in enumerate(rule_sources(rule, naming)):
+    sources = rule_sources(rule, naming)
+    rects, r0s, local_rows, cols = [], [], 0, None
+    for part, src in enumerate(sources):
         shape = _shape(shapes, src, rule)
         start, n = _rows(cfg, rule, part, src, shape[0], s)
         rect = ((start, start + n),)
@@ -115,10 +130,15 @@ def _dense_layout(
             if cols not in (None, nc):
                 raise ValueError(f"{rule.engine}: fused parts have {cols} and {nc} columns")
             cols, rect = nc, ((start, start + n), (c0, c0 + nc))
-        segments.append(Segment(src, rect, 0, local_rows))
+        rects.append(rect)
+        r0s.append(local_rows)
         local_rows += n
     shape = (local_rows,) if cols is None else (local_rows, cols)
-    return TensorLayout(rule, shape, tuple(segments))
+    key = (tuple(rects), tuple(r0s))  # the same projection of every layer: one Cuts
+    cuts = interned.get(key)
+    if cuts is None:
+        cuts = interned[key] = Cuts(key[0], (0,) * len(rects), key[1])
+    return TensorLayout(rule, shape, tuple(sources), cuts)
 
 
 def _expert_layout(
@@ -134,30 +154,31 @@ def _expert_layout(
     what = f"{rule.engine} {cfg.arch.expert_size_field} over tp_size={mt}"
     c0, il = _cut(inter, mt, mr, what)
     column = rule.split == Split.EXPERTS_COLUMN
-    segments: list[Segment] = []
+    shape = (el, 2 * il, h) if column else (el, h, il)
     if naming == "stacked":
         (src,) = expert_sources(rule, 0, naming)
         _shape(shapes, src, rule)
         if column and mt > 1:
-            segments = [
-                Segment(src, ((e, e + 1), (k * inter + c0, k * inter + c0 + il), (0, h)),
-                        e - e0, k * il)
-                for e in range(e0, e0 + el) for k in range(2)
-            ]
-        elif column:
-            segments = [Segment(src, ((e0, e0 + el), (0, 2 * inter), (0, h)), 0, 0)]
-        else:
-            segments = [Segment(src, ((e0, e0 + el), (0, h), (c0, c0 + il)), 0, 0)]
-    else:
-        rect = ((c0, c0 + il), (0, h)) if column else ((0, h), (c0, c0 + il))
-        names = _expert_names(cfg, rule, shapes)
-        segments = [
-            Segment(src, rect, e - e0, k * il)
-            for e in range(e0, e0 + el)
-            for k, src in enumerate(names[e])
-        ]
-    shape = (el, 2 * il, h) if column else (el, h, il)
-    return TensorLayout(rule, shape, tuple(segments))
+            pairs = [(e, k) for e in range(e0, e0 + el) for k in range(2)]
+            rects = [((e, e + 1), (k * inter + c0, k * inter + c0 + il), (0, h)) for e, k in pairs]
+            return TensorLayout(rule, shape, (src,) * len(pairs), Cuts(
+                tuple(rects), tuple(e - e0 for e, _ in pairs), tuple(k * il for _, k in pairs)))
+        rect = ((e0, e0 + el), (0, 2 * inter), (0, h)) if column else (
+            (e0, e0 + el), (0, h), (c0, c0 + il))
+        return TensorLayout(rule, shape, (src,), Cuts((rect,), (0,), (0,)))
+    names = _expert_names(cfg, rule, shapes)
+    sources = tuple(src for e in range(e0, e0 + el) for src in names[e])
+    parts = len(names[0]) if names else 0
+    # every layer and every EP rank cuts its experts alike: one Cuts per geometry
+    cuts = cfg.cached(("expert_cuts", column, el, parts, c0, il, h),
+                      lambda: _expert_cuts(column, el, parts, c0, il, h))
+    return TensorLayout(rule, shape, sources, cuts)
+
+
+def _expert_cuts(column: bool, el: int, parts: int, c0: int, il: int, h: int) -> Cuts:
+    rect = ((c0, c0 + il), (0, h)) if column else ((0, h), (c0, c0 + il))
+    return Cuts((rect,) * (el * parts), tuple(b for b in range(el) for _ in range(parts)),
+                tuple(k * il for _ in range(el) for k in range(parts)))
 
 
 def _expert_names(cfg: ModelConfig, rule: BoundRule, shapes: dict) -> tuple:
@@ -200,7 +221,7 @@ def _layouts(cfg: ModelConfig, shard: ShardSpec, expert_naming: str, ignore: tup
         )
     shapes = trainer_param_shapes(cfg, expert_naming=expert_naming)
     patterns = tuple(ignore) + cfg.ignore_params
-    out = []
+    out, interned = [], {}
     with gc_paused():
         for rule in bound_rules(cfg):
             if matches(rule.engine, patterns):
@@ -208,7 +229,7 @@ def _layouts(cfg: ModelConfig, shard: ShardSpec, expert_naming: str, ignore: tup
             if rule.split in EXPERT_SPLITS:
                 out.append(_expert_layout(cfg, rule, shard, shapes, expert_naming))
             else:
-                layout = _dense_layout(cfg, rule, shard, shapes, expert_naming)
+                layout = _dense_layout(cfg, rule, shard, shapes, expert_naming, interned)
                 if layout.shape[0]:
                     out.append(layout)
     return tuple(out)

@@ -36,3 +36,8 @@ def test_every_design_verified_on_tiny_llama(tmp_path):
     assert doc["results"]["rdt"] is None  # a probe's outcome, never a time
     assert details["rdt"]["error"].startswith("not run as a design"), details["rdt"]
     assert 0 < doc["lower_bound_s"] < doc["results"]["p2p"]
+    # which of ours binds is said from its own busy seconds
+    b = doc["passes"]["caps_on"]["p2p_binding"]
+    stages = details["p2p"]["stages_s"]
+    assert (b["write_busy_s"], b["prepare_busy_s"]) == (stages["write"], stages["prepare"])
+    assert b["binding"] == ("link" if stages["write"] >= stages["prepare"] else "cpu")

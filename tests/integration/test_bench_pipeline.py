@@ -35,24 +35,37 @@ def expected_plan_size(fp8: bool) -> tuple[int, int]:
 @pytest.mark.slow
 def test_bench_pipeline_tiny(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = run(MODEL, CLUSTER, fp8=True, nic_gbps=2.0, watermark="16M", json_path=out)
+    rc = run(MODEL, CLUSTER, fp8=True, nic_gbps=2.0, watermark="16M", json_path=out,
+             repeats=2, bucket_bytes="1M")
     report = capsys.readouterr().out
     assert rc == 0, report
     data = json.loads(out.read_text())
-    assert set(data) == {*MODES, "speedup", "bytes", "tasks"}
+    assert set(data) == {*MODES, "speedup", "bytes", "tasks", "link_bound_s", "binding",
+                         "nic_gbps", "repeats", "bucket_bytes"}
+    assert (data["repeats"], data["bucket_bytes"], data["nic_gbps"]) == (2, 1 << 20, 2.0)
 
     engine_bytes, tasks = expected_plan_size(fp8=True)
     assert (data["bytes"], data["tasks"]) == (engine_bytes, tasks)
     assert tasks > 0
     for mode in MODES:
         r = data[mode]
-        assert set(r) == {"seconds", "gbps", "verified"}, mode
+        assert set(r) == {"seconds", "gbps", "verified", "runs", "prepare_s"}, mode
         # sha256 of every engine region equals the reference loader's layout
         assert r["verified"] is True, f"{mode} run wrote wrong engine bytes"
-        assert r["seconds"] > 0, mode
+        assert len(r["runs"]) == 2 and r["seconds"] == pytest.approx(sum(r["runs"]) / 2), mode
+        assert 0 < r["prepare_s"] < max(r["runs"]), mode
         assert r["gbps"] == pytest.approx(engine_bytes / r["seconds"] / 1e9), mode
     assert data["speedup"] == pytest.approx(
         data["serial"]["seconds"] / data["pipelined"]["seconds"])
+    # the link bound is the busiest trainer NIC's planned bytes at the cap
+    cfg, cluster = load_model_config(MODEL), load_cluster_config(CLUSTER)
+    engines = engine_metas_from_config(cfg, cluster, fp8=True)
+    plan = compute_plan(trainer_meta_from_config(cfg, cluster), engines, cluster,
+                        model=cfg, fp8=True)
+    busiest = max(sum(t.nbytes for t in plan.trainer_plan(r).tasks)
+                  for r in range(len(plan.trainer_ranks)))
+    assert data["link_bound_s"] == pytest.approx(busiest / 2e9)
+    assert data["binding"] == ("link" if busiest / 2e9 >= data["serial"]["prepare_s"] else "cpu")
 
     assert f"{engine_bytes / 1e6:.1f} MB, {tasks} tasks" in " ".join(report.split())
     for mode in MODES:

@@ -109,18 +109,21 @@ def test_a_traced_update_brings_spans_back_and_a_plain_one_does_not(env, tmp_pat
 def test_failures_by_kind_then_recovery_are_counted(env):
     ctl, trainers, _, _ = env
     ray.get(trainers[1].wt_set_link.remote(False))
+    ctl.auto_resync = False  # keep the torn replicas torn: their gauge says -1
     try:
         with pytest.raises(UpdateError):
             ctl.update(3)
     finally:
         ray.get(trainers[1].wt_set_link.remote(True))
+        ctl.auto_resync = True
     torn = ctl.summary.replicas_by_rank[1]
     snap = ctl.metrics.snapshot()
     assert snap["wt_update_failures"][(("kind", "writes_failed"),)] == 1
     assert snap["wt_update_failures"][(("kind", "torn_replica"),)] == len(torn)
     assert all(snap["wt_replica_version"][(("replica", r),)] == -1 for r in torn)
     rank1 = _trainer_snapshot(trainers[1])["wt_update_failures"]
-    assert rank1[(("kind", "PeerUnreachableError"),)] > 0  # per failed WRITE, by error class
+    # Per failed WRITE, by the fault's class (link down: retried, then given up).
+    assert rank1[(("kind", "LinkDownError"),)] > 0
     _train(trainers, 4)
     ctl.update(4)
     snap = ctl.metrics.snapshot()

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.assign import assign_sources, interleave_order, mesh_groups, spread_order
+from scheduling.assign import (
+    assign_sources,
+    greedy_batches_many,
+    interleave_order,
+    mesh_groups,
+    spread_order,
+)
 
 
 @pytest.mark.parametrize(
@@ -125,3 +131,36 @@ def test_spread_order_keeps_major_order():
     assert major[order].tolist() == [1, 1, 2]
     with pytest.raises(ValueError, match="positive"):
         spread_order(src, major, src, src, 0)
+
+
+def test_greedy_batches_many_small_table():
+    # job 0: bins (0, 1), items 5, 3, 4 -> 5 to bin 0, 3 to bin 1 (ties: bin order), then
+    # 4 to the lighter bin 1; job 1: bin 2 alone takes both of its items
+    load = np.zeros(3, dtype=np.int64)
+    outs = [np.empty(3, dtype=np.int64), np.empty(2, dtype=np.int64)]
+    greedy_batches_many([(np.array([5, 3, 4]), np.array([0, 1])),
+                         (np.array([7, 1]), np.array([2]))], load, outs)
+    assert outs[0].tolist() == [0, 1, 1] and outs[1].tolist() == [2, 2]
+    assert load.tolist() == [5, 7, 8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_greedy_batches_many_equals_jobs_one_after_the_other(data):
+    n_jobs = data.draw(st.integers(1, 4))
+    bins_all = data.draw(st.permutations(range(16)))
+    jobs, start = [], 0
+    for _ in range(n_jobs):
+        k = data.draw(st.integers(1, 4))
+        sizes = data.draw(st.lists(st.integers(0, 5), max_size=20))
+        jobs.append((np.array(sizes, dtype=np.int64) * 1000,
+                     np.sort(np.array(bins_all[start:start + k]))))
+        start += k
+    load0 = np.array(data.draw(st.lists(st.integers(0, 3), min_size=16, max_size=16))) * 500
+    one_by_one, together = load0.copy(), load0.copy()
+    want = [assign_sources(n, b.tolist(), np.arange(16), one_by_one, np.zeros(16, np.int64))
+            for n, b in jobs]
+    got = [np.empty(len(n), dtype=np.int64) for n, _ in jobs]
+    greedy_batches_many(jobs, together, got)
+    assert all((w == g).all() for w, g in zip(want, got, strict=True))
+    assert (one_by_one == together).all()

@@ -15,7 +15,7 @@ def costs(*, h2d=(0.0,), gather=(0.0,), prepare=(0.0,), wbytes=(1.0,), reserve=(
     empty = np.zeros(0, dtype=np.int64)
     return GroupCosts(ranks=np.arange(n_r), mesh=np.asarray(mesh, dtype=np.int64),
                       h2d=arr[0], gather=arr[1], prepare=arr[2], write_bytes=arr[3],
-                      write_count=np.ones_like(arr[3]), reserve=arr[4],
+                      write_count=np.ones_like(arr[3]), reserve=arr[4], params=np.ones_like(arr[3]),
                       tasks=(empty, empty, empty))
 
 

@@ -17,6 +17,7 @@ from weight_transfer.types import (
     MeshDesc,
     ParamMeta,
     Piece,
+    Placement,
     RankInfo,
     RegionDesc,
     ShardSpec,
@@ -207,3 +208,57 @@ def test_nic_bound_is_a_lower_bound_of_the_full_prediction():
         assert r.seconds >= r.barrier_lower_bound_seconds >= r.lower_bound_seconds * (1 - 1e-9)
         assert set(r.stage_seconds) == {"h2d", "gather", "prepare", "write"}
         assert (r.task_end >= r.task_start).all()
+
+
+@pytest.mark.parametrize(("sim", "seconds", "binding"), [
+    # two ranks each copy 1 GB at 1 GB/s, then write 1 GB (1 s): 2 s each on its own device
+    ({"copy_gbps": 1.0}, 2.0, None),
+    # the same on one shared core: 2 s of copies, sequential, and the last write after it
+    ({"copy_gbps": 1.0, "cpu_cores": 1}, 2.0, None),
+    # ... plus the sender copying every written byte at 1 GB/s: 4 s of CPU on one core
+    ({"copy_gbps": 1.0, "cpu_cores": 1, "write_copy_gbps": 1.0}, 4.0, "cpu"),
+    # two cores share it: 2 s, no more than each rank's own 2 s
+    ({"copy_gbps": 1.0, "cpu_cores": 2, "write_copy_gbps": 1.0}, 2.0, None),
+    # half a core: 4 s of prepare alone (writes' copies not charged)
+    ({"copy_gbps": 1.0, "cpu_cores": 0.5}, 4.0, "cpu"),
+])
+def test_cpu_work_of_all_ranks_shares_the_cores(sim, seconds, binding):
+    rows = [(0, 0, GB, 0), (1, 1, GB, 0)]
+    r = simulate(toy_plan(rows, 2, 2), stage_cluster(**sim), resolution=0)
+    assert r.seconds == pytest.approx(seconds)
+    assert (r.binding == "cpu") == (binding == "cpu")
+
+
+def two_param_plan(placement_shard: bool) -> Plan:
+    """Two parameters of 1 kB on one 1-D mesh of 2 ranks, each written once by rank 0."""
+    mesh = MeshDesc(ranks=(0, 1), shape=(2,))
+    pl = (Placement(kind="shard", dim=0),) if placement_shard else (Placement(kind="replicate"),)
+    params = tuple(ParamMeta(name=n, shape=(1000,), dtype="uint8", mesh=mesh, placements=pl)
+                   for n in ("a", "b"))
+    pieces = tuple(Piece(dst_tensor="t", dst_offset=1000 * i, nbytes=1000, dst_dtype="uint8",
+                         src_param=n, src_slice=((0, 1000),)) for i, n in enumerate("ab"))
+    return Plan(
+        params=params,
+        trainer_ranks=(RankInfo(rank=0, node="n", nic="s0"), RankInfo(rank=1, node="n", nic="s1")),
+        engines=(EngineRankMeta(replica="r0", rank=0, node="m", nic="r0", shard=ShardSpec(),
+                                tensors=()),),
+        pieces=pieces, regions=(RegionDesc(owner="r0", nic="r0", addr=1, length=1, rkey=1),),
+        send_nics=("s0", "s1"), recv_nics=("r0",), meshes=(mesh,), mesh_group=(0,),
+        param_mesh=(0, 0), group_params=((0, 1),),
+        task_piece=np.arange(2, dtype=np.int32), task_src=np.zeros(2, dtype=np.int32),
+        task_dst=np.zeros(2, dtype=np.int32), task_region=np.zeros(2, dtype=np.int32),
+        task_offset=np.array([0, 1000]), task_group=np.zeros(2, dtype=np.int16),
+        trainer_ptr=np.array([0, 2, 2]),
+    )
+
+
+@pytest.mark.parametrize(("shard", "mode", "seconds"), [
+    (True, "bucket", 1.0),  # FSDP2 parameters next to each other: one all-gather, one hop
+    (True, "param", 2.0),  # one gather per parameter: a hop each
+    (False, "bucket", 0.0),  # replicated: nothing to gather
+])
+def test_pipeline_items_are_the_executors_gather_buckets(shard, mode, seconds):
+    # writes are free (1 kB at 8 GB/s); one ring hop of a gather costs 1 s
+    cl = stage_cluster(intra_node_gbps=1000.0, gather_latency_us=1e6, gather_mode=mode)
+    r = simulate(two_param_plan(shard), cl, resolution=0)
+    assert r.seconds == pytest.approx(seconds, abs=1e-3)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from weight_transfer.transport.base import (
     FaultInjection,
+    LinkDownError,
     PeerUnreachableError,
     RemoteAccessError,
+    RetriesExhaustedError,
+    TransientTransportError,
     Transport,
     TransportError,
     fault_injection,
@@ -31,8 +34,11 @@ assert set(BACKENDS) == set(OPTIONS), "every backend has an options model"
 __all__ = [
     "BACKENDS",
     "FaultInjection",
+    "LinkDownError",
     "PeerUnreachableError",
     "RemoteAccessError",
+    "RetriesExhaustedError",
+    "TransientTransportError",
     "Transport",
     "TransportError",
     "TransportSpec",

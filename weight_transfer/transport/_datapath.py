@@ -27,6 +27,7 @@ from weight_transfer.transport import _vm
 from weight_transfer.transport._link import LinkModel
 from weight_transfer.transport._regtable import LIVE, REVOKING, RemoteTable, SlotView
 from weight_transfer.transport.base import (
+    LinkDownError,
     PeerUnreachableError,
     RemoteAccessError,
     SourceBuffer,
@@ -122,13 +123,13 @@ class DataPath:
         if self.is_closed():
             raise TransportError(f"{self.label} closed during the write into {where}")
         if not self.link.up:
-            raise PeerUnreachableError(f"link of {self.label} is down: cannot reach {where}")
+            raise LinkDownError(f"link of {self.label} is down: cannot reach {where}")
         if not peer.proc.alive():
             raise PeerUnreachableError(f"{peer.label} is dead: cannot write into {where}")
         if peer.table.closed:
             raise PeerUnreachableError(f"{peer.label} closed its NIC: cannot write into {where}")
         if not peer.table.link_up:
-            raise PeerUnreachableError(f"link of {peer.label} is down: cannot reach {where}")
+            raise LinkDownError(f"link of {peer.label} is down: cannot reach {where}")
 
     def _sleep_until(self, peer: Peer, deadline: float, where: str) -> None:
         delay = deadline - time.monotonic()

@@ -14,6 +14,12 @@ One object is one NIC of one process. The life of a transfer:
 Backends: ``simnic`` (simulated NIC, the default without RDMA hardware),
 ``rdma`` (pyverbs RC queue pairs), ``mooncake`` (Mooncake TransferEngine).
 
+Errors: :class:`RemoteAccessError` (wrong rkey, out of bounds, revoked) and
+:class:`PeerUnreachableError` (peer dead, not connected) are permanent;
+:class:`TransientTransportError` (simnic: :class:`LinkDownError`) may clear and
+is retried by the executor under its ``RetryPolicy``; when it does not clear,
+:class:`RetriesExhaustedError` names the NIC, the peer and the region.
+
 Fault injection (link down, fail after N bytes) is an optional interface,
 :class:`FaultInjection`, that only simnic implements; callers get it through
 :func:`fault_injection`, which names the transport that lacks it.
@@ -38,6 +44,20 @@ class RemoteAccessError(TransportError):
 
 class PeerUnreachableError(TransportError):
     """The target is gone (process dead, link down, not connected)."""
+
+
+class TransientTransportError(TransportError):
+    """A fault that may clear by itself (a link that is down for now): the same WRITE may
+    succeed when retried (see :mod:`weight_transfer.retry`). Every other TransportError
+    is permanent for the write that raised it."""
+
+
+class LinkDownError(PeerUnreachableError, TransientTransportError):
+    """The writer's or the target's link is down: transient, retried under the policy."""
+
+
+class RetriesExhaustedError(TransportError):
+    """A transient fault outlasted the retry policy; the message names NIC, peer, region."""
 
 
 @runtime_checkable
@@ -80,6 +100,10 @@ class FaultInjection(Protocol):
 
     def set_link(self, up: bool) -> None:
         """Bring the link down (writes from and into the NIC fail) or up again."""
+        ...
+
+    def flap_link(self, down_s: float) -> None:
+        """Bring the link down at the start of the next write, up ``down_s`` s later."""
         ...
 
     def fail_after_bytes(self, nbytes: int | None) -> None:

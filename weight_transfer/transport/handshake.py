@@ -15,6 +15,12 @@ process does 2 and 4 on its own NICs):
 4. ``connect_peers(nics, conns[owner])``: each NIC connects to its peers;
 5. nothing else: only these small records cross the control plane.
 
+Each receiver checks what it got before using it (:mod:`weight_transfer.receipt`):
+requests name NICs by strings, peer infos name owner, NIC and the receiving
+NIC's transport, endpoints are mappings with string keys; a backend with
+``check_peer(info)`` (simnic) checks its endpoint fields, for every connection
+before any connects.
+
 :func:`unreachable_links` checks, before any NIC is built, that a transport
 bound to one host (simnic; Mooncake on a loopback or a fixed address) is not
 asked to reach a peer on another host; hosts are compared by hostname and
@@ -28,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weight_transfer.receipt import check_peer_info, check_str
 from weight_transfer.transport.options import TransportSpec
 from weight_transfer.types import PeerInfo
 
@@ -99,6 +106,13 @@ def _nic(nics: Mapping[str, Any], name: str, owner: str) -> Any:
 def answer_requests(nics: Mapping[str, Any], requests: Sequence[InfoRequest],
                     *, owner: str = "") -> tuple[PeerInfo, ...]:
     """Process side, step 2: each request's ``peer_info``, in the order asked."""
+    for i, r in enumerate(requests):  # on receipt, before any NIC is asked
+        where = f"{owner or 'process'}: info request {i}"
+        if not isinstance(r, InfoRequest) or not isinstance(r.remote, Endpoint):
+            raise ValueError(f"{where} must be an InfoRequest of an Endpoint, not {r!r:.80}")
+        for name, value in (("nic", r.nic), ("remote owner", r.remote.owner),
+                            ("remote nic", r.remote.nic)):
+            check_str(value, f"{where}: {name}")
     return tuple(_nic(nics, r.nic, owner).peer_info(r.remote.owner, r.remote.nic)
                  for r in requests)
 
@@ -113,6 +127,7 @@ def route_answers(requests: Mapping[str, Sequence[InfoRequest]],
             got = "nothing" if infos is None else f"{len(infos)} peer infos"
             raise ValueError(f"{owner} was asked for {len(reqs)} peer infos and returned {got}")
         for req, info in zip(reqs, infos, strict=True):
+            check_peer_info(info, f"peer info from {owner} for {req.remote}")
             if (info.owner, info.nic) != (owner, req.nic):
                 raise ValueError(f"{owner} answered for {info.owner}@{info.nic} where "
                                  f"{owner}@{req.nic} was asked (for {req.remote})")
@@ -122,7 +137,18 @@ def route_answers(requests: Mapping[str, Sequence[InfoRequest]],
 
 def connect_peers(nics: Mapping[str, Any], conns: Sequence[Connection], *,
                   owner: str = "") -> int:
-    """Process side, step 4: connect each local NIC to its peers; returns how many."""
+    """Process side, step 4: connect each local NIC to its peers; returns how many.
+    Every connection is checked first (ValueError naming it): none connects if one is bad."""
+    for i, conn in enumerate(conns):
+        where = f"{owner or 'process'}: connection {i}"
+        if not isinstance(conn, Connection):
+            raise ValueError(f"{where} must be a Connection, not {type(conn).__name__}")
+        check_str(conn.nic, f"{where}: nic")
+        nic = _nic(nics, conn.nic, owner)
+        check_peer_info(conn.peer, f"{where} ({conn.nic})", transport=getattr(nic, "kind", None))
+        check_peer = getattr(nic, "check_peer", None)  # the backend's endpoint fields
+        if check_peer is not None:
+            check_peer(conn.peer)
     for conn in conns:
         _nic(nics, conn.nic, owner).connect(conn.peer)
     return len(conns)

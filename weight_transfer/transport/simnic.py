@@ -16,7 +16,8 @@ One :class:`SimNic` is one NIC of one process; a process may hold several.
 * ``deregister(desc)`` revokes the region: once it returns, no write lands.
 * Link model: ``bandwidth_gbps`` caps the NIC (1 GB/s = 1e9 B/s), ``latency_us``
   is added to every write, ``max_inflight`` bounds writes in flight (more
-  await), ``set_link(False)`` and ``fail_after_bytes(n)`` inject faults.
+  await), ``set_link(False)``, ``flap_link(s)`` (down for ``s`` seconds from
+  the next write on) and ``fail_after_bytes(n)`` inject faults.
 * Uncapped writes of at most ``inline_bytes`` (default 1 MiB, under ~100 us)
   run on the event loop's thread: the hop to a worker thread costs 40 us and
   more on a busy machine. Larger or capped writes run in worker threads (ctypes
@@ -94,6 +95,27 @@ def _check_args(owner: Any, nic: Any, bandwidth_gbps: Any, latency_us: Any) -> N
         raise ValueError(f"SimNic: latency_us must be a number >= 0, not {latency_us!r}")
 
 
+# Each endpoint field's type and, for numbers, its range (a pid, an fd, clock ticks ...).
+_ENDPOINT_TYPES: dict[str, tuple[type, int]] = {
+    "pid": (int, 1 << 22), "start_time": (int, 1 << 63), "table_fd": (int, 1 << 31),
+    "table_nonce": (str, 0), "boot_id": (str, 0), "pid_ns": (int, 1 << 64)}
+
+
+def _check_endpoint(ep: dict, where: str) -> None:
+    """Types and ranges of a simnic endpoint, before any of it is used."""
+    for key, (kind, hi) in _ENDPOINT_TYPES.items():
+        value = ep[key]
+        lo = 1 if key == "pid" else 0
+        if type(value) is not kind or (kind is int and not lo <= value < hi):
+            want = f"an int in [{lo}, {hi})" if kind is int else "a string"
+            raise ValueError(f"{where}: endpoint {key} must be {want}, not {value!r:.40}")
+    try:
+        bytes.fromhex(ep["table_nonce"])
+    except ValueError:
+        raise ValueError(f"{where}: endpoint table_nonce is not hex: "
+                         f"{ep['table_nonce']!r:.40}") from None
+
+
 class SimNic:
     """A simulated RDMA NIC (implements :class:`~weight_transfer.transport.base.Transport`)."""
 
@@ -133,6 +155,7 @@ class SimNic:
         self._sems: weakref.WeakKeyDictionary[Any, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self._wake = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the NIC closes
         self._closed = False
+        self._flap: float | None = None  # flap_link: seconds down, armed for the next write
         self._path = DataPath(
             label=self.label, link=self._link, chunk_bytes=self.chunk_bytes,
             wake_fd=self._wake, is_closed=lambda: self._closed,
@@ -196,6 +219,23 @@ class SimNic:
         if not self._closed:
             self._table.set_link(bool(up))
 
+    def flap_link(self, down_s: float) -> None:
+        """At the start of the next write, bring the link down for ``down_s`` seconds
+        (a transient fault that surely hits a write: retries then ride it out)."""
+        if isinstance(down_s, bool) or not isinstance(down_s, int | float) or \
+                not 0 < down_s <= 60:
+            raise ValueError(f"SimNic: flap_link down_s must be in (0, 60], not {down_s!r}")
+        self._flap = float(down_s)
+
+    def _start_flap(self) -> None:
+        with self._mutex:
+            down_s, self._flap = self._flap, None
+        if down_s is not None:
+            self.set_link(False)
+            timer = threading.Timer(down_s, lambda: self._closed or self.set_link(True))
+            timer.daemon = True
+            timer.start()
+
     def fail_after_bytes(self, nbytes: int | None) -> None:
         """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
         if nbytes is not None:
@@ -219,14 +259,19 @@ class SimNic:
 
     # ------------------------------------------------------------------ writer side
 
-    def connect(self, peer: PeerInfo) -> None:
-        """Open ``peer``'s region table and process handle (idempotent per endpoint)."""
-        self._check_open()
+    def check_peer(self, peer: PeerInfo) -> None:
+        """ValueError naming the field if ``peer`` is not a well-formed simnic endpoint."""
         if peer.transport != self.kind:
             raise ValueError(f"{self.label} cannot connect to a {peer.transport!r} endpoint")
         missing = [k for k in _ENDPOINT_KEYS if k not in peer.endpoint]
         if missing:
             raise ValueError(f"peer info of {peer.owner}/{peer.nic} lacks {missing}")
+        _check_endpoint(peer.endpoint, f"peer info of {peer.owner}/{peer.nic}")
+
+    def connect(self, peer: PeerInfo) -> None:
+        """Open ``peer``'s region table and process handle (idempotent per endpoint)."""
+        self._check_open()
+        self.check_peer(peer)
         ep = peer.endpoint
         label = f"peer {peer.owner}/{peer.nic} (pid {ep['pid']})"
         if (ep["boot_id"], ep["pid_ns"]) != _vm.host_identity():
@@ -239,7 +284,7 @@ class SimNic:
                 return
         try:
             proc = _vm.ProcessHandle.open(ep["pid"], start_time=ep["start_time"])
-        except ProcessLookupError as e:
+        except OSError as e:  # gone (ProcessLookupError), or not a process we may open
             raise PeerUnreachableError(f"cannot connect to {label}: {e}") from None
         try:
             table = RemoteTable(ep["pid"], ep["table_fd"], bytes.fromhex(ep["table_nonce"]))
@@ -263,6 +308,8 @@ class SimNic:
             raise ValueError(f"dst_offset must be an int, not {dst_offset!r}")
         check_write_range(dst, dst_offset, mem.nbytes)
         peer = self._peer_for(dst)
+        if self._flap is not None:
+            self._start_flap()
         async with self._semaphore():
             self._link.enter()
             ok = False

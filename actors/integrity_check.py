@@ -1,0 +1,213 @@
+"""After an update, before resume: do the engines hold the bytes the trainers wrote?
+
+The trainers' reports carry the checksums of the WRITEs the integrity policy
+selected (:mod:`weight_transfer.integrity`, per engine rank); every engine rank
+of a replica that got all its writes hashes the same ranges of its registered
+memory (``wt_checksum``, all ranks at once), and the two are compared here. A
+replica with a mismatch, or whose rank could not answer within the timeout,
+is torn: the controller keeps it paused and reports it::
+
+    result = verify_update(policy=cfg.integrity, reports=rank_reports,
+                           replicas={"engine0": [tp0, tp1]}, metas=engine_metas,
+                           call=ledger.call, get=ledger.get, timeout_s=120)
+    result.torn          # ["engine0"] if any range differs
+    result.message()     # replica, rank, tensor, range, expected and actual checksum
+    result.as_dict()     # mode, ranges, bytes, seconds, ok, mismatches (the audit log's)
+
+A torn replica is re-synced from a peer elsewhere (the controller); this
+module only finds it, and :func:`verify_copy` checks a replica filled from a
+peer (re-sync, ``add_replica``) region by region against its source::
+
+    result = verify_copy(source=src_actors, target=dst_actors, source_metas=src_metas,
+                         target_metas=dst_metas, call=ledger.call, get=ledger.get,
+                         timeout_s=120)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from actors.inference import regions_of
+from weight_transfer.integrity import (
+    ADDR,
+    ALGORITHM,
+    CHECKSUM,
+    LENGTH,
+    OFFSET,
+    TASK,
+    IntegrityPolicy,
+    merge_ranges,
+)
+from weight_transfer.types import EngineRankMeta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mismatch:
+    """One range whose engine bytes do not hash as the trainer's did (or that could not
+    be checked: ``actual`` None and ``error`` says why)."""
+
+    replica: str
+    rank: int
+    tensor: str  # the engine tensor the range starts in ("" if none)
+    tensor_offset: int  # where the range starts in that tensor
+    length: int
+    task: int
+    expected: int
+    actual: int | None
+    error: str = ""
+
+    def describe(self) -> str:
+        where = (f"{self.replica}/tp{self.rank} tensor {self.tensor!r} bytes "
+                 f"[{self.tensor_offset}, {self.tensor_offset + self.length}) (task {self.task})")
+        if self.actual is None:
+            return f"{where}: not checked: {self.error}"
+        return (f"{where}: {ALGORITHM} expected {self.expected:#018x}, "
+                f"engine holds {self.actual:#018x}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntegrityResult:
+    """What one update's check found."""
+
+    mode: str
+    ranges: int  # ranges compared
+    bytes: int  # engine bytes they cover
+    seconds: float
+    mismatches: tuple[Mismatch, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def torn(self) -> list[str]:
+        return sorted({m.replica for m in self.mismatches})
+
+    def message(self, limit: int = 5) -> str:
+        shown = "; ".join(m.describe() for m in self.mismatches[:limit])
+        more = f"; and {len(self.mismatches) - limit} more" if len(self.mismatches) > limit else ""
+        return (f"integrity check ({self.mode}) failed for replicas {self.torn}: "
+                f"{shown}{more}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "algorithm": ALGORITHM, "ranges": self.ranges,
+                "bytes": self.bytes, "seconds": self.seconds, "ok": self.ok,
+                "mismatches": [m.describe() for m in self.mismatches[:20]]}
+
+
+def _tensor_at(meta: EngineRankMeta | None, addr: int, offset: int) -> tuple[str, int]:
+    for t in meta.tensors if meta is not None else ():
+        if t.region.addr == addr and t.offset <= offset < t.offset + t.nbytes:
+            return t.name, offset - t.offset
+    return "", offset
+
+
+def _mismatch(replica: str, rank: int, meta: EngineRankMeta | None, row: np.ndarray,
+              actual: int | None, error: str = "") -> Mismatch:
+    task, addr, offset, length, expected = (int(v) for v in row[[TASK, ADDR, OFFSET, LENGTH,
+                                                                  CHECKSUM]])
+    tensor, at = _tensor_at(meta, addr, offset)
+    return Mismatch(replica=replica, rank=rank, tensor=tensor, tensor_offset=at, length=length,
+                    task=task, expected=expected, actual=actual, error=error)
+
+
+def _ray_pending(refs: list, timeout_s: float) -> list:
+    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1]
+
+
+def _answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
+             pending: Callable[[list, float], list]) -> list[tuple[np.ndarray | None, str]]:
+    """Each ref's checksums, or None and why (late, failed)."""
+    late, out = pending(refs, timeout_s), []
+    for ref in refs:
+        if ref in late:
+            out.append((None, f"did not answer within {timeout_s:g} s"))
+            continue
+        try:
+            out.append((np.asarray(get(ref), dtype=np.uint64), ""))
+        except (ray.exceptions.RayError, ValueError) as err:
+            out.append((None, f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+    return out
+
+
+def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
+                  replicas: Mapping[str, Sequence[Any]],
+                  metas: Mapping[str, Sequence[EngineRankMeta]],
+                  call: Callable[..., Any], get: Callable[[Any], Any],
+                  timeout_s: float,
+                  pending: Callable[[list, float], list] = _ray_pending) -> IntegrityResult:
+    """Compare the checksums in ``reports`` (RankReports) for the ranks of ``replicas``
+    with what those engine ranks hold; see the module docstring. ``pending(refs,
+    timeout_s)`` returns the refs that did not answer in time (default: ``ray.wait``)."""
+    start = time.perf_counter()
+    rows = {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
+            .items() if k[0] in replicas and len(v)}
+    if not policy.enabled or not rows:
+        return IntegrityResult(mode=policy.mode, ranges=0, bytes=0,
+                               seconds=time.perf_counter() - start)
+    keys = sorted(rows)
+    refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
+            for rep, rank in keys]
+    found: list[Mismatch] = []
+    for (rep, rank), (got, why) in zip(keys, _answers(refs, get, timeout_s, pending),
+                                       strict=True):
+        want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
+        if got is None or len(got) != len(want):
+            found.append(_mismatch(rep, rank, meta, want[0], None,
+                                   why or f"answered {len(got)} checksums for {len(want)}"))
+            continue
+        for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
+            found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
+    merged = np.concatenate([rows[k] for k in keys])
+    return IntegrityResult(mode=policy.mode, ranges=len(merged),
+                           bytes=int(merged[:, LENGTH].sum()),
+                           seconds=time.perf_counter() - start, mismatches=tuple(found))
+
+
+def _meta(metas: Mapping[str, Sequence[EngineRankMeta]], replica: str,
+          rank: int) -> EngineRankMeta | None:
+    return next((m for m in metas.get(replica, ()) if m.rank == rank), None)
+
+
+def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
+                source_metas: Sequence[EngineRankMeta], target_metas: Sequence[EngineRankMeta],
+                call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
+                pending: Callable[[list, float], list] = _ray_pending) -> IntegrityResult:
+    """After a replica was filled from a peer (re-sync, ``add_replica``): every registered
+    region of each target rank must hash as the same region of its source rank. Both
+    sides hash whole regions, all ranks at once; a difference or a rank that does not
+    answer is a Mismatch of the target replica (``task`` -1, the region's first tensor)."""
+    start = time.perf_counter()
+    refs, jobs = [], []
+    for rank, (src, dst) in enumerate(zip(source_metas, target_metas, strict=True)):
+        src_regions, dst_regions = regions_of(src), regions_of(dst)
+        if len(src_regions) != len(dst_regions):
+            raise ValueError(f"{dst.replica}/tp{rank} has {len(dst_regions)} regions, its "
+                             f"source {src.replica}/tp{rank} {len(src_regions)}")
+        rows = [np.array([[r.addr, 0, r.length] for r in regions], dtype=np.uint64)
+                for regions in (src_regions, dst_regions)]
+        refs += [call(source[rank].wt_checksum, rows[0]), call(target[rank].wt_checksum, rows[1])]
+        jobs.append((dst, dst_regions))
+    answers = _answers(refs, get, timeout_s, pending)
+    found, nbytes = [], 0
+    for k, (dst, regions) in enumerate(jobs):
+        (want, why_src), (got, why_dst) = answers[2 * k], answers[2 * k + 1]
+        for i, region in enumerate(regions):
+            nbytes += region.length
+            tensor, _ = _tensor_at(dst, region.addr, 0)
+            whole = functools.partial(Mismatch, replica=dst.replica, rank=dst.rank, tensor=tensor,
+                                      tensor_offset=0, length=region.length, task=-1)
+            if want is None or got is None:
+                found.append(whole(expected=0, actual=None, error=f"source: {why_src}"
+                                   if want is None else why_dst))
+            elif got[i] != want[i]:
+                found.append(whole(expected=int(want[i]), actual=int(got[i])))
+    return IntegrityResult(mode="copy", ranges=sum(len(r) for _, r in jobs), bytes=nbytes,
+                           seconds=time.perf_counter() - start, mismatches=tuple(found))

@@ -1,0 +1,73 @@
+"""A trainer rank's plan checked against its own parameters, before it replaces the last.
+
+``check_trainer_plan(plan, params)`` runs on the rank that received the plan
+(``scheduling.serialize.loads_trainer_plan`` already checked the blob's own
+fields): every parameter it gathers is one of the rank's, every task belongs
+to the rank and the group it sits in, reads a parameter of that group, and
+its source rectangle lies inside that parameter. It returns the tasks grouped
+by mesh group and parameter, as :class:`~weight_transfer.executor.RankTransfer`
+replays them::
+
+    groups = check_trainer_plan(plan, param_metas)   # ValueError naming rank, group, task
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weight_transfer.types import ParamMeta, WriteTask
+
+
+@dataclass(frozen=True, slots=True)
+class GroupWork:
+    """One mesh group on this rank: parameters in gather order, tasks by parameter."""
+
+    group: int
+    params: tuple[ParamMeta, ...]
+    tasks: dict[str, list[WriteTask]]
+
+
+def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork]:
+    """Validate a rank's plan against the parameter metadata; group its tasks by parameter.
+
+    ``plan`` has ``rank`` and ``groups``, each with ``group``, ``params`` (names,
+    gather order) and ``tasks`` (``WriteTask``), as ``scheduling.plan.TrainerPlan``.
+    """
+    metas = {p.name: p for p in params}
+    out = []
+    for g in plan.groups:
+        missing = [n for n in g.params if n not in metas]
+        if missing:
+            raise ValueError(f"rank {plan.rank} group {g.group}: unknown parameters {missing[:10]}")
+        tasks: dict[str, list[WriteTask]] = collections.defaultdict(list)
+        for t in g.tasks:
+            if t.src_rank != plan.rank or t.mesh_group != g.group:
+                raise ValueError(
+                    f"rank {plan.rank} group {g.group}: task {t.task_id} belongs to rank "
+                    f"{t.src_rank} group {t.mesh_group}"
+                )
+            tasks[t.piece.src_param].append(t)
+            _check_slice(t, metas.get(t.piece.src_param), plan.rank)
+        stray = sorted(set(tasks) - set(g.params))
+        if stray:
+            raise ValueError(
+                f"rank {plan.rank} group {g.group}: tasks read parameters the rank never "
+                f"gathers: {stray[:10]}"
+            )
+        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
+    return out
+
+
+def _check_slice(task: WriteTask, meta: ParamMeta | None, rank: int) -> None:
+    """The task's source rectangle lies inside its parameter (else prepare would read past
+    it or fail mid-update, after other writes landed)."""
+    if meta is None:
+        return  # reported with the other stray parameters
+    sl = task.piece.src_slice
+    if len(sl) != len(meta.shape) or any(not 0 <= a < b <= d
+                                         for (a, b), d in zip(sl, meta.shape, strict=False)):
+        raise ValueError(f"rank {rank} task {task.task_id}: source slice {sl} is not inside "
+                         f"parameter {meta.name!r} of shape {meta.shape}")

@@ -1,0 +1,149 @@
+"""Retry of WRITEs that failed with a transient transport error, under a stated policy.
+
+Which errors count: only :class:`~weight_transfer.transport.base.TransientTransportError`
+(simnic: :class:`~weight_transfer.transport.base.LinkDownError`, the writer's or the
+target's link down). A refused write (:class:`RemoteAccessError`: wrong rkey,
+out of bounds, revoked region), a dead or unconnected peer
+(:class:`PeerUnreachableError`) and any other TransportError fail at once: retrying
+cannot help them. A WRITE is idempotent (the same source bytes into the same
+range), so writing it again after a partial delivery is safe.
+
+How: a WRITE is tried up to ``attempts`` times; before try ``k + 1`` the rank
+sleeps ``min(backoff_s * backoff_factor ** (k - 1), max_backoff_s)`` (default
+4 tries, 0.05 s, 0.1 s, 0.2 s apart: a fault shorter than 0.35 s is ridden out).
+When the last try fails, :class:`RetriesExhaustedError` names the writer's NIC,
+the peer, the region, the tries and the last error. One WRITE at a time
+probes a failing peer NIC while the others wait for its verdict; once a peer
+NIC ran out of tries, the rest of the run's writes into it fail at their first
+transient error (a peer that stays down costs one backoff sequence per run,
+not one per WRITE)::
+
+    policy = RetryPolicy(attempts=4, backoff_s=0.05)      # or parse_retry({...})
+    writer = RetryingWriter(nic, policy)                   # one per run
+    await writer.write(src, region, offset)
+    writer.retries                                         # retries this run made
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from weight_transfer.transport.base import (
+    RetriesExhaustedError,
+    TransientTransportError,
+    source_buffer,
+)
+from weight_transfer.types import RegionDesc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How often and how far apart a WRITE that failed transiently is tried again."""
+
+    attempts: int = 4  # tries in all (1: never retry)
+    backoff_s: float = 0.05  # sleep before the second try
+    backoff_factor: float = 2.0  # each later sleep this much longer
+    max_backoff_s: float = 1.0  # cap of one sleep
+
+    def __post_init__(self) -> None:
+        a = self.attempts
+        if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= 100:
+            raise ValueError(f"retry attempts must be an integer in [1, 100], not {a!r}")
+        for name, low in (("backoff_s", 0.0), ("backoff_factor", 1.0), ("max_backoff_s", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                    or v < low:
+                raise ValueError(f"retry {name} must be a finite number >= {low:g}, not {v!r}")
+
+    def delays(self) -> list[float]:
+        """The sleeps before the 2nd, 3rd ... try."""
+        return [min(self.backoff_s * self.backoff_factor ** k, self.max_backoff_s)
+                for k in range(self.attempts - 1)]
+
+    def describe(self) -> str:
+        return (f"{self.attempts} tries, backoff {self.backoff_s:g} s x{self.backoff_factor:g} "
+                f"(at most {self.max_backoff_s:g} s)")
+
+
+def parse_retry(value: Any, *, where: str = "retry") -> RetryPolicy:
+    """A :class:`RetryPolicy` from a policy or a mapping of its fields; ValueError naming
+    ``where`` and the field otherwise."""
+    if isinstance(value, RetryPolicy):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of {[f.name for f in fields(RetryPolicy)]}, "
+                         f"not {type(value).__name__}")
+    known = {f.name for f in fields(RetryPolicy)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {unknown}; known: {sorted(known)}")
+    try:
+        return RetryPolicy(**value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+class RetryingWriter:
+    """One run's WRITEs through ``transport`` under ``policy`` (see the module docstring)."""
+
+    def __init__(self, transport: Any, policy: RetryPolicy) -> None:
+        self.transport, self.policy = transport, policy
+        self.retries = 0
+        self._given_up: dict[tuple[str, str], str] = {}  # peer NIC -> why
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._label = f"NIC {getattr(transport, 'owner', '?')}/{getattr(transport, 'nic', '?')}"
+
+    async def write(self, src: Any, dst: RegionDesc, dst_offset: int) -> None:
+        try:
+            await self.transport.write(src, dst, dst_offset)
+            return
+        except TransientTransportError as exc:
+            first = exc
+        peer = (dst.owner, dst.nic)
+        # One write at a time probes a failing peer NIC; the others wait for its verdict.
+        async with self._locks.setdefault(peer, asyncio.Lock()):
+            await self._retry(src, dst, dst_offset, first)
+
+    async def _retry(self, src: Any, dst: RegionDesc, dst_offset: int,
+                     exc: TransientTransportError) -> None:
+        peer, start = (dst.owner, dst.nic), time.monotonic()
+        delays = self.policy.delays()
+        for tries, delay in enumerate(delays, 2):
+            if peer in self._given_up:
+                break
+            self.retries += 1
+            log.info("%s: write into %s/%s failed (%s); try %d of %d in %.3f s", self._label,
+                     dst.owner, dst.nic, exc, tries, len(delays) + 1, delay)
+            await asyncio.sleep(delay)
+            try:
+                await self.transport.write(src, dst, dst_offset)
+                return
+            except TransientTransportError as again:
+                exc = again
+        else:
+            raise self._exhausted(src, dst, dst_offset, len(delays) + 1, start, exc,
+                                  None) from exc
+        raise self._exhausted(src, dst, dst_offset, 0, start, exc, self._given_up[peer]) from exc
+
+    def _exhausted(self, src: Any, dst: RegionDesc, dst_offset: int, tries: int, start: float,
+                   exc: Exception, earlier: str | None) -> RetriesExhaustedError:
+        nbytes = source_buffer(src).nbytes
+        what = (f"{self._label}: write of {nbytes} B at offset {dst_offset} into peer "
+                f"{dst.owner}/{dst.nic} ({dst.describe()})")
+        if earlier is not None:
+            return RetriesExhaustedError(f"{what} failed: {type(exc).__name__}: {exc} "
+                                         f"(not retried: {earlier})")
+        why = (f"failed {tries} tries over {time.monotonic() - start:.2f} s "
+               f"(retry policy: {self.policy.describe()}); last error "
+               f"{type(exc).__name__}: {exc}")
+        self._given_up[(dst.owner, dst.nic)] = "retries on this peer NIC ran out earlier " \
+                                               "in this update"
+        return RetriesExhaustedError(f"{what} {why}")

@@ -1,0 +1,51 @@
+"""What one run of a rank's transfer did with its WRITEs: retries, bytes, checksums.
+
+A :class:`RunLog` is made per run (per version) by
+:class:`~weight_transfer.executor.RankTransfer`; every WRITE goes through its
+``writer`` (retries, :mod:`weight_transfer.retry`) and every WRITE that landed
+is recorded with :meth:`RunLog.landed`: its bytes per engine rank and, when the
+integrity policy selects it, the checksum of its source bytes
+(:mod:`weight_transfer.integrity`; a piece sent to several replicas is hashed
+once per run)::
+
+    run = RunLog(version=7, writer=RetryingWriter(nic, policy))
+    await run.writer.write(src, task.region, task.region_offset)
+    run.landed(task, src, integrity_policy)
+    run.sums.ranges(), run.dest_bytes, run.hash_seconds, run.writer.retries
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from weight_transfer.integrity import ChecksumLog, IntegrityPolicy, checksum
+from weight_transfer.retry import RetryingWriter
+from weight_transfer.types import Piece, WriteTask
+
+
+@dataclass(slots=True)
+class RunLog:
+    """One run's WRITE bookkeeping: retries, bytes per engine rank, checksums."""
+
+    version: int
+    writer: RetryingWriter
+    sums: ChecksumLog = field(default_factory=ChecksumLog)
+    dest_bytes: dict[str, int] = field(default_factory=dict)
+    hash_seconds: float = 0.0
+    piece_sums: dict[Piece, int] = field(default_factory=dict)  # one hash per piece and run
+
+    def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
+        dest = f"{task.dst_replica}/tp{task.dst_rank}"
+        self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
+        if policy.selects(task.task_id, self.version):
+            value = self.piece_sums.get(task.piece)
+            if value is None:  # a piece sent to several replicas is the same bytes: hashed once
+                start = time.perf_counter()
+                value = self.piece_sums[task.piece] = checksum(src)
+                self.hash_seconds += time.perf_counter() - start
+            self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
+                          addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
+                          value=value)
