@@ -5,7 +5,7 @@
 workers itself. :class:`WeightTransferController` addresses one actor per
 (replica, TP rank), so each rank gets a ``VllmRank`` facade that forwards the
 controller's calls (``wt_engine_meta``, ``wt_endpoints``, ``wt_connect_peers``,
-``wt_pause``, ``wt_resume``, ``wt_set_version``, ``wt_copy_to`` ...) to the
+``wt_pause``, ``wt_resume``, ``wt_set_version``, ``wt_checksum``, ``wt_copy_to`` ...) to the
 owner, naming its rank. The controller is used unchanged::
 
     replicas = launch_vllm_engines(cfg, model_path)    # [[VllmRank, ...] per replica]
@@ -61,6 +61,7 @@ class VllmEngineOwner:
         self._lock = threading.Lock()
         self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
+        self._epoch = 0  # the newest controller epoch seen
         self._version: Any = None
         self._events: list[tuple[str, Any, float]] = []
 
@@ -80,27 +81,59 @@ class VllmEngineOwner:
         self.engine_meta(rank)
         return self.link.call(op, request, rank=rank)[0]
 
-    def pause(self, timeout_s: float = 60.0) -> None:
-        with self._lock:
-            if self.link.gate.paused:  # another rank of this replica paused it already
-                return
-            self.link.pause(timeout_s)
-            self._resumed.clear()
-            self._events.append(("pause", self._version, time.time()))
+    def _fence(self, epoch: int | None, what: str) -> bool:
+        """Whether a command of ``epoch`` is current (None: unfenced); under ``_lock``. The
+        controller gives every rank of a replica the same epoch, so one is kept per replica
+        (as :meth:`actors.inference.InferenceMixin._wt_fence` keeps one per rank)."""
+        if epoch is None:
+            return True
+        if epoch < self._epoch:
+            self._events.append((f"stale {what}", self._version, time.time()))
+            return False
+        self._epoch = epoch
+        return True
 
-    def resume(self, rank: int, version: Any = _KEEP) -> None:
+    def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Stop at a step boundary (once per replica); a fenced pause makes the version held
+        None until a resume names one. False: a stale command, ignored."""
         with self._lock:
-            if version is not _KEEP:
+            if not self._fence(epoch, "pause"):
+                return False
+            if epoch is not None:
+                self._version = None
+            self._resumed.clear()
+            if not self.link.gate.paused:  # the replica's first rank to ask stops it
+                self.link.pause(timeout_s)
+                self._events.append(("pause", self._version, time.time()))
+        return True
+
+    def resume(self, rank: int, version: Any = None, epoch: int | None = None,
+               deadline: float | None = None, keep: bool = False) -> bool:
+        """Rank ``rank`` is done; the replica resumes (vLLM's finish_weight_update, a prefix
+        cache reset) when all its ranks are. False (stays paused): stale, or past
+        ``deadline``. ``keep``: no version given (the one held stays)."""
+        with self._lock:
+            if not self._fence(epoch, "resume"):
+                return False
+            if deadline is not None and time.time() > deadline:
+                self._events.append(("late resume", self._version, time.time()))
+                return False
+            if not keep:
                 self._version = version
             self._resumed.add(rank)
             if len(self._resumed) == self.tp and self.link.gate.paused:
-                self.link.resume(None if version is _KEEP else version)
+                self.link.resume(None if keep else version)
                 self._events.append(("resume", self._version, time.time()))
+        return True
 
-    def set_version(self, version: Any) -> None:
-        self._version = version
-        self.link.set_version(version)
-        self._events.append(("version", version, time.time()))
+    def set_version(self, version: Any, epoch: int | None = None) -> bool:
+        with self._lock:
+            if not self._fence(epoch, "version"):
+                return False
+            self._version = version
+            self.link.set_version(version)
+            self._events.append(("version", version, time.time()))
+        return True
 
     def version(self) -> Any:
         return self._version
@@ -162,15 +195,17 @@ class VllmRankFacade:
     def wt_copy_to(self, dst: Any) -> int:
         return self._get(self.owner.call.remote("copy_to", dst, self.rank))
 
-    def wt_pause(self, timeout_s: float = 60.0) -> None:
-        self._get(self.owner.pause.remote(timeout_s))
+    def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        return self._get(self.owner.pause.remote(timeout_s, epoch))
 
-    def wt_resume(self, version: Any = _KEEP) -> None:
-        args = () if version is _KEEP else (version,)
-        self._get(self.owner.resume.remote(self.rank, *args))
+    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+                  deadline: float | None = None) -> bool:
+        keep = version is _KEEP  # the sentinel does not survive pickling: say it
+        return self._get(self.owner.resume.remote(self.rank, None if keep else version, epoch,
+                                                  deadline, keep))
 
-    def wt_set_version(self, version: Any) -> None:
-        self._get(self.owner.set_version.remote(version))
+    def wt_set_version(self, version: Any, epoch: int | None = None) -> bool:
+        return self._get(self.owner.set_version.remote(version, epoch))
 
     def wt_version(self) -> Any:
         return self._get(self.owner.version.remote())
@@ -180,6 +215,10 @@ class VllmRankFacade:
 
     def wt_events(self) -> list:
         return self._get(self.owner.events.remote())
+
+    def wt_checksum(self, ranges: Any) -> Any:
+        """Hashes of (region address, offset, length) rows of this rank's registered memory."""
+        return self._get(self.owner.call.remote("checksum", ranges, self.rank))
 
     def wt_nic_stats(self) -> dict:
         return self._get(self.owner.call.remote("stats", None, self.rank))

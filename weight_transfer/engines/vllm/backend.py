@@ -14,6 +14,7 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   (:mod:`weight_transfer.transport.handshake`), run here because a NIC's
   region table belongs to the process that registered the memory;
 * ``copy_to``: write this rank's registered memory into another replica's;
+* ``checksum``: hashes of written ranges (the controller's integrity check);
 * ``stats``, ``deregister``, ``close``.
 
 An update: ``start_weight_update`` (nothing to do: the driver has stopped
@@ -81,6 +82,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._repack: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
         self._arena: Arena | None = None
         self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
+        self._regions: dict[int, torch.Tensor] = {}  # region address -> its bytes
         self.finished = 0
 
     @property
@@ -124,6 +126,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 self.nics[name] = req.transport.open(owner=owner, nic=name, node=req.node,
                                                      address=req.address)
             region = self.nics[name].register(buf)
+            self._regions[region.addr] = buf
             tensors += [EngineTensorMeta(name=s.name, shape=s.shape, dtype=s.dtype,
                                          region=region, offset=off) for s, off in entries]
         self.meta = EngineRankMeta(replica=req.replica, rank=self.shard.tp_rank, node=req.node,
@@ -184,6 +187,13 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 "writes": sum(getattr(n, "writes", 0) for n in nics),
                 "finished": self.finished}
 
+    def _checksum(self, ranges) -> Any:
+        """XXH3-64 of (region address, offset, length) rows of the registered memory (the
+        controller's integrity check, while the engine is paused)."""
+        from weight_transfer.integrity import checksum_ranges
+
+        return checksum_ranges(self._regions, ranges)
+
     def _deregister(self, _req=None) -> int:
         regions = list(dict.fromkeys(t.region for t in self.meta.tensors))
         for region in regions:
@@ -193,7 +203,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _close(self, _req=None) -> None:
         for nic in self.nics.values():
             nic.close()
-        self.nics, self.meta, self.views = {}, None, {}
+        self.nics, self.meta, self.views, self._regions = {}, None, {}, {}
 
     # ------------------------------------------------------------------ vLLM's update hooks
 
@@ -224,6 +234,7 @@ _OPS = {
     "connect": OneSidedBackend._connect,
     "copy_to": OneSidedBackend._copy_to,
     "stats": OneSidedBackend._stats,
+    "checksum": OneSidedBackend._checksum,
     "deregister": OneSidedBackend._deregister,
     "close": OneSidedBackend._close,
 }
