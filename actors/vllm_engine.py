@@ -13,7 +13,10 @@ owner, naming its rank. The controller is used unchanged::
 
 Pause is idempotent over a replica's ranks (the first one stops the engine at a
 step boundary); the replica resumes - ``finish_weight_update(version)``, a
-prefix-cache reset - when its last rank has called ``wt_resume``.
+prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
+fenced by the controller's epochs as for the reference engine's ranks
+(:class:`actors.inference.InferenceMixin`): a stale one is ignored, a resume
+past its deadline refused (the replica stays paused); one epoch per replica.
 """
 
 from __future__ import annotations
