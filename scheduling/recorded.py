@@ -96,10 +96,11 @@ def _table_name(name: str) -> str:
 
 
 def _units(p: Piece) -> Iterable[tuple]:
-    """``p`` as canonical units, so that layouts cut into pieces differently compare equal:
-    a copy as its innermost rows, a quantizing piece as its 2-D matrices (scales cover
-    whole blocks). Keys: (engine tensor, element offset, source, rectangle, transform)."""
-    keep = 1 if p.transform == Transform.COPY else 2
+    """``p`` as its 2-D matrices, so that layouts that cut stacked (3-D and up) tensors
+    into pieces differently (per expert, or all experts at once) compare equal. Linear in
+    the number of matrices, not rows: cheap at setup for large models. Keys: (engine
+    tensor, element offset, source, rectangle, transform)."""
+    keep = 2
     rect, name, t = p.src_slice, _table_name(p.dst_tensor), str(p.transform)
     outer = rect[:-keep] if len(rect) > keep else ()
     inner = rect[len(outer):]
@@ -116,8 +117,32 @@ def _units(p: Piece) -> Iterable[tuple]:
         yield (name, (p.dst_offset + i * size) // dtype_size(p.dst_dtype), p.src_param, unit, t)
 
 
+def _continues(a: tuple, b: tuple) -> bool:
+    """Whether copy unit ``b`` carries on ``a``: the next rows of the same matrix, right
+    after it in the engine tensor."""
+    (name, off, src, rect, t), (name2, off2, src2, rect2, t2) = a, b
+    if (name, src, t) != (name2, src2, t2) or t != str(Transform.COPY) or len(rect) < 2:
+        return False
+    if rect[:-2] != rect2[:-2] or rect[-1] != rect2[-1] or rect[-2][1] != rect2[-2][0]:
+        return False
+    return off2 == off + (rect[-2][1] - rect[-2][0]) * (rect[-1][1] - rect[-1][0])
+
+
 def _keys(pieces: Iterable[Piece]) -> set[tuple]:
-    return {k for p in pieces for k in _units(p)}
+    """Canonical units: 2-D matrices (:func:`_units`), consecutive row ranges of one copy
+    merged, so that row-wise cuts (gate and up halves, or one piece) compare equal too."""
+    out, run = set(), None
+    for u in sorted(k for p in pieces for k in _units(p)):
+        if run is not None and _continues(run, u):
+            rect = (*run[3][:-2], (run[3][-2][0], u[3][-2][1]), run[3][-1])
+            run = (run[0], run[1], run[2], rect, run[4])
+            continue
+        if run is not None:
+            out.add(run)
+        run = u
+    if run is not None:
+        out.add(run)
+    return out
 
 
 def is_fp8(pieces: Iterable[Piece]) -> bool:
