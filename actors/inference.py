@@ -52,6 +52,7 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
+from weight_transfer.engine_copy import copy_jobs, layout_key, regions_of  # noqa: F401
 from weight_transfer.integrity import checksum_ranges
 from weight_transfer.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
@@ -66,7 +67,6 @@ from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,
     PeerInfo,
-    RegionDesc,
     ShardSpec,
 )
 
@@ -82,18 +82,6 @@ def _byte_view(buf: Any) -> Any:
         return buf.reshape(-1).view(torch.uint8)
     return np.frombuffer(buf, dtype=np.uint8) if not hasattr(buf, "__array_interface__") \
         else np.asarray(buf).reshape(-1).view(np.uint8)
-
-
-def regions_of(meta: EngineRankMeta) -> list[RegionDesc]:
-    """The distinct regions of an engine rank, in the order its tensors first use them."""
-    return list(dict.fromkeys(t.region for t in meta.tensors))
-
-
-def layout_key(meta: EngineRankMeta) -> list[tuple]:
-    """What two ranks must share for a byte-for-byte copy: tensors, offsets, region sizes."""
-    index = {r: i for i, r in enumerate(regions_of(meta))}
-    return [(t.name, t.shape, t.dtype, t.offset, index[t.region], t.region.length)
-            for t in meta.tensors]
 
 
 class InferenceMixin:
@@ -273,17 +261,8 @@ class InferenceMixin:
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
-        mine = self.wt_engine_meta()
         check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
-        if layout_key(mine) != layout_key(dst):
-            raise ValueError(
-                f"{self._wt_owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "
-                "layout (a new replica must have the TP layout of its peer)"
-            )
-        jobs = []
-        for src_region, dst_region in zip(regions_of(mine), regions_of(dst), strict=True):
-            nic = self._wt_nics[src_region.nic]
-            jobs.append((nic, (src_region.addr, src_region.length), dst_region))
+        jobs = copy_jobs(self.wt_engine_meta(), dst, self._wt_nics, owner=self._wt_owner)
 
         async def run() -> None:
             await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))

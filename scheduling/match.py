@@ -20,9 +20,11 @@ renamed to the trainer's own names so that tasks name what the trainer holds::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Iterable, Sequence
 
+from scheduling.recorded import has_recorded, recorded_pieces, table_differences
 from weight_transfer.engine_layout import (
     check_mapping,
     engine_pieces,
@@ -34,6 +36,7 @@ from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TensorSpec, 
 
 MAX_LISTED = 50
 _NAME_SHAPE_DTYPE = operator.attrgetter("name", "shape", "dtype")
+log = logging.getLogger(__name__)
 
 
 def _listing(title: str, problems: list[str]) -> str:
@@ -114,6 +117,14 @@ def match_engines(
     ignore = tuple(ignore)
     if not engines:
         raise ValueError("no engine ranks to plan for")
+    if has_recorded(engines):  # the engine's own layout; our tables only cross-check it
+        pieces = recorded_pieces(trainer_meta, engines, ignore=ignore + cfg.ignore_params)
+        for shard, ps in pieces.items():
+            diff = table_differences(cfg, shard, ps, expert_naming=expert_naming, fp8=fp8)
+            if diff:
+                log.warning("the layout recorded from the engine differs from our tables for "
+                            "%s on %s: %s", cfg.name or cfg.architecture, shard, diff[:5])
+        return pieces
     canonical = {p.name: canonical_trainer_name(p.name) for p in trainer_meta.params}
     actual = {c: n for n, c in canonical.items()}
     shards = list(dict.fromkeys(e.shard for e in engines))

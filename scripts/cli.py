@@ -29,19 +29,27 @@ def demo(
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
     trace: Path | None = typer.Option(
         None, "--trace", help="Write a Chrome trace of every update (Perfetto; `wt trace`)."),
-    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config to start from."),
+    config: Path | None = typer.Option(
+        None, help="Run config to start from [default: configs/runs/demo.yaml; "
+        "configs/runs/demo_vllm.yaml with --engine vllm]."),
     corrupt_version: int | None = typer.Option(
         None, hidden=True, help="Test hook: flip one engine byte after this update."),
     transport: str | None = typer.Option(
         None, help="simnic (one host), mooncake (TCP) or rdma [default: from --config]."),
+    engine: str | None = typer.Option(
+        None, help="reference (our decoder) or vllm (a real vLLM, the `vllm` extra) "
+        "[default: from --config]."),
 ) -> None:
     """Trainers -> inference replicas over simnic (or --transport), every update verified."""
     from scripts.demo import run_cli
 
+    if config is None:
+        config = Path("configs/runs/demo_vllm.yaml" if engine == "vllm"
+                      else "configs/runs/demo.yaml")
     raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
                              updates=updates, json_path=json_path,
                              corrupt_version=corrupt_version, trace_path=trace,
-                             transport=transport))
+                             transport=transport, engine=engine))
 
 
 @app.command("chaos")

@@ -33,11 +33,13 @@ terminal; logs and ``--json -`` get none.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,14 @@ log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
 # interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
 LOCAL_NODE_IP = "127.0.0.2"
+# Per engine, the module holding its ``start_fleet(run, progress)`` and
+# ``check_bytes(fleet, version, checks, problems, previous)``; imported on use.
+ENGINE_MODULES = {"reference": __name__, "vllm": "scripts.demo_vllm"}
+
+
+def engine_impl(engine: str, name: str) -> Callable:
+    """The demo's ``name`` function for ``engine`` (see ``ENGINE_MODULES``)."""
+    return getattr(importlib.import_module(ENGINE_MODULES[engine]), name)
 
 
 # ------------------------------------------------------------------------ Ray and actors
@@ -121,6 +131,9 @@ class Fleet:
     replicas: dict[str, list[Any]]
     controller: Any
     setup_seconds: float
+    engine: str = "reference"
+    owners: list[Any] = field(default_factory=list)  # actors owning the engines (vLLM)
+    workdir: Path | None = None  # checkpoints of the trainers' weights (vLLM), removed at close
 
     @property
     def engine_keys(self) -> dict[str, Any]:
@@ -135,14 +148,20 @@ class Fleet:
         return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
                 f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
                 f" over {cfg.transport_spec.describe()}"
-                f" ({'fp8' if cfg.engine_fp8 else 'bf16'} engines); plan: {summary.num_tasks} "
+                f" ({self.engine_kind} engines); plan: {summary.num_tasks} "
                 f"writes, {summary.bytes_total / 1e6:.2f} MB, {summary.num_groups} mesh group(s);"
                 f" set up in {self.setup_seconds:.1f} s")
 
+    @property
+    def engine_kind(self) -> str:
+        dtype = "fp8" if self.config.engine_fp8 else "bf16"
+        return dtype if self.engine == "reference" else f"{self.engine}, float32"
+
     def info(self) -> dict[str, Any]:
         cfg, summary = self.config, self.controller.summary
-        return {"run": self.run.name, "model": cfg.model.name, "cluster": cfg.cluster.name,
-                "fp8": cfg.engine_fp8, "setup_seconds": self.setup_seconds,
+        return {"run": self.run.name, "engine": self.engine, "model": cfg.model.name,
+                "cluster": cfg.cluster.name, "fp8": cfg.engine_fp8,
+                "setup_seconds": self.setup_seconds,
                 "plan": {"bytes": summary.bytes_total, "tasks": summary.num_tasks,
                          "mesh_groups": summary.num_groups}}
 
@@ -159,17 +178,23 @@ class Fleet:
                 continue
             if pg is not None:
                 groups[pg.id] = pg
-        for actor in actors:
+        for owner in self.owners:  # stop the engines' own processes first
+            try:
+                ray.get(owner.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("closing the demo: an engine did not shut down: %s", exc)
+        for actor in [*actors, *self.owners]:
             ray.kill(actor)
         for pg in groups.values():
             ray.util.remove_placement_group(pg)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
-    """Actors as the cluster config places them, and the controller after setup().
-    ``overrides``: TransferConfig fields set otherwise than the run config says
-    (``wt chaos``: a short ``update_timeout_s``, capped NICs)."""
-    from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+def transfer_config(run: RunConfig, **overrides: Any) -> Any:
+    """The controller's ``TransferConfig`` of a run config; ``overrides``: fields set
+    otherwise than the run config says (``wt chaos``: a short ``update_timeout_s``)."""
+    from actors import TransferConfig
 
     fields = dict(
         model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
@@ -179,7 +204,15 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
         transport=run.transfer.transport, transport_options=run.transfer.spec.options,
         integrity=run.transfer.integrity, retry=run.transfer.retry,
         audit_path=run.transfer.audit_path)
-    config = TransferConfig(**(fields | overrides))
+    return TransferConfig(**(fields | overrides))
+
+
+def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
+    """Actors as the cluster config places them, and the controller after setup().
+    ``overrides``: TransferConfig fields set otherwise than the run config says."""
+    from actors import WeightTransferController, launch_engines, launch_trainers
+
+    config = transfer_config(run, **overrides)
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     bars("start trainer ranks", 0, 1)
@@ -264,7 +297,7 @@ def _on_trainers(fleet: Fleet, method: str, *args: Any) -> Any:
     return _first(ray.get([getattr(t, method).remote(*args) for t in fleet.trainers]))
 
 
-def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
+def check_bytes(fleet: Fleet, version: int, checks: dict, problems: list[str],
                 previous: dict | None) -> dict[str, dict[str, str]]:
     """Engine digests against the reference layout; returns them for the next update."""
     want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, fleet.engine_keys,
@@ -274,15 +307,22 @@ def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
            for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
                                           for a in actors]))}
     issues = byte_problems(want, got)
-    checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()))
+    checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()),
+                  oracle="reference.loader")
     problems += issues
+    check_changed(got, previous, checks, problems)
+    return got
+
+
+def check_changed(got: dict[str, dict[str, str]], previous: dict | None, checks: dict,
+                  problems: list[str]) -> None:
+    """How many engine tensors' digests changed since the previous update (some must)."""
     if previous is not None:
         changed = sum(got[k][n] != previous.get(k, {}).get(n) for k in got for n in got[k])
         checks["tensors_changed_since_previous"] = changed
         if changed == 0:
             problems.append("no engine tensor changed since the previous version "
                             "(the train step did not change the weights)")
-    return got
 
 
 def check_outputs(fleet: Fleet, prompts: list[list[int]], checks: dict,
@@ -309,7 +349,8 @@ def verify(fleet: Fleet, version: int, prompts: list[list[int]],
     """Checks of one update: (checks, problems, engine digests for the next update)."""
     checks: dict[str, Any] = {}
     problems: list[str] = []
-    digests = check_bytes(fleet, checks, problems, previous)
+    digests = engine_impl(fleet.engine, "check_bytes")(fleet, version, checks, problems,
+                                                       previous)
     versions = fleet.controller.weights_version()
     checks["weights_version"] = versions
     problems += [f"{name}: holds version {v}, expected {version}"
@@ -367,17 +408,16 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
     fleet, traces = None, ([] if trace_path is not None else None)
     try:
         with progress_bar(console, quiet=json_to_stdout(run.json_path)) as progress:
-            fleet = start_fleet(run, progress)
+            fleet = engine_impl(run.engine, "start_fleet")(run, progress)
             console.print(fleet.describe())
             rows = run_cycles(fleet, console, after_update, traces=traces, progress=progress)
-        info = fleet.info()
+        info, kind = fleet.info(), fleet.engine_kind
     finally:
         if fleet is not None:
             fleet.close()
         if started:
             ray.shutdown()
-    engines = "fp8" if info["fp8"] else "bf16"
-    console.print(render_table(rows, title=f"{run.name}: {info['model']}, {engines} engines"))
+    console.print(render_table(rows, title=f"{run.name}: {info['model']}, {kind} engines"))
     info["total_seconds"] = total = time.perf_counter() - start
     if json_to_stdout(run.json_path):
         emit_json("-", summary(rows, **info), console)
@@ -395,13 +435,16 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
 
 def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
             updates: int | None, json_path: Path | None, corrupt_version: int | None,
-            trace_path: Path | None = None, transport: str | None = None) -> int:
+            trace_path: Path | None = None, transport: str | None = None,
+            engine: str | None = None) -> int:
     """``wt demo``: the run config with the command line's options applied."""
     console = command_console(json_path)
     try:
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
-                                 json_path=json_path, transport=transport)
+                                 json_path=json_path, transport=transport, engine=engine)
+        if corrupt_version is not None and run.engine != "reference":
+            raise ValueError("--corrupt-version works with the reference engine only")
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2

@@ -64,7 +64,7 @@ def expected_digests(
     return out
 
 
-def _capped(problems: list[str]) -> list[str]:
+def capped(problems: list[str]) -> list[str]:
     if len(problems) <= MAX_PROBLEMS:
         return problems
     return [*problems[:MAX_PROBLEMS], f"... and {len(problems) - MAX_PROBLEMS} more"]
@@ -89,7 +89,7 @@ def byte_problems(
             f"{key}: tensor {n} bytes differ from the reference layout"
             for n in sorted(set(w) & set(g)) if w[n] != g[n]
         ]
-    return _capped(problems)
+    return capped(problems)
 
 
 def token_problems(
@@ -108,7 +108,7 @@ def token_problems(
                           min(len(w), len(g)))
                 problems.append(f"{replica}: prompt {i} differs at new token {at}: "
                                 f"trainer {list(w)} engine {list(g)}")
-    return _capped(problems)
+    return capped(problems)
 
 
 def logits_rel_error(want: torch.Tensor, got: torch.Tensor) -> float:

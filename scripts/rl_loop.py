@@ -19,6 +19,13 @@ from the weights the last update put there. The reward is the fraction of
 rollout tokens in ``[rl.target_start, rl.target_end)``. Run it with::
 
     python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
+
+With ``--engine vllm`` the replicas are real vLLM engines
+(:func:`actors.vllm_engine.launch_vllm_engines`, float32, started from the
+trainers' initial weights) and vLLM samples the rollouts itself (seeded
+``SamplingParams``); the weight updates are the same five lines::
+
+    python scripts/rl_loop.py --engine vllm --cluster configs/clusters/vllm_cpu_tp1.yaml
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,8 +56,13 @@ log = logging.getLogger(__name__)
 
 
 def sample_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
-                    gen: torch.Generator) -> list[list[int]]:
-    """``rl.rollout_tokens`` new tokens per prompt from one replica (all its TP ranks called)."""
+                    gen: torch.Generator, engine: str = "reference") -> list[list[int]]:
+    """``rl.rollout_tokens`` new tokens per prompt from one replica (all its TP ranks called;
+    a vLLM replica samples itself, once)."""
+    if engine == "vllm":
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature,
+                                                  seed))
     if rl.temperature == 0:
         return ray.get([a.generate.remote(prompts, rl.rollout_tokens) for a in replica])[0]
     ids = torch.tensor(prompts, dtype=torch.long)
@@ -81,7 +94,7 @@ def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunCon
     for k, replica in enumerate(replicas):  # like OpenRLHF: prompts split over the engines
         chunk = prompts[k * share:(k + 1) * share]
         if chunk:
-            rollouts += sample_rollouts(replica, chunk, rl, gen)
+            rollouts += sample_rollouts(replica, chunk, rl, gen, run.engine)
     rewards = [toy_reward(r, rl) for r in rollouts]
     tokens = [p + r for p, r in zip(prompts, rollouts, strict=True)]
     adv = advantages_of(rewards)
@@ -93,18 +106,35 @@ def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunCon
             "update_bytes": report.bytes, "weights_version": ctl.weights_version()}
 
 
+def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> tuple[list, list]:
+    """(replicas, owners): reference engines, or vLLM engines from the trainers' weights."""
+    from actors import launch_engines
+
+    if run.engine == "reference":
+        return launch_engines(cfg), []
+    from actors.vllm_engine import launch_vllm_engines
+    from scripts.demo_vllm import ENGINE_ENV, save_trainer_checkpoint
+
+    first = save_trainer_checkpoint(trainers, workdir / "v0")
+    return launch_vllm_engines(cfg, str(first), dtype="float32", env=ENGINE_ENV)
+
+
 def run_rl(run: RunConfig, console: Console) -> list[dict]:
     """The whole loop on a fresh set of actors; returns one record per iteration."""
-    from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+    import tempfile
+
+    from actors import TransferConfig, WeightTransferController, launch_trainers
 
     started = connect_ray(run, join_existing=True)
-    trainers, replicas, ctl = [], [], None
+    trainers, replicas, owners, ctl = [], [], [], None
+    workdir = Path(tempfile.mkdtemp(prefix="wt-rl-"))
     try:
         cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
                                         seed=run.seed, lr=run.rl.lr,
                                         transport=run.transfer.transport,
                                         transport_options=run.transfer.spec.options)
-        trainers, replicas = launch_trainers(cfg), launch_engines(cfg)          # wt
+        trainers = launch_trainers(cfg)                                         # wt
+        replicas, owners = launch_replicas(cfg, run, trainers, workdir)         # wt
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
         ctl.setup()                                                             # wt
         ctl.update(version=0)  # the replicas start from the trainers' initial weights
@@ -120,8 +150,11 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     finally:
         if ctl is not None:
             ctl.shutdown()
-        for actor in [*trainers, *(a for r in replicas for a in r)]:
+        for owner in owners:
+            ray.get(owner.shutdown.remote(), timeout=60)
+        for actor in [*trainers, *(a for r in replicas for a in r), *owners]:
             ray.kill(actor)
+        shutil.rmtree(workdir, ignore_errors=True)
         if started:
             ray.shutdown()
 
@@ -130,11 +163,14 @@ def main(
     config: Path = typer.Option(Path("configs/runs/rl_loop.yaml"), help="Run config."),
     iterations: int | None = typer.Option(None, min=1, help="RL iterations [rl.iterations]."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the history."),
+    engine: str | None = typer.Option(
+        None, help="reference or vllm (real vLLM engines) [default: from --config]."),
+    cluster: Path | None = typer.Option(None, help="Cluster YAML [default: from --config]."),
 ) -> None:
     """Rollouts on the inference replicas, REINFORCE on the trainers, weight updates."""
     console = make_console()
     try:
-        run = load_run_config(config)
+        run = load_run_config(config).with_overrides(engine=engine, cluster=cluster)
         if iterations is not None:
             run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": iterations})
     except ValueError as exc:

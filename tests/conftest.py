@@ -14,6 +14,9 @@ Tiers, chosen with markers (declared in pyproject.toml)::
   "pyverbs not importable: <why>".
 - ``rdma``: needs an RDMA device (``WT_RDMA_DEVICE`` names one, default the
   first); skipped with "pyverbs not importable: <why>" or "no RDMA device: <why>".
+- ``vllm``: starts a real vLLM engine; skipped with "vllm cannot be imported: <why>"
+  where vLLM is not installed or broken (checked when such a test runs, so
+  collecting the suite does not import vLLM).
 - ``gpu`` and ``mooncake`` tests skip themselves with the reason.
 
 ``WT_TEST_HIDE_PYVERBS=1`` runs the tests as on a machine without pyverbs (the
@@ -79,6 +82,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(f"pyverbs not importable: {why}")
     if needs_device and (why := rdma_device_missing()) is not None:
         pytest.skip(f"no RDMA device: {why}")
+    if item.get_closest_marker("vllm") is not None:
+        from testkit.vllm_oracle import vllm_missing
+
+        if (why := vllm_missing()) is not None:
+            pytest.skip(why)
 
 
 @pytest.fixture

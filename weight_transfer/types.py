@@ -214,6 +214,9 @@ class EngineRankMeta:
     nic: str
     shard: ShardSpec
     tensors: tuple[EngineTensorMeta, ...]
+    # The layout recorded from the engine itself (vLLM: its own load_weights), source
+    # names as in the engine's checkpoint; None: the planner uses our rule tables.
+    pieces: tuple[Piece, ...] | None = field(default=None, hash=False, compare=False)
 
 
 # --------------------------------------------------------------------------- layout and plan

@@ -28,7 +28,7 @@ from weight_transfer.types import ShardSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TOP_KEYS = {"run", "model", "cluster", "fp8", "setup_seconds", "total_seconds", "plan",
+TOP_KEYS = {"run", "engine", "model", "cluster", "fp8", "setup_seconds", "total_seconds", "plan",
             "verified", "updates"}
 UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", "checks",
                "problems", "report"}
@@ -52,6 +52,7 @@ def _run(tmp_path, local_ray, trace_path=None, **changes):
 def _check_common(doc, *, fp8, updates):
     assert set(doc) == TOP_KEYS
     assert (doc["model"], doc["cluster"], doc["fp8"]) == ("tiny-llama", "local_cpu", fp8)
+    assert doc["engine"] == "reference"
     assert [u["version"] for u in doc["updates"]] == list(range(1, updates + 1))
     for u in doc["updates"]:
         assert set(u) == UPDATE_KEYS
@@ -61,6 +62,7 @@ def _check_common(doc, *, fp8, updates):
         assert u["checks"]["weights_version"] == {"engine0": u["version"],
                                                   "engine1": u["version"]}
         assert math.isfinite(u["checks"]["train_loss"])
+        assert u["checks"]["oracle"] == "reference.loader"
     later = doc["updates"][1:]
     assert all(u["checks"]["tensors_changed_since_previous"] > 0 for u in later)
 
