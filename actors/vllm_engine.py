@@ -13,7 +13,12 @@ owner, naming its rank. The controller is used unchanged::
 
 Pause is idempotent over a replica's ranks (the first one stops the engine at a
 step boundary); the replica resumes - ``finish_weight_update(version)``, a
-prefix-cache reset - when its last rank has called ``wt_resume``.
+prefix-cache reset - when its last rank has called ``wt_resume``. Commands
+carry the controller's epochs (:mod:`actors.engine_control`) and are fenced per
+replica as :class:`~actors.inference.InferenceMixin` fences them per rank: an
+older command is ignored, a resume past its deadline refused, a fenced pause
+clears the version held. ``wt_checksum`` hashes ranges of the registered memory
+inside the vLLM worker (the integrity check).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import ray
 
 from actors.config import TransferConfig
 from actors.connections import this_host
+from actors.inference import EVENTS_KEPT
 
 _KEEP = object()
 
@@ -62,7 +69,8 @@ class VllmEngineOwner:
         self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
         self._version: Any = None
-        self._events: list[tuple[str, Any, float]] = []
+        self._epoch = 0  # the newest controller epoch seen (fences stale commands)
+        self._events: deque[tuple[str, Any, float]] = deque(maxlen=EVENTS_KEPT)
 
     def engine_meta(self, rank: int, transport: Any = None):
         from weight_transfer.engines.vllm.mailbox import SetupRequest
@@ -80,27 +88,55 @@ class VllmEngineOwner:
         self.engine_meta(rank)
         return self.link.call(op, request, rank=rank)[0]
 
-    def pause(self, timeout_s: float = 60.0) -> None:
+    def _fence(self, epoch: int | None, what: str) -> bool:
+        """Whether a command of ``epoch`` is current (None: unfenced); under ``_lock``."""
+        if epoch is None:
+            return True
+        if epoch < self._epoch:
+            self._events.append((f"stale {what}", self._version, time.time()))
+            return False
+        if epoch > self._epoch:  # a new command round: resumes of older rounds do not count
+            self._resumed.clear()
+        self._epoch = epoch
+        return True
+
+    def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
         with self._lock:
+            if not self._fence(epoch, "pause"):
+                return False
+            if epoch is not None:  # before writes, or holding a torn replica
+                self._version = None
             if self.link.gate.paused:  # another rank of this replica paused it already
-                return
+                return True
             self.link.pause(timeout_s)
             self._resumed.clear()
             self._events.append(("pause", self._version, time.time()))
+            return True
 
-    def resume(self, rank: int, version: Any = _KEEP) -> None:
+    def resume(self, rank: int, version: Any = _KEEP, epoch: int | None = None,
+               deadline: float | None = None) -> bool:
         with self._lock:
+            if not self._fence(epoch, "resume"):
+                return False
+            if deadline is not None and time.time() > deadline:
+                self._events.append(("late resume", self._version, time.time()))
+                return False
             if version is not _KEEP:
                 self._version = version
             self._resumed.add(rank)
             if len(self._resumed) == self.tp and self.link.gate.paused:
                 self.link.resume(None if version is _KEEP else version)
                 self._events.append(("resume", self._version, time.time()))
+            return True
 
-    def set_version(self, version: Any) -> None:
-        self._version = version
-        self.link.set_version(version)
-        self._events.append(("version", version, time.time()))
+    def set_version(self, version: Any, epoch: int | None = None) -> bool:
+        with self._lock:
+            if not self._fence(epoch, "version"):
+                return False
+            self._version = version
+            self.link.set_version(version)
+            self._events.append(("version", version, time.time()))
+            return True
 
     def version(self) -> Any:
         return self._version
@@ -162,15 +198,22 @@ class VllmRankFacade:
     def wt_copy_to(self, dst: Any) -> int:
         return self._get(self.owner.call.remote("copy_to", dst, self.rank))
 
-    def wt_pause(self, timeout_s: float = 60.0) -> None:
-        self._get(self.owner.pause.remote(timeout_s))
+    def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        return self._get(self.owner.pause.remote(timeout_s, epoch))
 
-    def wt_resume(self, version: Any = _KEEP) -> None:
+    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+                  deadline: float | None = None) -> bool:
         args = () if version is _KEEP else (version,)
-        self._get(self.owner.resume.remote(self.rank, *args))
+        return self._get(self.owner.resume.remote(self.rank, *args, epoch=epoch,
+                                                  deadline=deadline))
 
-    def wt_set_version(self, version: Any) -> None:
-        self._get(self.owner.set_version.remote(version))
+    def wt_set_version(self, version: Any, epoch: int | None = None) -> bool:
+        return self._get(self.owner.set_version.remote(version, epoch))
+
+    def wt_checksum(self, ranges: Any) -> Any:
+        """XXH3-64 of (region addr, offset, length) rows of this rank's registered memory,
+        computed in the vLLM worker (the controller's integrity check)."""
+        return self._get(self.owner.call.remote("checksum", ranges, self.rank))
 
     def wt_version(self) -> Any:
         return self._get(self.owner.version.remote())

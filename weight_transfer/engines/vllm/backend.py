@@ -81,6 +81,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._repack: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
         self._arena: Arena | None = None
         self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
+        self.regions: dict[int, torch.Tensor] = {}  # region addr -> its bytes (integrity)
         self.finished = 0
 
     @property
@@ -124,6 +125,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 self.nics[name] = req.transport.open(owner=owner, nic=name, node=req.node,
                                                      address=req.address)
             region = self.nics[name].register(buf)
+            self.regions[region.addr] = buf
             tensors += [EngineTensorMeta(name=s.name, shape=s.shape, dtype=s.dtype,
                                          region=region, offset=off) for s, off in entries]
         self.meta = EngineRankMeta(replica=req.replica, rank=self.shard.tp_rank, node=req.node,
@@ -178,6 +180,12 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         asyncio.run(run())
         return sum(region.length for _, _, region in jobs)
 
+    def _checksum(self, ranges) -> Any:
+        """XXH3-64 of each (region addr, offset, length) row in the registered memory."""
+        from weight_transfer.integrity import checksum_ranges
+
+        return checksum_ranges(self.regions, ranges)
+
     def _stats(self, _req=None) -> dict[str, int]:
         nics = self.nics.values()
         return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
@@ -193,7 +201,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _close(self, _req=None) -> None:
         for nic in self.nics.values():
             nic.close()
-        self.nics, self.meta, self.views = {}, None, {}
+        self.nics, self.meta, self.views, self.regions = {}, None, {}, {}
 
     # ------------------------------------------------------------------ vLLM's update hooks
 
@@ -224,6 +232,7 @@ _OPS = {
     "connect": OneSidedBackend._connect,
     "copy_to": OneSidedBackend._copy_to,
     "stats": OneSidedBackend._stats,
+    "checksum": OneSidedBackend._checksum,
     "deregister": OneSidedBackend._deregister,
     "close": OneSidedBackend._close,
 }
