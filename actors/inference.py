@@ -261,8 +261,9 @@ class InferenceMixin:
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
+        mine = self.wt_engine_meta()
         check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
-        jobs = copy_jobs(self.wt_engine_meta(), dst, self._wt_nics, owner=self._wt_owner)
+        jobs = copy_jobs(mine, dst, self._wt_nics, owner=self._wt_owner)
 
         async def run() -> None:
             await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))

@@ -5,7 +5,7 @@
 workers itself. :class:`WeightTransferController` addresses one actor per
 (replica, TP rank), so each rank gets a ``VllmRank`` facade that forwards the
 controller's calls (``wt_engine_meta``, ``wt_endpoints``, ``wt_connect_peers``,
-``wt_pause``, ``wt_resume``, ``wt_set_version``, ``wt_copy_to`` ...) to the
+``wt_pause``, ``wt_resume``, ``wt_set_version``, ``wt_checksum``, ``wt_copy_to`` ...) to the
 owner, naming its rank. The controller is used unchanged::
 
     replicas = launch_vllm_engines(cfg, model_path)    # [[VllmRank, ...] per replica]
@@ -13,12 +13,10 @@ owner, naming its rank. The controller is used unchanged::
 
 Pause is idempotent over a replica's ranks (the first one stops the engine at a
 step boundary); the replica resumes - ``finish_weight_update(version)``, a
-prefix-cache reset - when its last rank has called ``wt_resume``. Commands
-carry the controller's epochs (:mod:`actors.engine_control`) and are fenced per
-replica as :class:`~actors.inference.InferenceMixin` fences them per rank: an
-older command is ignored, a resume past its deadline refused, a fenced pause
-clears the version held. ``wt_checksum`` hashes ranges of the registered memory
-inside the vLLM worker (the integrity check).
+prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
+fenced by the controller's epochs as for the reference engine's ranks
+(:class:`actors.inference.InferenceMixin`): a stale one is ignored, a resume
+past its deadline refused (the replica stays paused); one epoch per replica.
 """
 
 from __future__ import annotations
@@ -26,14 +24,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import ray
 
 from actors.config import TransferConfig
 from actors.connections import this_host
-from actors.inference import EVENTS_KEPT
 
 _KEEP = object()
 
@@ -68,9 +64,9 @@ class VllmEngineOwner:
         self._lock = threading.Lock()
         self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
+        self._epoch = 0  # the newest controller epoch seen
         self._version: Any = None
-        self._epoch = 0  # the newest controller epoch seen (fences stale commands)
-        self._events: deque[tuple[str, Any, float]] = deque(maxlen=EVENTS_KEPT)
+        self._events: list[tuple[str, Any, float]] = []
 
     def engine_meta(self, rank: int, transport: Any = None):
         from weight_transfer.engines.vllm.mailbox import SetupRequest
@@ -89,45 +85,49 @@ class VllmEngineOwner:
         return self.link.call(op, request, rank=rank)[0]
 
     def _fence(self, epoch: int | None, what: str) -> bool:
-        """Whether a command of ``epoch`` is current (None: unfenced); under ``_lock``."""
+        """Whether a command of ``epoch`` is current (None: unfenced); under ``_lock``. The
+        controller gives every rank of a replica the same epoch, so one is kept per replica
+        (as :meth:`actors.inference.InferenceMixin._wt_fence` keeps one per rank)."""
         if epoch is None:
             return True
         if epoch < self._epoch:
             self._events.append((f"stale {what}", self._version, time.time()))
             return False
-        if epoch > self._epoch:  # a new command round: resumes of older rounds do not count
-            self._resumed.clear()
         self._epoch = epoch
         return True
 
     def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Stop at a step boundary (once per replica); a fenced pause makes the version held
+        None until a resume names one. False: a stale command, ignored."""
         with self._lock:
             if not self._fence(epoch, "pause"):
                 return False
-            if epoch is not None:  # before writes, or holding a torn replica
+            if epoch is not None:
                 self._version = None
-            if self.link.gate.paused:  # another rank of this replica paused it already
-                return True
-            self.link.pause(timeout_s)
             self._resumed.clear()
-            self._events.append(("pause", self._version, time.time()))
-            return True
+            if not self.link.gate.paused:  # the replica's first rank to ask stops it
+                self.link.pause(timeout_s)
+                self._events.append(("pause", self._version, time.time()))
+        return True
 
-    def resume(self, rank: int, version: Any = _KEEP, epoch: int | None = None,
-               deadline: float | None = None) -> bool:
+    def resume(self, rank: int, version: Any = None, epoch: int | None = None,
+               deadline: float | None = None, keep: bool = False) -> bool:
+        """Rank ``rank`` is done; the replica resumes (vLLM's finish_weight_update, a prefix
+        cache reset) when all its ranks are. False (stays paused): stale, or past
+        ``deadline``. ``keep``: no version given (the one held stays)."""
         with self._lock:
             if not self._fence(epoch, "resume"):
                 return False
             if deadline is not None and time.time() > deadline:
                 self._events.append(("late resume", self._version, time.time()))
                 return False
-            if version is not _KEEP:
+            if not keep:
                 self._version = version
             self._resumed.add(rank)
             if len(self._resumed) == self.tp and self.link.gate.paused:
-                self.link.resume(None if version is _KEEP else version)
+                self.link.resume(None if keep else version)
                 self._events.append(("resume", self._version, time.time()))
-            return True
+        return True
 
     def set_version(self, version: Any, epoch: int | None = None) -> bool:
         with self._lock:
@@ -136,7 +136,7 @@ class VllmEngineOwner:
             self._version = version
             self.link.set_version(version)
             self._events.append(("version", version, time.time()))
-            return True
+        return True
 
     def version(self) -> Any:
         return self._version
@@ -203,17 +203,12 @@ class VllmRankFacade:
 
     def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
                   deadline: float | None = None) -> bool:
-        args = () if version is _KEEP else (version,)
-        return self._get(self.owner.resume.remote(self.rank, *args, epoch=epoch,
-                                                  deadline=deadline))
+        keep = version is _KEEP  # the sentinel does not survive pickling: say it
+        return self._get(self.owner.resume.remote(self.rank, None if keep else version, epoch,
+                                                  deadline, keep))
 
     def wt_set_version(self, version: Any, epoch: int | None = None) -> bool:
         return self._get(self.owner.set_version.remote(version, epoch))
-
-    def wt_checksum(self, ranges: Any) -> Any:
-        """XXH3-64 of (region addr, offset, length) rows of this rank's registered memory,
-        computed in the vLLM worker (the controller's integrity check)."""
-        return self._get(self.owner.call.remote("checksum", ranges, self.rank))
 
     def wt_version(self) -> Any:
         return self._get(self.owner.version.remote())
@@ -223,6 +218,10 @@ class VllmRankFacade:
 
     def wt_events(self) -> list:
         return self._get(self.owner.events.remote())
+
+    def wt_checksum(self, ranges: Any) -> Any:
+        """Hashes of (region address, offset, length) rows of this rank's registered memory."""
+        return self._get(self.owner.call.remote("checksum", ranges, self.rank))
 
     def wt_nic_stats(self) -> dict:
         return self._get(self.owner.call.remote("stats", None, self.rank))

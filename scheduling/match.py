@@ -35,8 +35,8 @@ from weight_transfer.naming import TIED_ALIASES, canonical_trainer_name, matches
 from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TensorSpec, TrainerMeta
 
 MAX_LISTED = 50
-_NAME_SHAPE_DTYPE = operator.attrgetter("name", "shape", "dtype")
 log = logging.getLogger(__name__)
+_NAME_SHAPE_DTYPE = operator.attrgetter("name", "shape", "dtype")
 
 
 def _listing(title: str, problems: list[str]) -> str:

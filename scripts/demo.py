@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 # interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
 LOCAL_NODE_IP = "127.0.0.2"
 # Per engine, the module holding its ``start_fleet(run, progress)`` and
-# ``check_bytes(fleet, version, checks, problems, previous)``; imported on use.
+# ``check_bytes(fleet, checks, problems, previous)``; imported on use.
 ENGINE_MODULES = {"reference": __name__, "vllm": "scripts.demo_vllm"}
 
 
@@ -193,7 +193,8 @@ class Fleet:
 
 def transfer_config(run: RunConfig, **overrides: Any) -> Any:
     """The controller's ``TransferConfig`` of a run config; ``overrides``: fields set
-    otherwise than the run config says (``wt chaos``: a short ``update_timeout_s``)."""
+    otherwise than the run config says (``wt chaos``: a short ``update_timeout_s``, capped
+    NICs)."""
     from actors import TransferConfig
 
     fields = dict(
@@ -208,8 +209,8 @@ def transfer_config(run: RunConfig, **overrides: Any) -> Any:
 
 
 def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
-    """Actors as the cluster config places them, and the controller after setup().
-    ``overrides``: TransferConfig fields set otherwise than the run config says."""
+    """Actors as the cluster config places them, and the controller after setup()
+    (``overrides``: see :func:`transfer_config`)."""
     from actors import WeightTransferController, launch_engines, launch_trainers
 
     config = transfer_config(run, **overrides)
@@ -297,7 +298,7 @@ def _on_trainers(fleet: Fleet, method: str, *args: Any) -> Any:
     return _first(ray.get([getattr(t, method).remote(*args) for t in fleet.trainers]))
 
 
-def check_bytes(fleet: Fleet, version: int, checks: dict, problems: list[str],
+def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
                 previous: dict | None) -> dict[str, dict[str, str]]:
     """Engine digests against the reference layout; returns them for the next update."""
     want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, fleet.engine_keys,
@@ -349,8 +350,7 @@ def verify(fleet: Fleet, version: int, prompts: list[list[int]],
     """Checks of one update: (checks, problems, engine digests for the next update)."""
     checks: dict[str, Any] = {}
     problems: list[str] = []
-    digests = engine_impl(fleet.engine, "check_bytes")(fleet, version, checks, problems,
-                                                       previous)
+    digests = engine_impl(fleet.engine, "check_bytes")(fleet, checks, problems, previous)
     versions = fleet.controller.weights_version()
     checks["weights_version"] = versions
     problems += [f"{name}: holds version {v}, expected {version}"

@@ -104,12 +104,13 @@ def _require_cuda(what: str) -> None:
                          "CPU); run without --fp8")
 
 
-def check_bytes(fleet: Fleet, version: int, checks: dict, problems: list[str],
+def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
                 previous: dict | None) -> dict[str, dict[str, str]]:
     """Every registered byte against vLLM's own load_weights of the trainers' weights."""
     from testkit.vllm_oracle import oracle_check
 
-    path = save_trainer_checkpoint(fleet.trainers, fleet.workdir / f"v{version}")
+    path = save_trainer_checkpoint(fleet.trainers,
+                                   Path(tempfile.mkdtemp(dir=fleet.workdir)) / "current")
     got: dict[str, dict[str, str]] = {}
     issues: list[str] = []
     try:
@@ -119,7 +120,7 @@ def check_bytes(fleet: Fleet, version: int, checks: dict, problems: list[str],
                 issues += [f"{name}/tp{rank}: {d}" for d in differences]
                 got[f"{name}/tp{rank}"] = digests
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
     checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()), oracle=ORACLE)
     problems += capped(issues)
     check_changed(got, previous, checks, problems)

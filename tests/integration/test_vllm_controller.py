@@ -78,6 +78,9 @@ def test_controller_updates_a_vllm_replica(env):
         ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
         report = ctl.update(version)
         assert report.version == version
+        # the controller's integrity check (on by default) hashed ranges in vLLM's workers
+        assert report.integrity["mode"] == "sample" and report.integrity["ranges"] > 0
+        assert report.integrity["mismatches"] == []
         assert ctl.weights_version() == {"engine0": version}
         assert ray.get(owners[0].vllm_version.remote()) == str(version)
         model, path = _trainer_checkpoint(cfg, trainers, root, version)

@@ -14,6 +14,7 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   (:mod:`weight_transfer.transport.handshake`), run here because a NIC's
   region table belongs to the process that registered the memory;
 * ``copy_to``: write this rank's registered memory into another replica's;
+* ``checksum``: hashes of written ranges (the controller's integrity check);
 * ``stats``, ``deregister``, ``close``.
 
 An update: ``start_weight_update`` (nothing to do: the driver has stopped
@@ -81,7 +82,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._repack: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
         self._arena: Arena | None = None
         self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
-        self.regions: dict[int, torch.Tensor] = {}  # region addr -> its bytes (integrity)
+        self._regions: dict[int, torch.Tensor] = {}  # region address -> its bytes
         self.finished = 0
 
     @property
@@ -125,7 +126,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 self.nics[name] = req.transport.open(owner=owner, nic=name, node=req.node,
                                                      address=req.address)
             region = self.nics[name].register(buf)
-            self.regions[region.addr] = buf
+            self._regions[region.addr] = buf
             tensors += [EngineTensorMeta(name=s.name, shape=s.shape, dtype=s.dtype,
                                          region=region, offset=off) for s, off in entries]
         self.meta = EngineRankMeta(replica=req.replica, rank=self.shard.tp_rank, node=req.node,
@@ -180,17 +181,18 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         asyncio.run(run())
         return sum(region.length for _, _, region in jobs)
 
-    def _checksum(self, ranges) -> Any:
-        """XXH3-64 of each (region addr, offset, length) row in the registered memory."""
-        from weight_transfer.integrity import checksum_ranges
-
-        return checksum_ranges(self.regions, ranges)
-
     def _stats(self, _req=None) -> dict[str, int]:
         nics = self.nics.values()
         return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
                 "writes": sum(getattr(n, "writes", 0) for n in nics),
                 "finished": self.finished}
+
+    def _checksum(self, ranges) -> Any:
+        """XXH3-64 of (region address, offset, length) rows of the registered memory (the
+        controller's integrity check, while the engine is paused)."""
+        from weight_transfer.integrity import checksum_ranges
+
+        return checksum_ranges(self._regions, ranges)
 
     def _deregister(self, _req=None) -> int:
         regions = list(dict.fromkeys(t.region for t in self.meta.tensors))
@@ -201,7 +203,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _close(self, _req=None) -> None:
         for nic in self.nics.values():
             nic.close()
-        self.nics, self.meta, self.views, self.regions = {}, None, {}, {}
+        self.nics, self.meta, self.views, self._regions = {}, None, {}, {}
 
     # ------------------------------------------------------------------ vLLM's update hooks
 
