@@ -16,7 +16,6 @@ unknown dtype or transform, a piece whose size its slice and dtype do not make.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from weight_transfer.receipt import (
     check_mesh,
     check_piece,
     check_region,
+    first_overlap,
 )
 from weight_transfer.types import MeshDesc, Piece, RegionDesc, Transform, WriteTask
 
@@ -140,9 +140,7 @@ def check_tasks(tasks: Sequence[WriteTask], where: str) -> None:
                              f"outside its {t.region.length} B {t.region.describe()}")
         key = (t.region.owner, t.region.nic, t.region.addr)
         spans.setdefault(key, []).append((t.region_offset, end, t.task_id))
-    for rows in spans.values():
-        rows.sort()
-        for (_, a1, ta), (b0, _, tb) in itertools.pairwise(rows):
-            if b0 < a1:
-                raise ValueError(f"{where}: tasks {ta} and {tb} write the same bytes of one "
-                                 "region")
+    clash = first_overlap(spans)
+    if clash is not None:
+        raise ValueError(f"{where}: tasks {clash[0][2]} and {clash[1][2]} write the same bytes "
+                         "of one region")

@@ -169,6 +169,18 @@ def check_shard(s: Any, where: str) -> ShardSpec:
     return s
 
 
+def first_overlap(spans_by_region: Mapping[Any, list[tuple[int, int, Any]]]
+                  ) -> tuple[tuple[int, int, Any], tuple[int, int, Any]] | None:
+    """The first two ``(start, end, label)`` spans of one region that share a byte (empty
+    spans share none), or None; sorts each region's list in place."""
+    for spans in spans_by_region.values():
+        spans.sort()
+        for a, b in itertools.pairwise(spans):
+            if b[0] < a[1] and a[1] > a[0]:
+                return a, b
+    return None
+
+
 def check_tensor_placement(tensors: Iterable[EngineTensorMeta], where: str) -> None:
     """Every tensor inside its region and no two overlapping in one region."""
     by_region: dict[tuple, list[tuple[int, int, str]]] = {}
@@ -179,12 +191,11 @@ def check_tensor_placement(tensors: Iterable[EngineTensorMeta], where: str) -> N
                              f"its {t.region.length} B region ({t.region.describe()})")
         key = (t.region.owner, t.region.nic, t.region.addr)
         by_region.setdefault(key, []).append((t.offset, end, t.name))
-    for spans in by_region.values():
-        spans.sort()
-        for (a0, a1, an), (b0, _, bn) in itertools.pairwise(spans):
-            if b0 < a1 and a1 > a0:
-                raise ValueError(f"{where}: tensors {an!r} [{a0}, {a1}) and {bn!r} "
-                                 f"[{b0}, ...) overlap in one region")
+    clash = first_overlap(by_region)
+    if clash is not None:
+        (a0, a1, an), (b0, _, bn) = clash
+        raise ValueError(f"{where}: tensors {an!r} [{a0}, {a1}) and {bn!r} "
+                         f"[{b0}, ...) overlap in one region")
 
 
 def check_engine_meta(meta: Any, where: str | None = None) -> EngineRankMeta:
