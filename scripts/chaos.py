@@ -38,7 +38,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from scripts.demo import Fleet, check_bytes, connect_ray, start_fleet, token_batch
+from scripts.demo import Fleet, check_bytes, fleet_session, token_batch
 from scripts.progress import command_console, emit_json, json_to_stdout
 from scripts.run_config import RunConfig, load_run_config
 
@@ -329,17 +329,9 @@ def run(*, config: Path, faults: str | None, update_timeout_s: float, nic_gbps: 
         console.print(f"[bold red]error:[/] unknown faults {unknown}; known: {list(FAULTS)}")
         return 2
     run_cfg: RunConfig = load_run_config(config)
-    started = fleet is None and connect_ray(run_cfg)
-    own = fleet is None
-    try:
-        if own:
-            fleet = start_fleet(run_cfg, update_timeout_s=update_timeout_s, nic_gbps=nic_gbps)
-        rows = run_faults(fleet, names, console)
-    finally:
-        if own and fleet is not None:
-            fleet.close()
-        if started:
-            ray.shutdown()
+    with fleet_session(run_cfg, fleet, update_timeout_s=update_timeout_s,
+                       nic_gbps=nic_gbps) as active:
+        rows = run_faults(active, names, console)
     console.print(render(rows))
     if json_path is not None:
         emit_json(str(json_path) if json_to_stdout(json_path) else json_path,

@@ -33,12 +33,13 @@ terminal; logs and ``--json -`` get none.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,27 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
     names = [config.cluster.replica_name(i) for i in range(len(engines))]
     return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
                  strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
+
+
+
+@contextlib.contextmanager
+def fleet_session(run: RunConfig, fleet: Fleet | None = None,
+                  **overrides: Any) -> Iterator[Fleet]:
+    """``fleet`` as given (the caller's, left running), or one started for the block on a
+    Ray instance of its own, closed after it (``overrides``: see :func:`start_fleet`)."""
+    if fleet is not None:
+        yield fleet
+        return
+    started = connect_ray(run)
+    own = None
+    try:
+        own = start_fleet(run, **overrides)
+        yield own
+    finally:
+        if own is not None:
+            own.close()
+        if started:
+            ray.shutdown()
 
 
 # ------------------------------------------------------------------------ inside the actors

@@ -31,7 +31,7 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from scripts.demo import Fleet, check_bytes, connect_ray, start_fleet
+from scripts.demo import Fleet, check_bytes, fleet_session
 from scripts.progress import command_console, emit_json, json_to_stdout, progress_bar
 from scripts.run_config import load_run_config
 
@@ -130,17 +130,8 @@ def run(*, config: Path, updates: int, json_path: Path | None,
     """``wt soak``; ``fleet``: soak these actors (tests) instead of starting the demo's."""
     console = command_console(json_path)
     run_cfg = load_run_config(config)
-    started = fleet is None and connect_ray(run_cfg)
-    own = fleet is None
-    try:
-        if own:
-            fleet = start_fleet(run_cfg)
-        doc = soak(fleet, updates, console, first_version=first_version)
-    finally:
-        if own and fleet is not None:
-            fleet.close()
-        if started:
-            ray.shutdown()
+    with fleet_session(run_cfg, fleet) as active:
+        doc = soak(active, updates, console, first_version=first_version)
     console.print(render(doc))
     for p in doc["problems"]:
         console.print(f"  [red]{p}[/]")
