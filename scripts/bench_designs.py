@@ -55,8 +55,9 @@ from rich.table import Table
 
 import actors.baselines as B
 from actors.baseline_pacing import bucket_layout
-from scripts.demo import _engine_digests, _trainer_digests, connect_ray, start_fleet
+from scripts.demo import connect_ray, start_fleet
 from scripts.demo_checks import byte_problems
+from scripts.demo_verify import _engine_digests, _trainer_digests
 from scripts.progress import command_console, emit_json
 from scripts.run_config import load_run_config, parse_run_config
 from scripts.sizes import parse_size

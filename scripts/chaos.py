@@ -38,7 +38,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from scripts.demo import Fleet, check_bytes, fleet_session, token_batch
+from scripts.demo import Fleet, fleet_session, token_batch
+from scripts.demo_verify import check_bytes
 from scripts.progress import command_console, emit_json, json_to_stdout
 from scripts.run_config import RunConfig, load_run_config
 

@@ -14,7 +14,7 @@ verified.
    ``WeightTransferController.setup()`` plans once and connects every NIC pair
    both ways (a transport that cannot reach a peer fails here, naming them);
 3. per cycle ``v = 1..updates``: one AdamW step on the trainers, then
-   ``controller.update(v)``, then the checks of :mod:`scripts.demo_checks`:
+   ``controller.update(v)``, then the checks of :mod:`scripts.demo_verify`:
    every engine tensor byte-equal to the reference layout of the trainer's
    current weights (bf16 copies, or the reference FP8 quantization), greedy
    generations equal to the trainer model's token for token (bf16), logits
@@ -50,17 +50,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from scheduling.cluster import load_cluster_config
-from scripts.demo_checks import (
-    UpdateCheck,
-    byte_problems,
-    expected_digests,
-    logits_problems,
-    render_table,
-    summary,
-    tensor_digests,
-    token_problems,
-    write_json,
-)
+from scripts.demo_checks import UpdateCheck, render_table, summary, write_json
+from scripts.demo_verify import check_bytes, corrupt_one_byte, first_answer, verify
 from scripts.progress import (
     PhaseBars,
     command_console,
@@ -70,7 +61,6 @@ from scripts.progress import (
 )
 from scripts.run_config import RunConfig, load_run_config
 from weight_transfer.models import load_model_config
-from weight_transfer.prepare import as_bytes
 from weight_transfer.trace import write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -78,7 +68,8 @@ log = logging.getLogger(__name__)
 # interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
 LOCAL_NODE_IP = "127.0.0.2"
 # Per engine, the module holding its ``start_fleet(run, progress)`` and
-# ``check_bytes(fleet, checks, problems, previous)``; imported on use.
+# ``check_bytes(fleet, checks, problems, previous)`` (the reference engine's from
+# :mod:`scripts.demo_verify`); imported on use.
 ENGINE_MODULES = {"reference": __name__, "vllm": "scripts.demo_vllm"}
 
 
@@ -234,7 +225,6 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
                  strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
 
 
-
 @contextlib.contextmanager
 def fleet_session(run: RunConfig, fleet: Fleet | None = None,
                   **overrides: Any) -> Iterator[Fleet]:
@@ -255,37 +245,8 @@ def fleet_session(run: RunConfig, fleet: Fleet | None = None,
             ray.shutdown()
 
 
-# ------------------------------------------------------------------------ inside the actors
-# Run by ``actor.__ray_call__`` in the actor's process: only digests come back.
-
-
-def _trainer_digests(trainer: Any, shards: dict[str, Any], fp8: bool) -> dict | None:
-    """On every trainer rank (a collective); rank 0 returns the reference digests."""
-    state = trainer.full_state_dict()
-    return None if state is None else expected_digests(trainer.config.model, state, shards,
-                                                       fp8=fp8)
-
-
 def _placement_group(actor: Any) -> Any:
     return ray.util.get_current_placement_group()
-
-
-def _engine_digests(engine: Any) -> dict[str, str]:
-    return tensor_digests(engine.engine_state_bytes())
-
-
-def _flip_byte(engine: Any, name: str, index: int) -> None:
-    """Test hook: corrupt one byte of one engine tensor in place."""
-    as_bytes(engine.engine.tensors[name])[index] ^= 0xFF
-
-
-def corrupt_one_byte(fleet: Fleet, version: int) -> None:
-    """Flip one byte of the first replica's qkv weight of layer 0 (the checks must catch it)."""
-    name = "model.layers.0.self_attn.qkv_proj.weight"
-    first = next(iter(fleet.replicas.values()))[0]
-    ray.get(first.__ray_call__.remote(_flip_byte, name, 100))
-    log.warning("test hook: flipped byte 100 of %s on the first engine after version %d",
-                name, version)
 
 
 # ------------------------------------------------------------------------ one cycle
@@ -294,91 +255,6 @@ def corrupt_one_byte(fleet: Fleet, version: int) -> None:
 def token_batch(vocab: int, rows: int, cols: int, *, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (rows, cols), generator=gen).tolist()
-
-
-def _first(values: list) -> Any:
-    return next(v for v in values if v is not None)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-
-def _on_replicas(fleet: Fleet, method: str, *args: Any, problems: list[str]) -> dict[str, Any]:
-    """Call ``method`` on every TP rank of each replica together; the ranks must agree."""
-    out = {}
-    for name, actors in fleet.replicas.items():
-        values = ray.get([getattr(a, method).remote(*args) for a in actors])
-        if any(not _equal(v, values[0]) for v in values[1:]):
-            problems.append(f"{name}: TP ranks returned different {method} results")
-        out[name] = values[0]
-    return out
-
-
-def _on_trainers(fleet: Fleet, method: str, *args: Any) -> Any:
-    """Call ``method`` on every trainer rank (a collective); rank 0's answer."""
-    return _first(ray.get([getattr(t, method).remote(*args) for t in fleet.trainers]))
-
-
-def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
-                previous: dict | None) -> dict[str, dict[str, str]]:
-    """Engine digests against the reference layout; returns them for the next update."""
-    want = _first(ray.get([t.__ray_call__.remote(_trainer_digests, fleet.engine_keys,
-                                                 fleet.config.engine_fp8)
-                           for t in fleet.trainers]))
-    got = {f"{name}/tp{r}": d for name, actors in fleet.replicas.items()
-           for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
-                                          for a in actors]))}
-    issues = byte_problems(want, got)
-    checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()),
-                  oracle="reference.loader")
-    problems += issues
-    check_changed(got, previous, checks, problems)
-    return got
-
-
-def check_changed(got: dict[str, dict[str, str]], previous: dict | None, checks: dict,
-                  problems: list[str]) -> None:
-    """How many engine tensors' digests changed since the previous update (some must)."""
-    if previous is not None:
-        changed = sum(got[k][n] != previous.get(k, {}).get(n) for k in got for n in got[k])
-        checks["tensors_changed_since_previous"] = changed
-        if changed == 0:
-            problems.append("no engine tensor changed since the previous version "
-                            "(the train step did not change the weights)")
-
-
-def check_outputs(fleet: Fleet, prompts: list[list[int]], checks: dict,
-                  problems: list[str]) -> None:
-    """bf16: greedy tokens equal the trainer model's; FP8: logits within the tolerance."""
-    verify_cfg = fleet.run.verify
-    if not fleet.config.engine_fp8:
-        n = verify_cfg.max_new_tokens
-        want = _on_trainers(fleet, "reference_generate", prompts, n)
-        issues = token_problems(want, _on_replicas(fleet, "generate", prompts, n,
-                                                   problems=problems))
-        checks.update(generations=not issues, generation_sample=want[0])
-    else:
-        want = _on_trainers(fleet, "reference_logits", prompts)
-        got = _on_replicas(fleet, "logits", prompts, problems=problems)
-        worst, issues = logits_problems(want, got, rel_tol=verify_cfg.fp8_logits_rel_tol)
-        checks.update(logits=not issues, logits_rel_error=worst,
-                      logits_rel_tol=verify_cfg.fp8_logits_rel_tol)
-    problems += issues
-
-
-def verify(fleet: Fleet, version: int, prompts: list[list[int]],
-           previous: dict[str, dict[str, str]] | None) -> tuple[dict, list[str], dict]:
-    """Checks of one update: (checks, problems, engine digests for the next update)."""
-    checks: dict[str, Any] = {}
-    problems: list[str] = []
-    digests = engine_impl(fleet.engine, "check_bytes")(fleet, checks, problems, previous)
-    versions = fleet.controller.weights_version()
-    checks["weights_version"] = versions
-    problems += [f"{name}: holds version {v}, expected {version}"
-                 for name, v in versions.items() if v != version]
-    check_outputs(fleet, prompts, checks, problems)
-    return checks, problems, digests
 
 
 def run_cycles(fleet: Fleet, console: Console,
@@ -394,14 +270,16 @@ def run_cycles(fleet: Fleet, console: Console,
     for version in range(1, run.updates + 1):
         batch = token_batch(cfg.vocab_size, run.train.batch_size, run.train.seq_len,
                             seed=run.seed * 1000 + version)
-        loss = _first(ray.get([t.train_step.remote(batch) for t in fleet.trainers]))
+        loss = first_answer(ray.get([t.train_step.remote(batch) for t in fleet.trainers]))
         report = fleet.controller.update(version, trace=traces is not None)
         if traces is not None:
             traces.append(report.trace)
         if after_update is not None:
             after_update(fleet, version)
         start = time.perf_counter()
-        checks, problems, previous = verify(fleet, version, prompts, previous)
+        checks, problems, previous = verify(
+            fleet, version, prompts, previous,
+            check_bytes=engine_impl(fleet.engine, "check_bytes"))
         checks.update(train_loss=loss, verify_seconds=time.perf_counter() - start)
         row = UpdateCheck(version=version, seconds=report.seconds, bytes=report.bytes,
                           stages=dict(report.stages), checks=checks, problems=problems,
@@ -478,4 +356,5 @@ def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool
     return run_job(run, console=console, after_update=hook, trace_path=trace_path)
 
 
-__all__ = ["LOCAL_NODE_IP", "Fleet", "connect_ray", "run_cli", "run_job", "start_fleet"]
+__all__ = ["LOCAL_NODE_IP", "Fleet", "check_bytes", "connect_ray", "run_cli", "run_job",
+           "start_fleet"]

@@ -34,8 +34,9 @@ from typing import Any
 import ray
 from rich.progress import Progress
 
-from scripts.demo import Fleet, check_changed, transfer_config
+from scripts.demo import Fleet, transfer_config
 from scripts.demo_checks import capped
+from scripts.demo_verify import check_changed
 from scripts.run_config import RunConfig
 
 ORACLE = "vllm.load_weights"

@@ -31,7 +31,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from scripts.demo import Fleet, check_bytes, fleet_session
+from scripts.demo import Fleet, fleet_session
+from scripts.demo_verify import check_bytes
 from scripts.progress import command_console, emit_json, json_to_stdout, progress_bar
 from scripts.run_config import load_run_config
 
