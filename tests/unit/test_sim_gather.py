@@ -73,11 +73,13 @@ def test_param_gather_seconds(m, placements, seconds, hops):
     p = ParamMeta(name="w", shape=(GBYTE,), dtype="uint8", mesh=m, placements=placements)
     plan = SimpleNamespace(params=(p,), trainer_ranks=tuple(
         RankInfo(rank=r, node=NODE_OF_4[r], nic=f"{NODE_OF_4[r]}/nic{r % 4}") for r in range(8)))
-    got, got_hops = param_gathers(plan, _cluster(gather_latency_us=LAT * 1e6))
+    got, got_hops, held = param_gathers(plan, _cluster(gather_latency_us=LAT * 1e6))
     assert got[0] == pytest.approx(seconds)
     assert got_hops.tolist() == [hops]
-    off, _ = param_gathers(plan, _cluster(gathers=False))
-    assert off.tolist() == [0.0]
+    assert held[0] == pytest.approx(sharded_fraction(m, placements))
+    off, off_hops, off_held = param_gathers(plan, _cluster(gathers=False))
+    assert off.tolist() == [0.0] and off_hops.tolist() == [0]
+    assert off_held.tolist() == held.tolist()  # h2d still moves only the shard
 
 
 def test_a_coalesced_bucket_pays_one_gathers_hops():
