@@ -11,6 +11,7 @@ from scheduling.cluster import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.sim_gather import gather_rings, param_gathers, sharded_fraction
 from scheduling.sim_stages import _item_gathers
+from weight_transfer.buckets import plan_buckets
 from weight_transfer.models import load_model_config
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, RankInfo
 
@@ -120,3 +121,21 @@ def test_hsdp_h2d_moves_the_replica_groups_shard():
     assert simulate(fsdp, cl, nic_model="bound").stage_seconds["h2d"] == pytest.approx(total / 8)
     cl2 = cl.model_copy(update={"trainer": cl.trainer.model_copy(update={"replicate": 2})})
     assert simulate(hsdp, cl2, nic_model="bound").stage_seconds["h2d"] == pytest.approx(total / 4)
+
+
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_bucketed_gathers_pay_hops_once_per_collective_of_the_executors_buckets(replicate):
+    plan, cl = _plan(replicate)
+    cl = cl.model_copy(update={"sim": cl.sim.model_copy(update={"gather_mode": "bucket"})})
+    cl = cl.model_copy(update={"trainer": cl.trainer.model_copy(update={"replicate": replicate})})
+    ring, bw = (8, 10 * GBYTE) if replicate == 1 else (4, 100 * GBYTE)
+    (order,) = plan.group_params  # tiny_llama: dense only, one group
+    buckets = plan_buckets([plan.params[i] for i in order], mode="bucket",
+                           bucket_bytes=min(cl.sim.bucket_bytes, cl.sim.watermark_bytes // 4))
+    collectives = sum(1 if b.coalesced else len(b.params) for b in buckets)
+    nbytes = sum(p.nbytes for p in plan.params)
+    want = (ring - 1) / ring * nbytes / bw + (ring - 1) * LAT * collectives
+    r = simulate(plan, cl, nic_model="bound")
+    assert r.stage_seconds["gather"] == pytest.approx(want)
+    if replicate == 1:  # FSDP2 buckets coalesce: fewer collectives than parameters
+        assert collectives < len(plan.params)
