@@ -97,8 +97,11 @@ def param_gathers(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, ...]:
         if key not in by_id:
             value = (p.mesh, p.placements)
             if value not in by_value:
-                per_byte, hops = (_coefficients(p.mesh, p.placements, node_of, cluster)
-                                  if gathers else (0.0, 0))
+                try:
+                    per_byte, hops = (_coefficients(p.mesh, p.placements, node_of, cluster)
+                                      if gathers else (0.0, 0))
+                except ValueError as err:
+                    raise ValueError(f"parameter {p.name!r}: {err}") from None
                 by_value[value] = (per_byte, hops, sharded_fraction(p.mesh, p.placements))
             by_id[key] = by_value[value]
         coef[i] = by_id[key]

@@ -45,6 +45,11 @@ def test_rings_per_shard_dim(m, placements, rings, fraction):
 def test_placements_must_match_the_mesh_dims():
     with pytest.raises(ValueError, match=r"1 placements for a mesh of 2 dims \(2, 4\)"):
         gather_rings(mesh((2, 4)), (S0,), NODE_OF_4)
+    p = ParamMeta(name="w", shape=(8,), dtype="uint8", mesh=mesh((2, 4)), placements=(S0,))
+    plan = SimpleNamespace(params=(p,), trainer_ranks=tuple(
+        RankInfo(rank=r, node=NODE_OF_4[r], nic="x") for r in range(8)))
+    with pytest.raises(ValueError, match=r"parameter 'w': 1 placements for a mesh of 2 dims"):
+        param_gathers(plan, _cluster())
 
 
 def _cluster(**sim):
