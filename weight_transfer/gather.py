@@ -50,10 +50,14 @@ from weight_transfer.buckets import (  # the pure planning half, re-exported
     reserve_bytes,
     shard_rows,
 )
-from weight_transfer.types import ParamMeta
+from weight_transfer.gather_nd import gather_nd
+from weight_transfer.types import ParamMeta, Placement
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GATHER_MODES", "GatherBucket", "coalescible",
            "full_tensor", "gather_bucket", "plan_buckets", "reserve_bytes", "shard_rows"]
+
+_SHARD0 = (Placement(kind="shard", dim=0),)
+
 
 def full_tensor(local: Any) -> torch.Tensor:
     """The whole parameter: ``DTensor.full_tensor()`` (a collective) or the tensor itself."""
@@ -70,22 +74,21 @@ def gather_bucket(bucket: GatherBucket, locals_: Sequence[Any], *,
 
     ``locals_`` are the rank's parameters in bucket order (DTensors, or plain full
     tensors, which need no collective). ``record`` is called with one tuple per
-    collective issued: ``("all_gather", names, nbytes)`` or ``("full_tensor", name)``.
+    collective issued: ``("all_gather", names, nbytes)`` (1-D ``Shard(0)``),
+    ``("all_gather", names, nbytes, mesh_dim)`` (one per sharded mesh dim of an
+    N-D bucket, innermost first) or ``("full_tensor", name)``.
     """
     if len(locals_) != len(bucket.params):
         raise ValueError(f"bucket {bucket.key!r}: {len(bucket.params)} parameters but "
                          f"{len(locals_)} local tensors")
     out: list[Any] = list(locals_)
     live = [i for i, x in enumerate(locals_) if hasattr(x, "full_tensor")]
-    fast = [i for i in live
-            if bucket.coalesced and _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
-    if len(fast) > 1:
-        for i, full in zip(fast, _all_gather([locals_[i] for i in fast],
-                                             [bucket.params[i] for i in fast], record),
+    fast, gather = _coalesced(bucket, locals_, live)
+    if fast:
+        for i, full in zip(fast, gather([locals_[i] for i in fast],
+                                        [bucket.params[i] for i in fast], record),
                            strict=True):
             out[i] = full
-    else:
-        fast = []
     for i in live:
         if i not in fast:
             if record is not None:
@@ -96,6 +99,28 @@ def gather_bucket(bucket: GatherBucket, locals_: Sequence[Any], *,
             raise ValueError(f"parameter {m.name!r} gathered as {tuple(full.shape)}, "
                              f"metadata says {m.shape}")
     return out
+
+
+def _coalesced(bucket: GatherBucket, locals_: Sequence[Any],
+               live: list[int]) -> tuple[list[int], Callable]:
+    """Which of the bucket's parameters one coalesced gather takes, and that gather.
+
+    FSDP2's 1-D ``(Shard(0),)`` keeps its fast path (one ``all_gather``, for two or
+    more parameters); any other coalescible layout goes through :func:`gather_nd`
+    (one ``all_gather`` per sharded mesh dim, for one or more). Both decisions use
+    global shapes and placements only, so every rank of the mesh takes the same.
+    """
+    if not bucket.coalesced:
+        return [], _all_gather
+    if _is_shard0_1d(bucket.params[0]):
+        fast = [i for i in live if _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
+        return (fast if len(fast) > 1 else []), _all_gather
+    fast = [i for i in live if _is_dtensor(locals_[i]) and locals_[i].numel() > 0]
+    return fast, gather_nd
+
+
+def _is_shard0_1d(meta: ParamMeta) -> bool:
+    return len(meta.mesh.shape) == 1 and meta.placements == _SHARD0
 
 
 def _is_dtensor(x: Any) -> bool:
