@@ -2,12 +2,14 @@
 
 A cluster YAML (``configs/clusters/*.yaml``) says how many trainer nodes and
 GPUs there are, which NIC each GPU sends through and how fast it is, how the
-trainer lays its parameters out (dense FSDP over every rank; experts spread
-over ``expert_parallel`` disjoint meshes), and how many inference replicas
+trainer lays its parameters out (dense FSDP over every rank, or HSDP:
+replicated over ``replicate`` groups of contiguous ranks and sharded inside
+each; experts spread over ``expert_parallel`` disjoint meshes), and how many inference replicas
 there are, each with its TP/EP degrees, nodes and NICs::
 
     cfg = load_cluster_config("configs/clusters/local_cpu.yaml")
     cfg.trainer_world, cfg.rank_info(3), cfg.expert_meshes()
+    cfg.dense_mesh(), cfg.dense_placements()   # 1-D FSDP or 2-D HSDP
     cfg.engine_rank(replica=1, local=0)   # -> (node, nic, ShardSpec)
 
 Files are validated at the boundary: unknown keys, wrong types and
@@ -24,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weight_transfer.config_files import load_yaml, validate_mapping
 from weight_transfer.types import MeshDesc, Placement, RankInfo, ShardSpec
+
+_SHARD0 = Placement(kind="shard", dim=0)
+_REPLICATE = Placement(kind="replicate")
 
 
 class _Strict(BaseModel):
@@ -63,6 +68,11 @@ class TrainerCluster(_Strict):
         description="strided: mesh k = ranks r with r % ep == k (EP innermost, as torchtitan); "
         "contiguous: mesh k = a contiguous block of world/ep ranks",
     )
+    replicate: int = Field(
+        default=1, ge=1,
+        description="HSDP: dense parameters replicated over this many groups of contiguous "
+        "ranks and sharded inside each (1: FSDP over every rank)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainerCluster:
@@ -71,6 +81,10 @@ class TrainerCluster(_Strict):
         if world % self.expert_parallel:
             raise ValueError(
                 f"expert_parallel={self.expert_parallel} does not divide the {world} trainer ranks"
+            )
+        if world % self.replicate:
+            raise ValueError(
+                f"replicate={self.replicate} does not divide the {world} trainer ranks"
             )
         return self
 
@@ -191,9 +205,20 @@ class ClusterConfig(_Strict):
         return tuple(self.rank_info(r) for r in range(self.trainer_world))
 
     def dense_mesh(self) -> MeshDesc:
-        """FSDP over every trainer rank."""
-        world = self.trainer_world
-        return MeshDesc(ranks=tuple(range(world)), shape=(world,), dim_names=("dp_shard",))
+        """FSDP over every trainer rank, or with ``replicate`` > 1 the 2-D HSDP mesh
+        ``(replicate, world // replicate)``: replica group i = ranks i*S .. i*S+S-1."""
+        world, rep = self.trainer_world, self.trainer.replicate
+        if rep == 1:
+            return MeshDesc(ranks=tuple(range(world)), shape=(world,), dim_names=("dp_shard",))
+        return MeshDesc(ranks=tuple(range(world)), shape=(rep, world // rep),
+                        dim_names=("dp_replicate", "dp_shard"))
+
+    def dense_placements(self) -> tuple[Placement, ...]:
+        """Placements of dense parameters on :meth:`dense_mesh`: ``(Shard(0),)`` or, with
+        HSDP, ``(Replicate(), Shard(0))``."""
+        if self.trainer.replicate == 1:
+            return (_SHARD0,)
+        return (_REPLICATE, _SHARD0)
 
     def expert_meshes(self) -> list[MeshDesc]:
         """The ``expert_parallel`` disjoint meshes; mesh k holds experts of EP rank k."""

@@ -11,8 +11,10 @@ them from an architecture description instead::
     engine_metas = engine_metas_from_config(cfg, cluster)
 
 Trainer side: dense parameters are FSDP-sharded (``Shard(0)``) over every
-rank; a per-expert parameter lives on the expert mesh that owns its expert;
-stacked 3-D expert parameters live on the 2-D (EP x FSDP) mesh over every rank.
+rank, or HSDP-placed (``(Replicate(), Shard(0))`` on the cluster's 2-D dense
+mesh) when the cluster sets ``trainer.replicate``; a per-expert parameter
+lives on the expert mesh that owns its expert; stacked 3-D expert parameters
+live on the 2-D (EP x FSDP) mesh over every rank.
 Engine side: each rank's tensors (from ``engine_tensor_specs``) are laid out
 one after the other, 256-byte aligned, in one synthetic region per rank with a
 deterministic fake address and rkey.
@@ -53,7 +55,7 @@ def trainer_meta_from_config(
 
 
 def _trainer_meta(cfg: ModelConfig, cluster: ClusterConfig, expert_naming: str) -> TrainerMeta:
-    dense = cluster.dense_mesh()
+    dense, dense_placements = cluster.dense_mesh(), cluster.dense_placements()
     experts = cluster.expert_meshes()
     stacked_mesh, stacked_placements = cluster.stacked_expert_mesh()
     n_experts = cfg.n_experts  # a property that looks the architecture up: once, not per param
@@ -64,7 +66,7 @@ def _trainer_meta(cfg: ModelConfig, cluster: ClusterConfig, expert_naming: str) 
             return expert_mesh[spec.expert], _SHARD0
         if _is_stacked_expert(spec.name, spec.shape):
             return stacked_mesh, stacked_placements
-        return dense, _SHARD0
+        return dense, dense_placements
 
     params = [
         ParamMeta(name=spec.name, shape=spec.shape, dtype=spec.dtype, mesh=mesh,

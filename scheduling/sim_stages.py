@@ -12,13 +12,15 @@ as the executor does), each gathered in one collective:
 1. **admit**: an item enters once the bytes held by the items before
    it that are still in flight plus its own reserve (the bucket's gather
    memory + prepared pieces) fit under ``watermark_bytes`` (alone if it never fits);
-2. **h2d**: the rank's local shard to the device, ``(bytes / mesh size) /
-   h2d_gbps`` (one at a time);
+2. **h2d**: the rank's local shard to the device, ``(bytes / shards) /
+   h2d_gbps`` (one at a time; ``shards``: product of the Shard dims' sizes);
 3. **prepare**: ``full_tensor()`` is a collective, so it starts when every
-   rank of the mesh is ready; a ring all-gather costs ``(n-1)/n * bytes / bw +
-   (n-1) * latency`` (``bw``: ``intra_node_gbps`` when the mesh sits in one
-   node, else the slower of that and ``inter_node_gbps``, default the NIC);
-   then the rank's own pieces are cut (``copy_gbps``) or FP8-quantized
+   rank of the mesh is ready; it costs one ring all-gather per Shard mesh dim
+   over that dim's group (:mod:`scheduling.sim_gather`), each ``(n-1)/n *
+   bytes / bw + (n-1) * latency`` (``bw``: ``intra_node_gbps`` when the
+   groups sit in one node, else the slower of that and ``inter_node_gbps``,
+   default the NIC; an HSDP mesh's ring runs inside a replica group); then
+   the rank's own pieces are cut (``copy_gbps``) or FP8-quantized
    (``fp8_quant_gbps`` of source bytes), each distinct piece once; a
    coalesced bucket pays the hop latencies once; every parameter of the
    rank's order also pays ``param_overhead_us`` (its Python cost in the
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from scheduling.sim_gather import param_gathers, sharded_fraction
 from weight_transfer.buckets import plan_buckets, reserve_bytes
 from weight_transfer.types import Transform, dtype_size
 
@@ -80,42 +83,16 @@ def _gbps(x: float | None) -> float:
     return np.inf if x is None else x * 1e9
 
 
-def ring_allgather_seconds(nbytes: np.ndarray, n: int, bytes_per_s: float,
-                           latency_s: float) -> np.ndarray:
-    """Ring all-gather of ``nbytes`` (the whole tensor) over ``n`` ranks."""
-    if n <= 1:
-        return np.zeros_like(nbytes, dtype=np.float64)
-    return (n - 1) / n * nbytes / bytes_per_s + (n - 1) * latency_s
-
-
-def _mesh_link(plan: Plan, cluster: ClusterConfig, ranks: tuple[int, ...]) -> float:
-    sim = cluster.sim
-    nodes = {plan.trainer_ranks[r].node for r in ranks}
-    intra = _gbps(sim.intra_node_gbps)
-    if len(nodes) <= 1 or sim.intra_node_gbps is None:  # no link constants: gathers are free
-        return intra
-    inter = sim.inter_node_gbps * 1e9 if sim.inter_node_gbps else cluster.send_bytes_per_s
-    return min(intra, inter)
-
-
-def _param_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Per parameter: (h2d seconds, gather seconds)."""
-    sim = cluster.sim
+def _param_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, ...]:
+    """Per parameter: (h2d seconds, gather seconds, gather ring hops)."""
     nbytes = np.array([p.nbytes for p in plan.params], dtype=np.float64)
-    mesh_n = np.array([len(p.mesh.ranks) for p in plan.params], dtype=np.float64)
-    sharded = np.array([any(pl.kind == "shard" for pl in p.placements) for p in plan.params])
-    h2d = np.where(sharded, nbytes / mesh_n, nbytes) / _gbps(sim.h2d_gbps)
-    gather = np.zeros(len(plan.params))
-    if sim.gathers:
-        links = {}
-        for i, p in enumerate(plan.params):
-            if not sharded[i] or len(p.mesh.ranks) <= 1:
-                continue
-            if p.mesh not in links:
-                links[p.mesh] = _mesh_link(plan, cluster, p.mesh.ranks)
-            gather[i] = ring_allgather_seconds(nbytes[i], len(p.mesh.ranks), links[p.mesh],
-                                               sim.gather_latency_us * 1e-6)
-    return h2d, gather
+    frac = {}
+    for p in plan.params:
+        if (p.mesh, p.placements) not in frac:
+            frac[p.mesh, p.placements] = sharded_fraction(p.mesh, p.placements)
+    local = nbytes * np.array([frac[p.mesh, p.placements] for p in plan.params])
+    gather, hops = param_gathers(plan, cluster)
+    return local / _gbps(cluster.sim.h2d_gbps), gather, hops
 
 
 def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +115,7 @@ def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.nda
 
 def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
     """Per mesh group, the cost arrays :func:`run_group` replays."""
-    h2d_p, gather_p = _param_costs(plan, cluster)
+    h2d_p, gather_p, hops_p = _param_costs(plan, cluster)
     piece_cost, piece_param = _piece_costs(plan, cluster)
     piece_bytes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
     nbytes = plan.task_nbytes().astype(np.float64)
@@ -166,8 +143,8 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
             n_items = len(item_reserve)
             cols = np.arange(n_items)
             h2d[rows[:, None], cols] = np.bincount(item_of, h2d_p[seq], minlength=n_items)
-            gather[rows[:, None], cols] = _item_gathers(gather_p[seq], item_of, coalesced,
-                                                        len(mranks), cluster.sim)
+            gather[rows[:, None], cols] = _item_gathers(gather_p[seq], hops_p[seq], item_of,
+                                                        coalesced, cluster.sim)
             reserve[rows[:, None], cols] = item_reserve
             n_params[rows[:, None], cols] = np.bincount(item_of, minlength=n_items)
         sel = np.flatnonzero(plan.task_group == g)
@@ -199,17 +176,16 @@ def _items(plan: Plan, seq: np.ndarray, sim) -> tuple[np.ndarray, np.ndarray, np
             np.array([b.coalesced for b in buckets], dtype=bool))
 
 
-def _item_gathers(param_gather: np.ndarray, item_of: np.ndarray, coalesced: np.ndarray,
-                  n: int, sim) -> np.ndarray:
+def _item_gathers(param_gather: np.ndarray, hops: np.ndarray, item_of: np.ndarray,
+                  coalesced: np.ndarray, sim) -> np.ndarray:
     """Gather seconds per item: its parameters' ring all-gathers, but one collective's
-    hop latencies for a coalesced bucket (one all-gather of all their bytes)."""
+    hop latencies for a coalesced bucket (one all-gather of all their bytes per ring)."""
     total = np.bincount(item_of, param_gather, minlength=len(coalesced))
-    if n <= 1:
-        return total
-    count = np.bincount(item_of, minlength=len(coalesced))
-    saved = np.where(coalesced & (total > 0), (count - 1) * (n - 1) * sim.gather_latency_us
-                     * 1e-6, 0.0)
-    return total - saved
+    lat = hops * (sim.gather_latency_us * 1e-6)
+    paid = np.bincount(item_of, lat, minlength=len(coalesced))
+    once = np.zeros(len(coalesced))
+    np.maximum.at(once, item_of, lat)
+    return np.where(coalesced, total - paid + once, total)
 
 
 def _sequences(plan: Plan, g: int, order, task_params: np.ndarray) -> dict:

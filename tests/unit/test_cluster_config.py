@@ -6,6 +6,9 @@ import pytest
 import yaml
 
 from scheduling.cluster import cluster_from_dict, load_cluster_config
+from scheduling.config_metadata import trainer_meta_from_config
+from weight_transfer.models import load_model_config
+from weight_transfer.types import Placement
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
@@ -108,6 +111,8 @@ def test_engine_ranks_nodes_nics_and_shards():
         ({"trainer__gpu_nic": [0, 1]}, "gpu_nic has 2 entries but a node has 4 GPUs"),
         ({"trainer__gpu_nic": [0, 1, 2, 5]}, "gpu_nic names NICs [2, 5] outside [0, 2)"),
         ({"trainer__expert_mesh_layout": "diagonal"}, "field trainer.expert_mesh_layout"),
+        ({"trainer__replicate": 3}, "replicate=3 does not divide the 8 trainer ranks"),
+        ({"trainer__replicate": 0}, "field trainer.replicate"),
     ],
 )
 def test_bad_config_errors_name_file_and_field(tmp_path, changes, needle):
@@ -117,6 +122,49 @@ def test_bad_config_errors_name_file_and_field(tmp_path, changes, needle):
         load_cluster_config(path)
     assert str(path) in str(err.value)
     assert needle in str(err.value)
+
+
+SHARD0, REPLICATE = Placement(kind="shard", dim=0), Placement(kind="replicate")
+
+
+def test_dense_mesh_is_fsdp_over_every_rank_without_replicate():
+    c = cluster_from_dict(small())
+    mesh = c.dense_mesh()
+    assert (mesh.ranks, mesh.shape, mesh.dim_names) == (tuple(range(8)), (8,), ("dp_shard",))
+    assert c.dense_placements() == (SHARD0,)
+
+
+@pytest.mark.parametrize(("replicate", "groups"), [
+    (2, [(0, 1, 2, 3), (4, 5, 6, 7)]),  # one replica per node: gathers stay in a node
+    (4, [(0, 1), (2, 3), (4, 5), (6, 7)]),
+    (8, [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]),
+])
+def test_hsdp_dense_mesh_rows_are_contiguous_replica_groups(replicate, groups):
+    c = cluster_from_dict(small(trainer__replicate=replicate))
+    mesh = c.dense_mesh()
+    shard = 8 // replicate
+    assert mesh.shape == (replicate, shard)
+    assert mesh.dim_names == ("dp_replicate", "dp_shard")
+    rows = [mesh.ranks[i * shard:(i + 1) * shard] for i in range(replicate)]  # row-major
+    assert rows == groups
+    assert c.dense_placements() == (REPLICATE, SHARD0)
+
+
+def test_hsdp_places_dense_params_on_the_2d_mesh_and_experts_unchanged():
+    cfg = load_model_config(Path(__file__).resolve().parents[2] / "configs" / "models"
+                            / "tiny_moe.yaml")
+    flat = trainer_meta_from_config(cfg, cluster_from_dict(small(trainer__expert_parallel=2)))
+    hsdp = trainer_meta_from_config(
+        cfg, cluster_from_dict(small(trainer__expert_parallel=2, trainer__replicate=2)))
+    changed = 0
+    for a, b in zip(flat.params, hsdp.params, strict=True):
+        assert (a.name, a.shape, a.dtype) == (b.name, b.shape, b.dtype)
+        if a.mesh.shape == (8,):  # dense: FSDP over all 8 ranks -> HSDP 2 x 4
+            assert b.mesh.shape == (2, 4) and b.placements == (REPLICATE, SHARD0)
+            changed += 1
+        else:  # experts keep their meshes and placements
+            assert (b.mesh, b.placements) == (a.mesh, a.placements)
+    assert changed and changed < len(flat.params)
 
 
 def test_unreadable_and_non_mapping_files(tmp_path):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from scheduling.sim_stages import GroupCosts, ring_allgather_seconds, run_group
+from scheduling.sim_gather import ring_allgather_seconds
+from scheduling.sim_stages import GroupCosts, run_group
 
 
 def costs(*, h2d=(0.0,), gather=(0.0,), prepare=(0.0,), wbytes=(1.0,), reserve=(1.0,),
