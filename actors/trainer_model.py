@@ -42,7 +42,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 from scheduling.cluster import ClusterConfig
 from weight_transfer.models import ModelConfig
-from weight_transfer.types import MeshDesc, Placement
+from weight_transfer.types import MeshDesc
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +90,9 @@ def _expert_mesh(cluster: ClusterConfig) -> tuple[DeviceMesh, tuple]:
 
 
 def dense_device_mesh(cluster: ClusterConfig) -> DeviceMesh:
-    """The FSDP2 mesh of dense parameters: 1-D FSDP, or 2-D HSDP with ``replicate`` > 1."""
-    desc = cluster.dense_mesh()
-    placements = cluster.dense_placements()
-    want = (Placement(kind="shard", dim=0),) if len(desc.shape) == 1 else (
-        Placement(kind="replicate"), Placement(kind="shard", dim=0))
-    if placements != want:  # fully_shard places (Shard(0),) or HSDP's (Replicate(), Shard(0))
-        raise ValueError(f"cluster {cluster.name!r}: fully_shard cannot place dense parameters "
-                         f"as {tuple(map(str, placements))} on mesh {desc.shape}")
-    return _device_mesh(desc)
+    """The FSDP2 mesh of dense parameters, ``cluster.dense_mesh()``: on a 2-D mesh
+    ``fully_shard`` places them as ``cluster.dense_placements()`` says (HSDP)."""
+    return _device_mesh(cluster.dense_mesh())
 
 
 def build_sharded_model(cfg: ModelConfig, cluster: ClusterConfig, *, seed: int) -> nn.Module:

@@ -1,32 +1,39 @@
-"""Coalesced gathers: a bucket of FSDP2 parameters in one collective instead of one each.
+"""Coalesced gathers: a bucket of sharded parameters in one collective per sharded mesh dim.
 
-``DTensor.full_tensor()`` is one collective per parameter; over gloo between
-CPU processes each costs a round trip, and a model has hundreds of small
-parameters (norms, biases). This module groups a mesh group's parameters, in
-the plan's gather order, into buckets and gathers each bucket at once:
+``DTensor.full_tensor()`` is one collective (per sharded mesh dim) per
+parameter; over gloo between CPU processes each costs a round trip, and a model
+has hundreds of small parameters (norms, biases). This module groups a mesh
+group's parameters, in the plan's gather order, into buckets and gathers each
+bucket at once:
 
 1. :func:`plan_buckets` (pure, metadata only, in :mod:`weight_transfer.buckets`
-   so that planning and the simulator use it without torch) cuts the gather order into runs
-   of consecutive parameters that share one 1-D mesh with placements
-   ``(Shard(0),)`` (FSDP2's) whose gather holds at most ``bucket_bytes`` of
-   temporary memory (:func:`reserve_bytes`; a parameter larger than that
-   alone is a bucket of one); any other
-   parameter (2-D EP x FSDP stacked experts, ``Replicate``, plain tensors) is a
-   bucket of its own that falls back to ``full_tensor()``. The buckets are a
-   function of the plan and the parameter metadata only, so every rank of a
-   mesh cuts the same buckets and issues the same collectives in the same order
-   (``bucket_bytes`` must be the same on every rank).
-2. :func:`gather_bucket` (a collective) pads each local shard to
-   ``ceil(dim0 / world)`` rows (FSDP2 shards dim 0 as ``torch.chunk`` does, the
-   last ranks hold fewer or no rows), concatenates their bytes, runs one
-   ``all_gather_into_tensor`` (NCCL) or ``all_gather`` into views of one buffer
-   (gloo), and cuts each full tensor out of the rank-major result: the first
-   ``dim0`` rows of the per-rank padded chunks, in rank order.
+   so that planning and the simulator use it without torch) cuts the gather
+   order into runs of consecutive parameters with the same mesh and the same
+   placements, each ``Shard(d)`` or ``Replicate()`` with at least one shard
+   (FSDP2's 1-D ``(Shard(0),)``, HSDP's ``(Replicate(), Shard(0))``, EP x FSDP
+   stacked experts' ``(Shard(0), Shard(1))``), whose gather holds at most
+   ``bucket_bytes`` of temporary memory (:func:`reserve_bytes`; a parameter
+   larger than that alone is a bucket of one); any other parameter
+   (``Partial``, all ``Replicate``, plain tensors) is a bucket of its own that
+   falls back to ``full_tensor()``. The buckets are a function of the plan and
+   the parameter metadata only, so every rank of a mesh cuts the same buckets
+   and issues the same collectives in the same order (``bucket_bytes`` must be
+   the same on every rank).
+2. :func:`gather_bucket` (a collective). FSDP2's 1-D ``(Shard(0),)`` (the fast
+   path): it pads each local shard to ``ceil(dim0 / world)`` rows (FSDP2 shards
+   dim 0 as ``torch.chunk`` does, the last ranks hold fewer or no rows),
+   concatenates their bytes, runs one ``all_gather_into_tensor`` (NCCL) or
+   ``all_gather`` into views of one buffer (gloo), and cuts each full tensor
+   out of the rank-major result: the first ``dim0`` rows of the per-rank padded
+   chunks, in rank order. Every other coalescible layout goes through
+   :func:`weight_transfer.gather_nd.gather_nd`: the same, once per sharded mesh
+   dim, innermost first, over that dim's group, along the sharded tensor dim.
+   Either way the result equals ``full_tensor()`` bit for bit.
 
 Memory: :func:`reserve_bytes` is what a bucket holds at its peak, for the
 watermark: the padded local input, the ``world x`` padded gather buffer and the
-full tensors cut from it (per-parameter buckets: the full tensor only, as
-before)::
+full tensors cut from it, at the level (sharded mesh dim) where that is
+largest (per-parameter buckets: the full tensor only, as before)::
 
     buckets = plan_buckets(group_params, mode="bucket", bucket_bytes=64 << 20)
     for b in buckets:

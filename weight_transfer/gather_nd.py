@@ -123,9 +123,8 @@ def _gather_level(blocks: list[torch.Tensor], outer: list[tuple[int, ...]], *, d
         dist.all_gather_into_tensor(buf, inp, group=group)
     else:
         dist.all_gather(list(buf.view(world, total).unbind(0)), inp, group=group)
-    del inp
     rows = buf.view(world, total)
-    out = []
+    out = []  # inp and buf live until the return, as reserve_bytes counts them
     for dtype, shape, (off, padded, nbytes) in zip(dtypes, outer, layout, strict=True):
         parts = [_as(rows[i, off : off + nbytes], dtype, padded)
                  .narrow(dim, 0, shard_rows(shape[dim], world, i)) for i in range(world)]
