@@ -10,8 +10,8 @@ FSDP ``(Shard(0),)`` on a 1-D mesh is one ring over every rank, HSDP
 ``(Replicate(), Shard(0))`` one ring over a replica group, EP x FSDP
 ``(Shard(0), Shard(1))`` a ring inside each EP group, then one across them::
 
-    rings = gather_rings(mesh, placements, node_of)   # [(dim, n, one_node), ...]
-    seconds, hops = param_gathers(plan, cluster)      # per parameter of the plan
+    rings = gather_rings(mesh, placements, node_of)    # [(dim, n, one_node), ...]
+    seconds, hops, held = param_gathers(plan, cluster)  # per parameter of the plan
 
 A dim's link is ``intra_node_gbps`` (NVLink) when every group of that dim sits
 inside one node, else the slower of that and ``inter_node_gbps`` (default: the
@@ -83,20 +83,29 @@ def _coefficients(mesh: MeshDesc, placements: tuple[Placement, ...], node_of: di
     return per_byte, hops
 
 
-def param_gathers(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Per parameter of ``plan``: (gather seconds, ring hops); zeros with ``gathers`` off."""
+def param_gathers(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, ...]:
+    """Per parameter of ``plan``: (gather seconds, ring hops, fraction a rank holds);
+    no gathers (zeros) with ``sim.gathers`` off."""
     n = len(plan.params)
-    seconds, hops = np.zeros(n), np.zeros(n, dtype=np.int64)
-    if not cluster.sim.gathers:
-        return seconds, hops
     node_of = {r.rank: r.node for r in plan.trainer_ranks}
-    nbytes = np.fromiter((p.nbytes for p in plan.params), np.float64, n)
-    coef: dict[tuple[MeshDesc, tuple[Placement, ...]], tuple[float, int]] = {}
-    per_byte = np.zeros(n)
+    gathers = cluster.sim.gathers
+    by_id: dict[tuple[int, int], tuple[float, int, float]] = {}  # metadata shares its meshes
+    by_value: dict[tuple[MeshDesc, tuple[Placement, ...]], tuple[float, int, float]] = {}
+    coef = np.zeros((n, 3))
     for i, p in enumerate(plan.params):
-        key = (p.mesh, p.placements)
-        if key not in coef:
-            coef[key] = _coefficients(p.mesh, p.placements, node_of, cluster)
-        per_byte[i], hops[i] = coef[key]
-    seconds = nbytes * per_byte + hops * (cluster.sim.gather_latency_us * 1e-6)
-    return seconds, hops
+        key = (id(p.mesh), id(p.placements))
+        if key not in by_id:
+            value = (p.mesh, p.placements)
+            if value not in by_value:
+                try:
+                    per_byte, hops = (_coefficients(p.mesh, p.placements, node_of, cluster)
+                                      if gathers else (0.0, 0))
+                except ValueError as err:
+                    raise ValueError(f"parameter {p.name!r}: {err}") from None
+                by_value[value] = (per_byte, hops, sharded_fraction(p.mesh, p.placements))
+            by_id[key] = by_value[value]
+        coef[i] = by_id[key]
+    nbytes = np.fromiter((p.nbytes for p in plan.params), np.float64, n)
+    hops = coef[:, 1].astype(np.int64)
+    seconds = nbytes * coef[:, 0] + hops * (cluster.sim.gather_latency_us * 1e-6)
+    return seconds, hops, coef[:, 2]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduling.sim_gather import param_gathers, sharded_fraction
+from scheduling.sim_gather import param_gathers
 from weight_transfer.buckets import plan_buckets, reserve_bytes
 from weight_transfer.types import Transform, dtype_size
 
@@ -84,15 +84,10 @@ def _gbps(x: float | None) -> float:
 
 
 def _param_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, ...]:
-    """Per parameter: (h2d seconds, gather seconds, gather ring hops)."""
-    nbytes = np.array([p.nbytes for p in plan.params], dtype=np.float64)
-    frac = {}
-    for p in plan.params:
-        if (p.mesh, p.placements) not in frac:
-            frac[p.mesh, p.placements] = sharded_fraction(p.mesh, p.placements)
-    local = nbytes * np.array([frac[p.mesh, p.placements] for p in plan.params])
-    gather, hops = param_gathers(plan, cluster)
-    return local / _gbps(cluster.sim.h2d_gbps), gather, hops
+    """Per parameter: (h2d seconds of the rank's shard, gather seconds, gather ring hops)."""
+    nbytes = np.fromiter((p.nbytes for p in plan.params), np.float64, len(plan.params))
+    gather, hops, held = param_gathers(plan, cluster)
+    return nbytes * held / _gbps(cluster.sim.h2d_gbps), gather, hops
 
 
 def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,8 @@ Around the NIC model, :mod:`scheduling.sim_stages` replays what the executor
 does per rank and parameter (watermark, h2d, gather, prepare, FIFO writes at
 the rate the NIC model found, a barrier per group) with the costs of the
 cluster's ``sim:`` section; ``stage_seconds`` is each stage's busy time on the
-critical rank and ``binding`` the stage that took most of it. With every stage
+critical rank and ``binding`` the stage that took most of it (``group_binding``:
+the same per group). With every stage
 cost unset (the default) the prediction is the NIC model's. On a CPU-only host
 (``cpu_cores`` set) every rank's CPU work shares the cores: a group takes at
 least the sum of that work / the cores (:func:`cpu_floor`; ``binding`` is then
@@ -67,6 +68,7 @@ class SimResult:
     nic_seconds: float = 0.0  # the NIC model alone (sum over groups)
     stage_seconds: dict[str, float] = field(default_factory=dict, hash=False)
     binding: str = "write"
+    group_binding: tuple[str, ...] = ()  # per group: the critical rank's busiest stage, or cpu
     # With record=True: when each task (plan row) started and ended, seconds from the start.
     task_start: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
     task_end: np.ndarray | None = field(default=None, hash=False, repr=False, compare=False)
@@ -264,6 +266,7 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
     overhead = sim.write_latency_us * 1e-6 / inflight if write_latency else 0.0
     overhead += sim.write_overhead_us * 1e-6  # CPU time: not hidden by in-flight writes
     group_s, critical, cpu_bound = [], dict.fromkeys(STAGES, 0.0), False
+    group_binding: list[str] = []
     start = np.zeros(plan.num_tasks) if record else None
     end = np.zeros(plan.num_tasks) if record else None
     for g, costs in enumerate(group_costs(plan, cluster)):
@@ -276,12 +279,16 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
         # The NIC model stays a floor: its in-flight and fairness effects are not replayed.
         secs = max(times.seconds, t_nic)
         shared = cpu_floor(costs, times, sim)
-        if shared > secs:
-            secs, cpu_bound = shared, True
+        mine = dict.fromkeys(STAGES, 0.0)
         if len(costs.ranks):
             crit = int(np.argmax(times.write_end.max(axis=1)))
+            mine = {st: float(times.busy[st][crit]) for st in STAGES}
             for st in STAGES:
-                critical[st] += float(times.busy[st][crit])
+                critical[st] += mine[st]
+        group_binding.append(max(mine, key=mine.get) if any(mine.values()) else "write")
+        if shared > secs:
+            secs, cpu_bound = shared, True
+            group_binding[-1] = "cpu"
         if record:
             _record(plan, g, costs, times, float(sum(group_s)), start, end)
         group_s.append(secs)
@@ -294,6 +301,7 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
         group_seconds=tuple(group_s), group_lower_bounds=nic.group_lower_bounds,
         per_nic_busy_seconds=nic.per_nic_busy_seconds, events=nic.events,
         nic_seconds=nic.seconds, stage_seconds=critical, binding=binding,
+        group_binding=tuple(group_binding),
         task_start=start if record else nic.task_start,
         task_end=end if record else nic.task_end,
     )

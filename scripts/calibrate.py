@@ -10,7 +10,7 @@
 * ``cpu_cores``: the cores this process may run on, which the bench's ranks share;
 * ``intra_node_gbps`` / ``gather_latency_us``: a gloo all-gather between 2
   processes on loopback (a large and a tiny one, solved for bandwidth and latency
-  with the ring formula of :mod:`scheduling.sim_stages`);
+  with the ring formula of :mod:`scheduling.sim_gather`);
 * ``write_overhead_us``: one simnic issuing a few hundred 64-byte writes
   together into an engine process, per write;
 * ``param_overhead_us``: the fixed cost of a pipeline item (its gather call,

@@ -17,7 +17,8 @@ JSON keys (both): ``tasks``, ``bytes_total``, ``nic_imbalance`` (max/mean
 bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
 ``plan_seconds`` (metadata + plan, wall clock), and more; ``simulate`` adds
 ``predicted_s``, ``barrier_lower_bound_s``, ``efficiency``, ``stages`` (stage ->
-busy seconds on the critical rank), ``binding``, ``nic_predicted_s`` (the NIC
+busy seconds on the critical rank), ``binding`` (the stage that took most of
+them), ``group_binding`` (the same per mesh group), ``nic_predicted_s`` (the NIC
 model alone), ``calibration`` (with ``--calibrate``: the constants and, with
 ``--check``, per bench configuration predicted and measured seconds) and
 ``sweep`` (with ``--sweep``: predicted seconds per watermark).
@@ -250,6 +251,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         "nic_predicted_s": r.nic_seconds,
         "stages": r.stage_seconds,
         "binding": r.binding,
+        "group_binding": list(r.group_binding),
     })
     if calibration is not None:
         s["calibration"] = calibration
@@ -258,9 +260,9 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     extra = [
         ("predicted transfer", f"[bold]{r.seconds:.4f} s[/bold]"),
         ("lower bound / predicted", f"{r.efficiency:.3f}"),
-        ("per group (predicted / bound)", ", ".join(
-            f"{a:.4f}/{b:.4f}" for a, b in zip(r.group_seconds, r.group_lower_bounds,
-                                               strict=True))),
+        ("per group (predicted / bound, binding)", ", ".join(
+            f"{a:.4f}/{b:.4f} {c}" for a, b, c in zip(r.group_seconds, r.group_lower_bounds,
+                                                      r.group_binding, strict=True))),
         ("NICs alone (discrete events)", f"{r.nic_seconds:.4f} s"),
         ("busy per stage, critical rank", ", ".join(
             f"{k} {v:.4f}" for k, v in r.stage_seconds.items())),

@@ -50,6 +50,9 @@ def test_simulate_reports_prediction_beside_bound(tmp_path):
     assert s["predicted_s"] >= s["barrier_lower_bound_s"] * (1 - 1e-9)
     assert s["barrier_lower_bound_s"] >= s["lower_bound_s"] * (1 - 1e-9)
     assert s["max_inflight"] == 2 and len(s["group_seconds"]) == s["groups"]
+    stages = {"h2d", "gather", "prepare", "write"}
+    assert set(s["stages"]) == stages and s["binding"] in stages | {"cpu"}
+    assert len(s["group_binding"]) == s["groups"] and set(s["group_binding"]) <= stages | {"cpu"}
 
 
 def test_bad_cluster_file_is_named_with_its_field(tmp_path):

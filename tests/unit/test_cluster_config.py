@@ -46,6 +46,21 @@ def test_perplexity_cluster_matches_the_reference_setup():
     assert len(nics) == 128
 
 
+def test_perplexity_hsdp_cluster_keeps_every_gather_inside_a_node():
+    base = load_cluster_config(CLUSTERS / "perplexity_kimi_k2.yaml")
+    c = load_cluster_config(CLUSTERS / "perplexity_kimi_k2_hsdp.yaml")
+    # the same hardware and engines as the reference setup; only the trainer layout differs
+    assert c.inference == base.inference and c.sim == base.sim
+    assert (c.trainer.nodes, c.trainer.gpus_per_node, c.trainer.nic_gbps) == (32, 8, 400)
+    node = [c.rank_info(r).node for r in range(c.trainer_world)]
+    mesh = c.dense_mesh()
+    assert mesh.shape == (32, 8) and c.dense_placements() == (REPLICATE, SHARD0)
+    for i in range(32):  # each replica group's FSDP ring: one node
+        assert len({node[r] for r in mesh.ranks[8 * i:8 * i + 8]}) == 1
+    meshes = c.expert_meshes()
+    assert len(meshes) == 32 and all(len({node[r] for r in m.ranks}) == 1 for m in meshes)
+
+
 def test_local_cpu_cluster_is_small():
     c = load_cluster_config(CLUSTERS / "local_cpu.yaml")
     assert c.trainer_world == 4 and c.engine_world == 4

@@ -11,6 +11,7 @@ from scheduling.cluster import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.sim_gather import gather_rings, param_gathers, sharded_fraction
 from scheduling.sim_stages import _item_gathers
+from weight_transfer.buckets import plan_buckets
 from weight_transfer.models import load_model_config
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, RankInfo
 
@@ -44,6 +45,11 @@ def test_rings_per_shard_dim(m, placements, rings, fraction):
 def test_placements_must_match_the_mesh_dims():
     with pytest.raises(ValueError, match=r"1 placements for a mesh of 2 dims \(2, 4\)"):
         gather_rings(mesh((2, 4)), (S0,), NODE_OF_4)
+    p = ParamMeta(name="w", shape=(8,), dtype="uint8", mesh=mesh((2, 4)), placements=(S0,))
+    plan = SimpleNamespace(params=(p,), trainer_ranks=tuple(
+        RankInfo(rank=r, node=NODE_OF_4[r], nic="x") for r in range(8)))
+    with pytest.raises(ValueError, match=r"parameter 'w': 1 placements for a mesh of 2 dims"):
+        param_gathers(plan, _cluster())
 
 
 def _cluster(**sim):
@@ -73,11 +79,13 @@ def test_param_gather_seconds(m, placements, seconds, hops):
     p = ParamMeta(name="w", shape=(GBYTE,), dtype="uint8", mesh=m, placements=placements)
     plan = SimpleNamespace(params=(p,), trainer_ranks=tuple(
         RankInfo(rank=r, node=NODE_OF_4[r], nic=f"{NODE_OF_4[r]}/nic{r % 4}") for r in range(8)))
-    got, got_hops = param_gathers(plan, _cluster(gather_latency_us=LAT * 1e6))
+    got, got_hops, held = param_gathers(plan, _cluster(gather_latency_us=LAT * 1e6))
     assert got[0] == pytest.approx(seconds)
     assert got_hops.tolist() == [hops]
-    off, _ = param_gathers(plan, _cluster(gathers=False))
-    assert off.tolist() == [0.0]
+    assert held[0] == pytest.approx(sharded_fraction(m, placements))
+    off, off_hops, off_held = param_gathers(plan, _cluster(gathers=False))
+    assert off.tolist() == [0.0] and off_hops.tolist() == [0]
+    assert off_held.tolist() == held.tolist()  # h2d still moves only the shard
 
 
 def test_a_coalesced_bucket_pays_one_gathers_hops():
@@ -118,3 +126,21 @@ def test_hsdp_h2d_moves_the_replica_groups_shard():
     assert simulate(fsdp, cl, nic_model="bound").stage_seconds["h2d"] == pytest.approx(total / 8)
     cl2 = cl.model_copy(update={"trainer": cl.trainer.model_copy(update={"replicate": 2})})
     assert simulate(hsdp, cl2, nic_model="bound").stage_seconds["h2d"] == pytest.approx(total / 4)
+
+
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_bucketed_gathers_pay_hops_once_per_collective_of_the_executors_buckets(replicate):
+    plan, cl = _plan(replicate)
+    cl = cl.model_copy(update={"sim": cl.sim.model_copy(update={"gather_mode": "bucket"})})
+    cl = cl.model_copy(update={"trainer": cl.trainer.model_copy(update={"replicate": replicate})})
+    ring, bw = (8, 10 * GBYTE) if replicate == 1 else (4, 100 * GBYTE)
+    (order,) = plan.group_params  # tiny_llama: dense only, one group
+    buckets = plan_buckets([plan.params[i] for i in order], mode="bucket",
+                           bucket_bytes=min(cl.sim.bucket_bytes, cl.sim.watermark_bytes // 4))
+    collectives = sum(1 if b.coalesced else len(b.params) for b in buckets)
+    nbytes = sum(p.nbytes for p in plan.params)
+    want = (ring - 1) / ring * nbytes / bw + (ring - 1) * LAT * collectives
+    r = simulate(plan, cl, nic_model="bound")
+    assert r.stage_seconds["gather"] == pytest.approx(want)
+    if replicate == 1:  # FSDP2 buckets coalesce: fewer collectives than parameters
+        assert collectives < len(plan.params)

@@ -262,3 +262,17 @@ def test_pipeline_items_are_the_executors_gather_buckets(shard, mode, seconds):
     cl = stage_cluster(intra_node_gbps=1000.0, gather_latency_us=1e6, gather_mode=mode)
     r = simulate(two_param_plan(shard), cl, resolution=0)
     assert r.seconds == pytest.approx(seconds, abs=1e-3)
+
+
+def test_each_group_names_the_stage_that_binds_it():
+    # group 0: one 1 GB write (1 + 0.2 s) after 1.5 s of parameter overhead: prepare binds;
+    # group 1: ten 0.1 GB writes, 1 + 10 x 0.2 s of writing after the same 1.5 s: write binds
+    rows = [(0, 0, GB, 0)] + [(0, 0, GB // 10, 1)] * 10
+    cl = stage_cluster(param_overhead_us=1.5e6, write_overhead_us=2e5)
+    r = simulate(toy_plan(rows, 1, 1, groups=2), cl, resolution=0)
+    assert r.group_binding == ("prepare", "write")
+    assert r.group_seconds == pytest.approx((2.7, 4.5))
+    assert r.binding == "write"  # 3.2 s of writes against 3.0 s of prepare on the rank
+    shared = simulate(toy_plan(rows, 1, 1, groups=2), stage_cluster(
+        param_overhead_us=1.5e6, write_overhead_us=2e5, cpu_cores=0.1), resolution=0)
+    assert shared.group_binding == ("cpu", "cpu")
