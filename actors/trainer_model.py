@@ -1,7 +1,12 @@
 """The ready-made trainer's model: a transformers model sharded with FSDP2, and its steps.
 
 Every rank builds the same seeded model, then shards it with ``fully_shard``
-over a CPU gloo mesh of all trainer ranks (each decoder layer, then the root)::
+(each decoder layer, then the root) over the cluster's ``dense_mesh()``, a CPU
+gloo mesh of all trainer ranks: 1-D ``(dp_shard,)`` (FSDP, placements
+``(Shard(0),)``) or, with ``trainer.replicate`` > 1, 2-D ``(dp_replicate,
+dp_shard)``, which ``fully_shard`` takes as HSDP (placements ``(Replicate(),
+Shard(0))``: sharded inside each replica group, replicated across them; FSDP2
+all-reduces gradients over the groups)::
 
     model = build_sharded_model(cfg, cluster, seed=0)        # inside a gloo group
     opt = make_optimizer(model, lr=1e-3)
@@ -31,12 +36,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from scheduling.cluster import ClusterConfig
 from weight_transfer.models import ModelConfig
+from weight_transfer.types import MeshDesc
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +79,28 @@ class StackedExperts(nn.Module):
                 delattr(self._inner, name)
 
 
+def _device_mesh(desc: MeshDesc) -> DeviceMesh:
+    grid = torch.tensor(desc.ranks, dtype=torch.int64).reshape(desc.shape)
+    return DeviceMesh("cpu", grid, mesh_dim_names=desc.dim_names)
+
+
 def _expert_mesh(cluster: ClusterConfig) -> tuple[DeviceMesh, tuple]:
     desc, placements = cluster.stacked_expert_mesh()
-    grid = torch.tensor(desc.ranks, dtype=torch.int64).reshape(desc.shape)
-    mesh = DeviceMesh("cpu", grid, mesh_dim_names=desc.dim_names)
-    return mesh, tuple(Shard(p.dim) for p in placements)
+    return _device_mesh(desc), tuple(Shard(p.dim) for p in placements)
+
+
+def dense_device_mesh(cluster: ClusterConfig) -> DeviceMesh:
+    """The FSDP2 mesh of dense parameters, ``cluster.dense_mesh()``: on a 2-D mesh
+    ``fully_shard`` places them as ``cluster.dense_placements()`` says (HSDP)."""
+    return _device_mesh(cluster.dense_mesh())
 
 
 def build_sharded_model(cfg: ModelConfig, cluster: ClusterConfig, *, seed: int) -> nn.Module:
     """The seeded transformers model sharded over the cluster's trainer meshes (gloo, CPU)."""
     from reference.hf_model import build_hf_model  # transformers: only this builder needs it
 
-    world = cluster.trainer_world
     model = build_hf_model(cfg, seed=seed)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    mesh = dense_device_mesh(cluster)
     experts: set[nn.Parameter] = set()
     expert_mesh = None
     for layer in model.model.layers:

@@ -149,12 +149,16 @@ def bench_gather(
         help="Model YAML (repeat for several)."),
     cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
     updates: int = typer.Option(3, min=1, help="Updates per gather mode."),
+    layout: list[str] = typer.Option(
+        ["fsdp", "hsdp", "ep_fsdp"],
+        help="Trainer layout (repeat for several): fsdp (1-D Shard(0)), hsdp (2-D "
+             "Replicate x Shard(0)), ep_fsdp (MoE: stacked experts on (ep, fsdp))."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Per-parameter gathers beside coalesced buckets: prepare-stage and update seconds."""
     from scripts.bench_gather import run
 
-    raise typer.Exit(run(model, cluster, updates, json_path))
+    raise typer.Exit(run(model, cluster, updates, json_path, layout))
 
 
 @bench_app.command("staging")

@@ -4,10 +4,11 @@ The unit that flows through the pipeline is one *gather bucket*
 (:mod:`weight_transfer.gather`), not one task, because gathering is a
 collective: every rank of a parameter's mesh must gather it, in the same
 order, whether or not it writes any of it. ``gather="bucket"`` (the default)
-gathers runs of consecutive FSDP2 parameters (``Shard(0)`` on one 1-D mesh, at
-most ``bucket_bytes``) in one collective and every other parameter alone with
-``full_tensor()``; ``gather="param"`` gathers each parameter alone, as
-``full_tensor()`` does. The
+gathers runs of consecutive parameters with one mesh and one placement tuple
+of ``Shard``/``Replicate`` (FSDP2's ``(Shard(0),)``, HSDP, EP x FSDP stacked
+experts; at most ``bucket_bytes``) with one collective per sharded mesh dim,
+and every other parameter alone with ``full_tensor()``; ``gather="param"``
+gathers each parameter alone, as ``full_tensor()`` does. The
 rank's part of the plan (``scheduling.plan.TrainerPlan``: per mesh group, the
 parameters to gather in the mesh's order and the rank's write tasks) is
 replayed as it is, for each mesh group in order:

@@ -1,32 +1,39 @@
-"""Coalesced gathers: a bucket of FSDP2 parameters in one collective instead of one each.
+"""Coalesced gathers: a bucket of sharded parameters in one collective per sharded mesh dim.
 
-``DTensor.full_tensor()`` is one collective per parameter; over gloo between
-CPU processes each costs a round trip, and a model has hundreds of small
-parameters (norms, biases). This module groups a mesh group's parameters, in
-the plan's gather order, into buckets and gathers each bucket at once:
+``DTensor.full_tensor()`` is one collective (per sharded mesh dim) per
+parameter; over gloo between CPU processes each costs a round trip, and a model
+has hundreds of small parameters (norms, biases). This module groups a mesh
+group's parameters, in the plan's gather order, into buckets and gathers each
+bucket at once:
 
 1. :func:`plan_buckets` (pure, metadata only, in :mod:`weight_transfer.buckets`
-   so that planning and the simulator use it without torch) cuts the gather order into runs
-   of consecutive parameters that share one 1-D mesh with placements
-   ``(Shard(0),)`` (FSDP2's) whose gather holds at most ``bucket_bytes`` of
-   temporary memory (:func:`reserve_bytes`; a parameter larger than that
-   alone is a bucket of one); any other
-   parameter (2-D EP x FSDP stacked experts, ``Replicate``, plain tensors) is a
-   bucket of its own that falls back to ``full_tensor()``. The buckets are a
-   function of the plan and the parameter metadata only, so every rank of a
-   mesh cuts the same buckets and issues the same collectives in the same order
-   (``bucket_bytes`` must be the same on every rank).
-2. :func:`gather_bucket` (a collective) pads each local shard to
-   ``ceil(dim0 / world)`` rows (FSDP2 shards dim 0 as ``torch.chunk`` does, the
-   last ranks hold fewer or no rows), concatenates their bytes, runs one
-   ``all_gather_into_tensor`` (NCCL) or ``all_gather`` into views of one buffer
-   (gloo), and cuts each full tensor out of the rank-major result: the first
-   ``dim0`` rows of the per-rank padded chunks, in rank order.
+   so that planning and the simulator use it without torch) cuts the gather
+   order into runs of consecutive parameters with the same mesh and the same
+   placements, each ``Shard(d)`` or ``Replicate()`` with at least one shard
+   (FSDP2's 1-D ``(Shard(0),)``, HSDP's ``(Replicate(), Shard(0))``, EP x FSDP
+   stacked experts' ``(Shard(0), Shard(1))``), whose gather holds at most
+   ``bucket_bytes`` of temporary memory (:func:`reserve_bytes`; a parameter
+   larger than that alone is a bucket of one); any other parameter
+   (``Partial``, all ``Replicate``, plain tensors) is a bucket of its own that
+   falls back to ``full_tensor()``. The buckets are a function of the plan and
+   the parameter metadata only, so every rank of a mesh cuts the same buckets
+   and issues the same collectives in the same order (``bucket_bytes`` must be
+   the same on every rank).
+2. :func:`gather_bucket` (a collective). FSDP2's 1-D ``(Shard(0),)`` (the fast
+   path): it pads each local shard to ``ceil(dim0 / world)`` rows (FSDP2 shards
+   dim 0 as ``torch.chunk`` does, the last ranks hold fewer or no rows),
+   concatenates their bytes, runs one ``all_gather_into_tensor`` (NCCL) or
+   ``all_gather`` into views of one buffer (gloo), and cuts each full tensor
+   out of the rank-major result: the first ``dim0`` rows of the per-rank padded
+   chunks, in rank order. Every other coalescible layout goes through
+   :func:`weight_transfer.gather_nd.gather_nd`: the same, once per sharded mesh
+   dim, innermost first, over that dim's group, along the sharded tensor dim.
+   Either way the result equals ``full_tensor()`` bit for bit.
 
 Memory: :func:`reserve_bytes` is what a bucket holds at its peak, for the
 watermark: the padded local input, the ``world x`` padded gather buffer and the
-full tensors cut from it (per-parameter buckets: the full tensor only, as
-before)::
+full tensors cut from it, at the level (sharded mesh dim) where that is
+largest (per-parameter buckets: the full tensor only, as before)::
 
     buckets = plan_buckets(group_params, mode="bucket", bucket_bytes=64 << 20)
     for b in buckets:
@@ -50,10 +57,14 @@ from weight_transfer.buckets import (  # the pure planning half, re-exported
     reserve_bytes,
     shard_rows,
 )
-from weight_transfer.types import ParamMeta
+from weight_transfer.gather_nd import gather_nd
+from weight_transfer.types import ParamMeta, Placement
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GATHER_MODES", "GatherBucket", "coalescible",
            "full_tensor", "gather_bucket", "plan_buckets", "reserve_bytes", "shard_rows"]
+
+_SHARD0 = (Placement(kind="shard", dim=0),)
+
 
 def full_tensor(local: Any) -> torch.Tensor:
     """The whole parameter: ``DTensor.full_tensor()`` (a collective) or the tensor itself."""
@@ -70,22 +81,21 @@ def gather_bucket(bucket: GatherBucket, locals_: Sequence[Any], *,
 
     ``locals_`` are the rank's parameters in bucket order (DTensors, or plain full
     tensors, which need no collective). ``record`` is called with one tuple per
-    collective issued: ``("all_gather", names, nbytes)`` or ``("full_tensor", name)``.
+    collective issued: ``("all_gather", names, nbytes)`` (1-D ``Shard(0)``),
+    ``("all_gather", names, nbytes, mesh_dim)`` (one per sharded mesh dim of an
+    N-D bucket, innermost first) or ``("full_tensor", name)``.
     """
     if len(locals_) != len(bucket.params):
         raise ValueError(f"bucket {bucket.key!r}: {len(bucket.params)} parameters but "
                          f"{len(locals_)} local tensors")
     out: list[Any] = list(locals_)
     live = [i for i, x in enumerate(locals_) if hasattr(x, "full_tensor")]
-    fast = [i for i in live
-            if bucket.coalesced and _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
-    if len(fast) > 1:
-        for i, full in zip(fast, _all_gather([locals_[i] for i in fast],
-                                             [bucket.params[i] for i in fast], record),
+    fast, gather = _coalesced(bucket, locals_, live)
+    if fast:
+        for i, full in zip(fast, gather([locals_[i] for i in fast],
+                                        [bucket.params[i] for i in fast], record),
                            strict=True):
             out[i] = full
-    else:
-        fast = []
     for i in live:
         if i not in fast:
             if record is not None:
@@ -96,6 +106,28 @@ def gather_bucket(bucket: GatherBucket, locals_: Sequence[Any], *,
             raise ValueError(f"parameter {m.name!r} gathered as {tuple(full.shape)}, "
                              f"metadata says {m.shape}")
     return out
+
+
+def _coalesced(bucket: GatherBucket, locals_: Sequence[Any],
+               live: list[int]) -> tuple[list[int], Callable]:
+    """Which of the bucket's parameters one coalesced gather takes, and that gather.
+
+    FSDP2's 1-D ``(Shard(0),)`` keeps its fast path (one ``all_gather``, for two or
+    more parameters); any other coalescible layout goes through :func:`gather_nd`
+    (one ``all_gather`` per sharded mesh dim, for one or more). Both decisions use
+    global shapes and placements only, so every rank of the mesh takes the same.
+    """
+    if not bucket.coalesced:
+        return [], _all_gather
+    if _is_shard0_1d(bucket.params[0]):
+        fast = [i for i in live if _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
+        return (fast if len(fast) > 1 else []), _all_gather
+    fast = [i for i in live if _is_dtensor(locals_[i]) and locals_[i].numel() > 0]
+    return fast, gather_nd
+
+
+def _is_shard0_1d(meta: ParamMeta) -> bool:
+    return len(meta.mesh.shape) == 1 and meta.placements == _SHARD0
 
 
 def _is_dtensor(x: Any) -> bool:
