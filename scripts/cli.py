@@ -179,7 +179,7 @@ def bench_designs(
         Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
     config: Path | None = typer.Option(
         None, help="Run config (actors) [configs/runs/demo.yaml; "
-                   "configs/runs/demo_vllm.yaml with --engine vllm]."),
+                   "configs/runs/bench_vllm.yaml with --engine vllm]."),
     engine: str = typer.Option("reference", help="Inference engine: reference or vllm."),
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
@@ -195,7 +195,7 @@ def bench_designs(
     from scripts.bench_designs import run
 
     if config is None:
-        config = Path("configs/runs/demo_vllm.yaml" if engine == "vllm"
+        config = Path("configs/runs/bench_vllm.yaml" if engine == "vllm"
                       else "configs/runs/demo.yaml")
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,

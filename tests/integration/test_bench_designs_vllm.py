@@ -26,7 +26,7 @@ DESIGNS = ("p2p", "rank0", "rpc", "bucketed")
 
 def test_every_design_verified_against_vllm_on_tiny_llama(tmp_path):
     out = tmp_path / "designs.json"
-    rc = run(engine="vllm", config=ROOT / "configs/runs/demo_vllm.yaml",
+    rc = run(engine="vllm", config=ROOT / "configs/runs/bench_vllm.yaml",
              model=ROOT / "configs/models/tiny_llama.yaml", nic_gbps=0.5, updates=1,
              designs=",".join(DESIGNS), bucket="1M", caps_off=False, timeout_s=300.0,
              json_path=out, png=None)
