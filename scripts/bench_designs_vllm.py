@@ -3,7 +3,9 @@
 The fleet is the vLLM demo's (:func:`scripts.demo_vllm.start_fleet`: FSDP2
 trainer ranks, one unmodified vLLM ``LLM`` per replica owned by a Ray actor,
 our weight-transfer backend in every worker, the controller set up over
-simnic). :class:`VllmBench` gives :class:`scripts.bench_designs_fleet.DesignBench`
+simnic); the default run config is ``configs/runs/bench_vllm.yaml`` (2 trainer
+ranks -> 1 replica x TP2, one simulated NIC per rank, as the baselines are
+paced). :class:`VllmBench` gives :class:`scripts.bench_designs_fleet.DesignBench`
 its engine side:
 
 * ``p2p`` (ours): ``controller.update(v)`` as in the vLLM demo: the engine is
