@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -179,15 +180,19 @@ def _finish(pending: tuple[Any, float]) -> None:
     NicPacer.wait_until(deadline)
 
 
-def trainer_rpc(trainer: Any, engines: list[Any], timeout_s: float = 600.0) -> int:
-    """``rpc``: rank 0 calls every engine's update_weight(name, tensor) per parameter."""
+def trainer_rpc(trainer: Any, engines: list[Any], timeout_s: float = 600.0,
+                call: Callable[..., Any] | None = None) -> int:
+    """``rpc``: rank 0 calls every engine's update_weight(name, tensor) per parameter
+    (``call(engine, name, tensor)`` run in each of ``engines``; the reference engine's
+    :func:`engine_update_weight` unless given)."""
+    call = engine_update_weight if call is None else call
     sent = 0
     for name, full in _gathered(trainer):
         if trainer._wt_rank != 0:
             continue
         n = full.numel() * full.element_size()
         deadline = _STATE["pacer"].book(tx=n * len(engines))
-        ray.get([e.__ray_call__.remote(engine_update_weight, name, full) for e in engines],
+        ray.get([e.__ray_call__.remote(call, name, full) for e in engines],
                 timeout=timeout_s)
         NicPacer.wait_until(deadline)
         sent += n * len(engines)
@@ -206,25 +211,39 @@ def engine_update_weight(actor: Any, name: str, tensor: torch.Tensor) -> None:
 
 def engine_rank0(actor: Any, params: list[tuple[str, tuple[int, ...], str]]) -> int:
     """``rank0``: receive every parameter of ``params`` in order and load it."""
-    got = 0
-    for name, shape, dtype in params:
-        buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        _paced_broadcast(buf)
-        _load(actor, name, buf)
-        got += buf.numel() * buf.element_size()
-    return got
+    return receive_rank0(params, lambda weights: [_load(actor, n, t) for n, t in weights])
 
 
 def engine_bucketed(actor: Any, buckets: list[list[BucketEntry]]) -> int:
     """``bucketed``: receive each bucket, load the parameters packed in it."""
+    return receive_bucketed(buckets, lambda weights: [_load(actor, n, t) for n, t in weights])
+
+
+Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+
+def receive_rank0(params: list[tuple[str, tuple[int, ...], str]], load: Loader) -> int:
+    """An engine rank's side of ``rank0``: receive each parameter of ``params`` in order
+    from the broadcast group's rank 0, ``load([(name, tensor)])`` it; returns bytes."""
+    got = 0
+    for name, shape, dtype in params:
+        buf = torch.empty(shape, dtype=getattr(torch, dtype))
+        _paced_broadcast(buf)
+        load([(name, buf)])
+        got += buf.numel() * buf.element_size()
+    return got
+
+
+def receive_bucketed(buckets: list[list[BucketEntry]], load: Loader) -> int:
+    """An engine rank's side of ``bucketed``: receive each bucket, ``load`` the parameters
+    packed in it (one call per bucket); returns bytes."""
     buf = torch.empty(max(bucket_nbytes(b) for b in buckets), dtype=torch.uint8)
     got = 0
     for bucket in buckets:
         n = bucket_nbytes(bucket)
         _paced_broadcast(buf[:n])
-        for e in bucket:
-            raw = buf[e.offset : e.offset + e.nbytes]
-            _load(actor, e.name, raw.view(getattr(torch, e.dtype)).view(e.shape))
+        load([(e.name, buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype))
+               .view(e.shape)) for e in bucket])
         got += n
     return got
 

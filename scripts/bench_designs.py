@@ -40,10 +40,20 @@ ours and the CPU hides behind it; the output says which binds for ours
 the same caps (baselines through :mod:`actors.baseline_pacing`)::
 
     wt bench designs --json designs.json --png designs.png
+    wt bench designs --engine vllm --json designs_vllm.json --png designs_vllm.png
+
+The per-engine side (start the fleet, zero, the baselines' engine side, the
+byte check) is a :class:`scripts.bench_designs_fleet.DesignBench`: the
+reference engine's in that module, real vLLM's in
+:mod:`scripts.bench_designs_vllm` (``--engine vllm``: the vLLM demo's fleet,
+vLLM's own ``load_weights`` in its workers, checked against vLLM's
+``load_weights`` of the trainers' weights). The table and the chart are in
+:mod:`scripts.bench_designs_report`.
 """
 
 from __future__ import annotations
 
+import importlib
 import statistics
 import time
 from pathlib import Path
@@ -51,13 +61,10 @@ from typing import Any
 
 import ray
 import torch
-from rich.table import Table
 
-import actors.baselines as B
-from actors.baseline_pacing import bucket_layout
-from scripts.demo import connect_ray, start_fleet
-from scripts.demo_checks import byte_problems
-from scripts.demo_verify import _engine_digests, _trainer_digests
+from scripts.bench_designs_fleet import DesignBench
+from scripts.bench_designs_report import draw_png, p2p_binding, table_of
+from scripts.demo import connect_ray
 from scripts.progress import command_console, emit_json
 from scripts.run_config import load_run_config, parse_run_config
 from scripts.sizes import parse_size
@@ -93,74 +100,7 @@ def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-class Bench:
-    """The running fleet and the baselines' set-up on it."""
-
-    def __init__(self, fleet: Any, bucket_bytes: int, timeout_s: float) -> None:
-        self.fleet, self.timeout_s = fleet, timeout_s
-        self.trainers = fleet.trainers
-        self.engines = [a for r in fleet.replicas.values() for a in r]
-        info = ray.get(self.trainers[0].__ray_call__.remote(B.trainer_params))
-        self.params = info["params"]
-        self.buckets = bucket_layout(self.params, bucket_bytes)
-        self._get([e.__ray_call__.remote(B.engine_prepare, info["expert_naming"])
-                   for e in self.engines])
-        host, port = self._get(self.trainers[0].__ray_call__.remote(B.serve_group_store))
-        size = 1 + len(self.engines)
-        self._get([self.trainers[0].__ray_call__.remote(B.join_group, host, port, 0, size)]
-                  + [e.__ray_call__.remote(B.join_group, host, port, i + 1, size)
-                     for i, e in enumerate(self.engines)])
-        self.want = next(d for d in self._get([
-            t.__ray_call__.remote(_trainer_digests, fleet.engine_keys, fleet.config.engine_fp8)
-            for t in self.trainers]) if d is not None)
-        self.version = 0
-        self.last_report: Any = None
-
-    def _get(self, refs: Any) -> Any:
-        return ray.get(refs, timeout=self.timeout_s)
-
-    def set_caps(self, gbps: float | None) -> None:
-        self._get([a.__ray_call__.remote(B.set_cap, gbps) for a in self.trainers + self.engines]
-                  + [t.__ray_call__.remote(B.set_simnic_cap, gbps) for t in self.trainers])
-
-    def nic_bytes(self) -> list[dict[str, int]]:
-        return self._get([a.__ray_call__.remote(B.nic_bytes) for a in self.trainers[:1]
-                          + self.engines])
-
-    def refs(self, design: str) -> list[Any]:
-        """Start one update of ``design`` on every actor."""
-        t, e = self.trainers, self.engines
-        if design == "rank0":
-            plist = [p[:3] for p in self.params]
-            return ([x.__ray_call__.remote(B.trainer_rank0) for x in t]
-                    + [x.__ray_call__.remote(B.engine_rank0, plist) for x in e])
-        if design == "bucketed":
-            return ([x.__ray_call__.remote(B.trainer_bucketed, self.buckets) for x in t]
-                    + [x.__ray_call__.remote(B.engine_bucketed, self.buckets) for x in e])
-        if design == "rpc":
-            return [x.__ray_call__.remote(B.trainer_rpc, e, self.timeout_s) for x in t]
-        if design == "gather_only":
-            return [x.__ray_call__.remote(B.trainer_gather_only) for x in t]
-        raise ValueError(f"unknown design {design!r}")
-
-    def update(self, design: str) -> float:
-        self._get([e.__ray_call__.remote(B.engine_zero) for e in self.engines])
-        start = time.perf_counter()
-        if design == "p2p":
-            self.version += 1
-            self.last_report = self.fleet.controller.update(self.version)
-        else:
-            self._get(self.refs(design))
-        return time.perf_counter() - start
-
-    def verify(self) -> list[str]:
-        got = {f"{name}/tp{r}": d for name, actors in self.fleet.replicas.items()
-               for r, d in enumerate(self._get([a.__ray_call__.remote(_engine_digests)
-                                                for a in actors]))}
-        return byte_problems(self.want, got)
-
-
-def busiest_nic_bytes(bench: Bench, design: str, before: list, after: list) -> int:
+def busiest_nic_bytes(bench: DesignBench, design: str, before: list, after: list) -> int:
     """Bytes through the busiest NIC (either direction) in one update of ``design``."""
     if design == "p2p":
         s = bench.fleet.controller.summary
@@ -169,7 +109,7 @@ def busiest_nic_bytes(bench: Bench, design: str, before: list, after: list) -> i
                                                                         strict=True))
 
 
-def run_pass(bench: Bench, designs: list[str], updates: int, cap: float | None,
+def run_pass(bench: DesignBench, designs: list[str], updates: int, cap: float | None,
              console: Any) -> dict[str, Any]:
     """``updates`` rounds, each design once per round (interleaved, so a change of the
     machine's load hits every design alike); each design verified after its last update."""
@@ -199,7 +139,8 @@ def run_pass(bench: Bench, designs: list[str], updates: int, cap: float | None,
     return {d: out[d] for d in designs if d in out}
 
 
-def _verified(bench: Bench, design: str, seconds: list[float], busiest: int) -> dict[str, Any]:
+def _verified(bench: DesignBench, design: str, seconds: list[float],
+              busiest: int) -> dict[str, Any]:
     problems = bench.verify()
     out = {"ok": not problems, "problems": problems, "seconds": seconds,
            "median_s": statistics.median(seconds), "busiest_nic_bytes": busiest}
@@ -208,20 +149,7 @@ def _verified(bench: Bench, design: str, seconds: list[float], busiest: int) -> 
     return out
 
 
-def p2p_binding(r: dict[str, Any]) -> dict[str, Any] | None:
-    """Which of ours binds, from its slowest rank's busy seconds: the link (``write``) or
-    the CPU path (``prepare``: gathers, cuts and casts on this host's cores)."""
-    stages = r.get("stages_s")
-    if not stages:
-        return None
-    write, prepare = stages.get("write", 0.0), stages.get("prepare", 0.0)
-    what = "link" if write >= prepare else "cpu"
-    return {"binding": what, "write_busy_s": write, "prepare_busy_s": prepare,
-            "line": f"ours: write busy {write:.3f} s, prepare busy {prepare:.3f} s "
-                    f"(slowest rank, last update) -> the {what} binds"}
-
-
-def gather_floor(bench: Bench, updates: int) -> float:
+def gather_floor(bench: DesignBench, updates: int) -> float:
     """Median seconds of gathering every parameter on every trainer rank, sending nothing:
     the part every design here shares (``full_tensor()`` over gloo between CPU actors)."""
     return statistics.median(bench.update("gather_only") for _ in range(updates))
@@ -234,100 +162,96 @@ def lower_bound_bytes(fleet: Any) -> int:
                -(-s.bytes_total // max(1, len(s.send_nic_bytes))))
 
 
-def table_of(results: dict, total: int, rate: float, bound_s: float, title: str) -> Table:
-    table = Table(title=title)
-    for col in ("design", "median s", "GB/s", "x ours", "own NIC bound s", "verified"):
-        table.add_column(col, justify="right")
-    ours = results.get("p2p", {}).get("median_s")
-    for design, r in results.items():
-        if "median_s" not in r:
-            table.add_row(design, "-", "-", "-", "-", f"[red]no[/] ({r.get('error', '')[:60]})")
-            continue
-        ratio = f"{r['median_s'] / ours:.2f}" if ours else "-"
-        table.add_row(design, f"{r['median_s']:.3f}", f"{total / r['median_s'] / 1e9:.3f}",
-                      ratio, f"{r['busiest_nic_bytes'] / rate:.3f}",
-                      "yes" if r["ok"] else "[red]FAILED[/]")
-    table.caption = f"lower bound {bound_s:.3f} s"
-    return table
-
-
-def draw_png(doc: dict, path: Path) -> None:
-    from scripts.plots import import_pyplot
-
-    plt = import_pyplot()
-    passes = [k for k in ("caps_on", "caps_off") if k in doc["passes"]]
-    fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)
-    for ax, key in zip(axes[0], passes, strict=True):
-        p = doc["passes"][key]
-        names = [d for d, r in p["results"].items() if "median_s" in r]
-        ax.bar(names, [p["results"][d]["median_s"] for d in names],
-               color=["tab:green" if d == "p2p" else "tab:gray" for d in names])
-        ax.axhline(p["lower_bound_s"], color="tab:red", ls="--", label="lower bound")
-        if "gather_only_s" in p:
-            ax.axhline(p["gather_only_s"], color="tab:blue", ls=":",
-                       label="gather only (shared by all)")
-        ax.set_ylabel("median seconds per update")
-        ax.set_title(f"{doc['model']}: {key.replace('_', ' ')}")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _run_config(config: Path, model: Path | None, cap: float | None) -> Any:
+def _run_config(config: Path, model: Path | None, cap: float | None, engine: str) -> Any:
     data = load_run_config(config).model_dump(by_alias=True)
     if model is not None:
         data["model"] = str(model)
+    data["engine"] = engine
     data["transfer"]["transport"] = "simnic"
     data["transfer"]["simnic"]["bandwidth_gbps"] = cap
     return parse_run_config(data, source=f"{config} (wt bench designs)")
 
 
-def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int, designs: str,
-        bucket: str, caps_off: bool, timeout_s: float, json_path: Path | None,
-        png: Path | None) -> int:
-    console = command_console(json_path)
-    chosen = [d.strip() for d in designs.split(",") if d.strip()]
+# engine -> (module with start_fleet, module with the bench, its class)
+ENGINES = {"reference": ("scripts.demo", "scripts.bench_designs_fleet", "ReferenceBench"),
+           "vllm": ("scripts.demo_vllm", "scripts.bench_designs_vllm", "VllmBench")}
+
+
+def _bench_class(engine: str) -> tuple[Any, type[DesignBench]]:
+    """(start_fleet, the bench class) of ``engine``."""
+    fleet_mod, bench_mod, cls = ENGINES[engine]
+    return (importlib.import_module(fleet_mod).start_fleet,
+            getattr(importlib.import_module(bench_mod), cls))
+
+
+def _check_args(console: Any, engine: str, chosen: list[str], designs: str,
+                png: Path | None) -> bool:
     bad = sorted(set(chosen) - set(DESIGNS))
+    if engine not in ENGINES:
+        console.print(f"[bold red]error:[/] --engine {engine!r}: choose from "
+                      f"{', '.join(ENGINES)}")
+        return False
     if bad or "p2p" not in chosen:
         console.print(f"[bold red]error:[/] --designs {designs!r}: unknown {bad} or no p2p "
                       f"(choose from {', '.join(DESIGNS)}; p2p is the reference)")
-        return 2
+        return False
     if png is not None:
         from scripts.plots import MissingExtraError, import_pyplot
         try:
             import_pyplot()
         except MissingExtraError as exc:
             console.print(f"[bold red]error:[/] {exc}")
-            return 2
-    run_cfg = _run_config(config, model, nic_gbps)
+            return False
+    return True
+
+
+def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float,
+            caps_off: bool, console: Any) -> dict[str, Any]:
+    """Every pass (caps on; caps off too with ``caps_off``) on a running bench; the
+    results document without its top-level summary."""
+    fleet = bench.fleet
+    mem = memcpy_gbps()
+    total, bound_bytes = fleet.controller.summary.bytes_total, lower_bound_bytes(fleet)
+    doc: dict[str, Any] = {"engine": bench.engine, "model": fleet.config.model.name,
+                           "bytes": total, "nic_gbps": nic_gbps, "memcpy_gbps": mem,
+                           "updates": updates, "passes": {}}
+    for key, cap, rate in (("caps_on", nic_gbps, nic_gbps * 1e9),
+                           ("caps_off", None, mem * 1e9))[: 2 if caps_off else 1]:
+        results = run_pass(bench, chosen, updates, cap, console)
+        floor = gather_floor(bench, updates)
+        doc["passes"][key] = {"results": results, "lower_bound_s": bound_bytes / rate,
+                              "bound": "NIC cap" if cap else "memcpy",
+                              "gather_only_s": floor}
+        console.print(f"gather only (every design's trainer-side floor): {floor:.3f} s")
+        binding = p2p_binding(results.get("p2p", {}))
+        if binding is not None:
+            doc["passes"][key]["p2p_binding"] = binding
+            console.print(binding["line"])
+        console.print(table_of(results, total, rate, bound_bytes / rate,
+                               f"{doc['model']} ({bench.engine} engine), {total / 1e9:.3f} GB "
+                               f"per update, {key.replace('_', ' ')}"))
+    return doc
+
+
+def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int, designs: str,
+        bucket: str, caps_off: bool, timeout_s: float, json_path: Path | None,
+        png: Path | None, engine: str = "reference") -> int:
+    console = command_console(json_path)
+    chosen = [d.strip() for d in designs.split(",") if d.strip()]
+    if not _check_args(console, engine, chosen, designs, png):
+        return 2
+    start_fleet, bench_cls = _bench_class(engine)
+    run_cfg = _run_config(config, model, nic_gbps, engine)
     started = connect_ray(run_cfg)
-    fleet = None
+    fleet = bench = None
     try:
         fleet = start_fleet(run_cfg)
         console.print(fleet.describe())
-        bench = Bench(fleet, parse_size(bucket), timeout_s)
-        mem = memcpy_gbps()
-        total, bound_bytes = fleet.controller.summary.bytes_total, lower_bound_bytes(fleet)
-        doc: dict[str, Any] = {"model": fleet.config.model.name, "bytes": total,
-                               "nic_gbps": nic_gbps, "memcpy_gbps": mem, "updates": updates,
-                               "passes": {}}
-        for key, cap, rate in (("caps_on", nic_gbps, nic_gbps * 1e9),
-                               ("caps_off", None, mem * 1e9))[: 2 if caps_off else 1]:
-            results = run_pass(bench, chosen, updates, cap, console)
-            floor = gather_floor(bench, updates)
-            doc["passes"][key] = {"results": results, "lower_bound_s": bound_bytes / rate,
-                                  "bound": "NIC cap" if cap else "memcpy",
-                                  "gather_only_s": floor}
-            console.print(f"gather only (every design's trainer-side floor): {floor:.3f} s")
-            binding = p2p_binding(results.get("p2p", {}))
-            if binding is not None:
-                doc["passes"][key]["p2p_binding"] = binding
-                console.print(binding["line"])
-            console.print(table_of(results, total, rate, bound_bytes / rate,
-                                   f"{doc['model']}, {total / 1e9:.3f} GB per update, "
-                                   f"{key.replace('_', ' ')}"))
+        bench = bench_cls(fleet, parse_size(bucket), timeout_s)
+        doc = measure(bench, chosen, updates, nic_gbps, caps_off, console)
     finally:
+        if bench is not None:
+            bench.close()
         if fleet is not None:
             fleet.close()
         if started:

@@ -181,7 +181,10 @@ def bench_staging(
 def bench_designs(
     model: Path | None = typer.Option(
         Path("configs/models/bench_dense.yaml"), help="Model YAML (>= 0.5 GB for the table)."),
-    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    config: Path | None = typer.Option(
+        None, help="Run config (actors) [configs/runs/demo.yaml; "
+                   "configs/runs/bench_vllm.yaml with --engine vllm]."),
+    engine: str = typer.Option("reference", help="Inference engine: reference or vllm."),
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
@@ -195,9 +198,12 @@ def bench_designs(
     """Ours (p2p) beside rank-0 broadcast, per-tensor RPC and bucketed broadcast, verified."""
     from scripts.bench_designs import run
 
+    if config is None:
+        config = Path("configs/runs/bench_vllm.yaml" if engine == "vllm"
+                      else "configs/runs/demo.yaml")
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,
-                         timeout_s=timeout_s, json_path=json_path, png=png))
+                         timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))
 
 
 @bench_app.command("integrity")
