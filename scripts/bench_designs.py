@@ -73,10 +73,13 @@ DESIGNS = ("p2p", "rank0", "rpc", "bucketed", "rdt")
 RDT_PROBE_TIMEOUT_S = 30.0
 
 
-def rdt_outcome(timeout_s: float = RDT_PROBE_TIMEOUT_S) -> dict[str, Any]:
+def rdt_outcome(timeout_s: float | None = None) -> dict[str, Any]:
     """``rdt``: one bounded probe of Ray Direct Transport (:mod:`actors.rdt_probe`); the
-    design itself would need RDT methods on the library's actors, which it does not have."""
+    design itself would need RDT methods on the library's actors, which it does not have.
+    ``timeout_s`` defaults to :data:`RDT_PROBE_TIMEOUT_S`."""
     from actors.rdt_probe import probe_rdt
+
+    timeout_s = RDT_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
 
     probe = probe_rdt(64 << 20, timeout_s)
     if probe["ok"]:
