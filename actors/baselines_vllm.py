@@ -124,29 +124,17 @@ def _repacked_layers(worker: Any) -> dict[torch.nn.Module, dict[str, torch.Tenso
 def worker_enter(worker: Any) -> int:
     """Put the repacked layers into loading format on their registered memory (step 2 of
     the module docstring); returns how many layers."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _get_original_loader,
-        get_layerwise_info,
-    )
-    from vllm.model_executor.model_loader.reload.meta import (
-        materialize_layer,
-        restore_layer_on_meta,
-    )
-    from vllm.model_executor.model_loader.reload.utils import (
-        get_layer_params_buffers,
-        get_layer_tensors,
-    )
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    from weight_transfer.engines.vllm.memory import loading_format
 
     if _LOADING:
         raise RuntimeError("vLLM worker: worker_enter twice without worker_leave")
     layers = _repacked_layers(worker)
     with torch.no_grad():
         for layer, views in layers.items():
-            info = get_layerwise_info(layer)
-            info.kernel_tensors = get_layer_params_buffers(layer)
-            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
-            restore_layer_on_meta(layer, info)
-            materialize_layer(layer, info)
+            loading_format(layer)
             for t in get_layer_tensors(layer).values():  # vLLM's loaders, not the
                 if hasattr(t, "weight_loader"):  # layerwise wrappers recording left
                     t.weight_loader = _get_original_loader(t)

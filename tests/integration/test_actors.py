@@ -23,8 +23,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
+from testkit.engine_bytes import engine_mismatches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,22 +50,9 @@ def train(trainers, step: int) -> float:
     return losses[0]
 
 
-def full_state(trainers):
-    return ray.get([t.full_state_dict.remote() for t in trainers])[0]
-
-
 def mismatches(cfg, trainers, replicas, *, fp8=False):
     """Engine tensors whose bytes differ from the reference layout of the trainer's weights."""
-    state, bad = full_state(trainers), []
-    for rep in replicas:
-        for actor in rep:
-            meta = ray.get(actor.wt_engine_meta.remote())
-            got = ray.get(actor.engine_state_bytes.remote())
-            want = load_engine_shard(cfg.model, state, meta.shard, fp8=fp8)
-            assert set(got) == set(want)
-            bad += [(meta.replica, meta.rank, n) for n in want
-                    if not torch.equal(got[n], as_bytes(want[n]).reshape(-1))]
-    return bad
+    return engine_mismatches(cfg.model, trainers, replicas, fp8=fp8)
 
 
 def generations(replicas, n=6):

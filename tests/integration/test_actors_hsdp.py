@@ -19,9 +19,8 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from reference.loader import load_engine_shard
 from scheduling.config_metadata import trainer_meta_from_config
-from weight_transfer.prepare import as_bytes
+from testkit.engine_bytes import engine_mismatches
 from weight_transfer.types import Placement
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -69,13 +68,5 @@ def test_update_after_a_step_lands_the_reference_bytes(env):
     assert report.bytes == summary.bytes_total
     # coalesced buckets ran: some pipeline item holds several parameters ("name (+n)")
     assert any("(+" in s.key for r in report.trace.ranks for s in r.spans)
-    state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    for rep in replicas:
-        for actor in rep:
-            meta = ray.get(actor.wt_engine_meta.remote())
-            got = ray.get(actor.engine_state_bytes.remote())
-            want = load_engine_shard(cfg.model, state, meta.shard, fp8=False)
-            assert set(got) == set(want)
-            bad = [n for n, w in want.items() if not torch.equal(got[n], as_bytes(w).reshape(-1))]
-            assert not bad, (meta.replica, meta.rank, bad)
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
     assert ctl.weights_version() == {"engine0": 1, "engine1": 1}

@@ -16,8 +16,7 @@ import torch
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.trainer_model import make_optimizer, sequence_loss
 from reference.hf_model import build_hf_model
-from reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
+from testkit.engine_bytes import engine_mismatches
 from weight_transfer.types import Placement
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -83,13 +82,7 @@ def test_updates_land_exact_bytes_and_generations(env):
                                generator=torch.Generator().manual_seed(10 + version))
         ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
         assert ctl.update(version).bytes == summary.bytes_total
-        state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-        for rep in replicas:
-            for actor in rep:
-                meta = ray.get(actor.wt_engine_meta.remote())
-                got = ray.get(actor.engine_state_bytes.remote())
-                want = load_engine_shard(cfg.model, state, meta.shard, fp8=False)
-                assert all(torch.equal(got[n], as_bytes(w).reshape(-1)) for n, w in want.items())
+        assert engine_mismatches(cfg.model, trainers, replicas) == []
         want = ray.get([t.reference_generate.remote(PROMPTS, 5) for t in trainers])[0]
         assert [ray.get([a.generate.remote(PROMPTS, 5) for a in rep])[0]
                 for rep in replicas] == [want, want]

@@ -21,10 +21,9 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from reference.loader import load_engine_shard
 from scripts import demo
 from scripts.demo import LOCAL_NODE_IP, run_cli
-from weight_transfer.prepare import as_bytes
+from testkit.engine_bytes import engine_mismatches
 from weight_transfer.transport.mooncake import load_engine_class
 
 try:
@@ -75,18 +74,6 @@ def test_wt_demo_over_mooncake_is_byte_exact_and_generates_the_trainers_tokens(
     assert kinds == [["mooncake"] * 8] * 2  # 4 trainer ranks + 4 engine ranks, each update
 
 
-def _mismatches(cfg, trainers, replicas):
-    state, bad = ray.get([t.full_state_dict.remote() for t in trainers])[0], []
-    for rep in replicas:
-        for actor in rep:
-            meta = ray.get(actor.wt_engine_meta.remote())
-            got = ray.get(actor.engine_state_bytes.remote())
-            want = load_engine_shard(cfg.model, state, meta.shard, fp8=False)
-            bad += [(meta.replica, meta.rank, n) for n in want
-                    if not torch.equal(got[n], as_bytes(want[n]).reshape(-1))]
-    return bad
-
-
 def test_add_replica_over_mooncake_and_no_fault_injection(local_ray):
     cfg = dataclasses.replace(
         TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
@@ -98,15 +85,15 @@ def test_add_replica_over_mooncake_and_no_fault_injection(local_ray):
     tokens = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(3))
     ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
     assert ctl.update(1).bytes == summary.bytes_total
-    assert _mismatches(cfg, trainers, replicas) == []
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
     with pytest.raises(ray.exceptions.RayTaskError,
                        match=r"transport 'mooncake' cannot inject faults"):
         ray.get(trainers[0].wt_set_link.remote(False))
     (new,) = launch_engines(cfg, replicas=[2])
     assert ctl.add_replica(new) == "engine2"
     assert ctl.weights_version() == {"engine0": 1, "engine1": 1, "engine2": 1}
-    assert _mismatches(cfg, trainers, [new]) == []  # copied from engine0 over Mooncake
+    assert engine_mismatches(cfg.model, trainers, [new]) == []  # copied from engine0 over Mooncake
     ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
     assert ctl.update(2).bytes == ctl.summary.bytes_total == summary.bytes_total * 3 // 2
-    assert _mismatches(cfg, trainers, [*replicas, new]) == []
+    assert engine_mismatches(cfg.model, trainers, [*replicas, new]) == []
     ctl.shutdown()

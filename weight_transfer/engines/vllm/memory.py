@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -74,26 +75,35 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def reprocess(layers: dict[torch.nn.Module, dict[str, torch.Tensor]]) -> None:
-    """Run vLLM's post-load processing of ``layers`` on their arena views (see the module
-    docstring); the kernel tensors keep their storage."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _copy_and_restore_kernel_tensors,
-        get_layerwise_info,
-    )
+def loading_format(layer: torch.nn.Module) -> Any:
+    """Put a processed layer back into vLLM's loading format (its layerwise reload:
+    parameters as ``load_weights`` fills them); returns vLLM's layerwise info, which
+    keeps the kernel tensors and their storage for the way back."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import (
         materialize_layer,
         restore_layer_on_meta,
     )
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 
+    info = get_layerwise_info(layer)
+    info.kernel_tensors = get_layer_params_buffers(layer)
+    info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+    restore_layer_on_meta(layer, info)
+    materialize_layer(layer, info)
+    return info
+
+
+def reprocess(layers: dict[torch.nn.Module, dict[str, torch.Tensor]]) -> None:
+    """Run vLLM's post-load processing of ``layers`` on their arena views (see the module
+    docstring); the kernel tensors keep their storage."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _copy_and_restore_kernel_tensors,
+    )
+
     with torch.no_grad():
         for layer, views in layers.items():
-            info = get_layerwise_info(layer)
-            info.kernel_tensors = get_layer_params_buffers(layer)
-            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
-            restore_layer_on_meta(layer, info)
-            materialize_layer(layer, info)
+            info = loading_format(layer)
             for pname, view in views.items():
                 getattr(layer, pname).data.copy_(view)
             _process(layer)
