@@ -44,7 +44,10 @@ def engine(tmp_path_factory):
     metas = link.setup(SetupRequest(replica="engine0", nics=((ENIC,),),
                                     transport=DEFAULT_TRANSPORT))
     yield link, metas[0], new_model, new_path
-    link.close()
+    try:
+        link.close()
+    finally:  # vLLM's processes stop here, not in finalizers at interpreter exit
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_layout_is_recorded_from_vllm(engine):
