@@ -18,6 +18,7 @@ The vLLM engine's subclass is :class:`scripts.bench_designs_vllm.VllmBench`.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import ray
@@ -28,7 +29,7 @@ from scripts.demo_checks import byte_problems
 from scripts.demo_verify import _engine_digests, _trainer_digests
 
 
-class DesignBench:
+class DesignBench(ABC):
     """The running fleet and the baselines' set-up on it (engine-independent part)."""
 
     engine = "base"
@@ -53,26 +54,33 @@ class DesignBench:
 
     # ---------------------------------------------------------------- engine hooks
 
+    @abstractmethod
     def prepare_engines(self, expert_naming: str) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def join_engines(self, host: str, port: int, size: int) -> list[Any]:
         """Refs of every engine rank joining the broadcast group (ranks 1 ... size-1)."""
         raise NotImplementedError
 
+    @abstractmethod
     def engine_cap_refs(self, gbps: float | None) -> list[Any]:
         raise NotImplementedError
 
+    @abstractmethod
     def engine_nic_bytes(self) -> list[dict[str, int]]:
         raise NotImplementedError
 
+    @abstractmethod
     def zero_engines(self) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def engine_refs(self, design: str) -> list[Any]:
         """Start the engine side of one update of ``design`` (none for ``rpc``)."""
         raise NotImplementedError
 
+    @abstractmethod
     def rpc_refs(self) -> list[Any]:
         raise NotImplementedError
 
@@ -80,6 +88,7 @@ class DesignBench:
         """One update of a baseline design, waited for."""
         self._get(self.refs(design))
 
+    @abstractmethod
     def verify(self) -> list[str]:
         raise NotImplementedError
 
@@ -122,7 +131,7 @@ class DesignBench:
             self.baseline_update(design)
         return time.perf_counter() - start
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook: nothing to release by default)
         """Release what the bench holds beyond the fleet (nothing by default)."""
 
 
