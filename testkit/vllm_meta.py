@@ -95,6 +95,10 @@ def _rank_check(rank: int, world: int, port: int, model_dir: str, model_yaml: st
 
     vc = _vllm_config(model_dir)
     bf16 = load_file(Path(model_dir) / "bf16.safetensors.src")
+    # vLLM's CPU worker names the shared-memory group of its communicator after the
+    # rendezvous port before it initializes; where the CPU extension offers that
+    # communicator, initialize_model_parallel reads the name, so set it the same way.
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}",
