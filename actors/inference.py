@@ -2,7 +2,7 @@
 ``InferenceActor``, a ready-made reference-engine rank that uses it.
 
 The engine is not modified: the mixin needs only an
-:class:`~reference.adapter.EngineAdapter` (the engine's weight
+:class:`~weight_transfer.engines.reference.adapter.EngineAdapter` (the engine's weight
 buffers, and pause/resume hooks)::
 
     class MyRollout(InferenceMixin):
@@ -29,7 +29,7 @@ the same way (a new replica fetches a version from a peer). After an update the
 controller may ask ``wt_checksum(ranges)``: the checksums of written ranges of the
 registered memory, to compare with the trainers' (:mod:`actors.integrity_check`).
 
-``InferenceActor`` holds a :class:`~reference.engine.ReferenceEngine`
+``InferenceActor`` holds a :class:`~weight_transfer.engines.reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
 offers ``generate`` and ``logits`` (every TP rank of the replica calls together).
 """
@@ -333,8 +333,8 @@ class InferenceWorker(InferenceMixin, GroupMember):
 
     def init_rank(self, host: str, port: int) -> str:
         """Join the replica's gloo group, build the engine; returns this rank's node id."""
-        from reference.adapter import ReferenceEngineAdapter
-        from reference.engine import ReferenceEngine
+        from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
+        from weight_transfer.engines.reference.engine import ReferenceEngine
 
         if self._store is None:
             self._store = connect_store(host, port, timeout_s=self.config.setup_timeout_s)

@@ -27,7 +27,8 @@ only; other transports refuse with a ``TypeError`` naming the transport).
 joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
 ``train_step`` (a real AdamW step), ``reference_generate`` and
 ``reference_logits`` (every rank calls; rank 0 answers). Only those code paths
-import transformers (through :mod:`reference.hf_model`), on first use: a user's
+import transformers (through :mod:`weight_transfer.engines.reference.hf_model`), on
+first use: a user's
 trainer that inherits the mixin does not pay for it.
 """
 
@@ -317,7 +318,9 @@ class TrainerWorker(TrainerMixin, GroupMember):
         if self.rank != 0:
             return None
         if self._ref is None:
-            from reference.hf_model import build_hf_model  # transformers, on first use
+            from weight_transfer.engines.reference.hf_model import (
+                build_hf_model,  # transformers, on first use
+            )
 
             self._ref = build_hf_model(self.config.model, seed=self.config.seed)
         self._ref.load_state_dict(full)
@@ -330,14 +333,18 @@ class TrainerWorker(TrainerMixin, GroupMember):
 
     def reference_generate(self, prompts: list[list[int]], max_new_tokens: int):
         """Greedy generations of the trainer's current weights (rank 0 answers)."""
-        from reference.hf_model import greedy_generate  # transformers, on first use
+        from weight_transfer.engines.reference.hf_model import (
+            greedy_generate,  # transformers, on first use
+        )
 
         ref = self._reference_model()
         return None if ref is None else greedy_generate(ref, prompts, max_new_tokens)
 
     def reference_logits(self, ids: Any) -> torch.Tensor | None:
         """Float32 logits [B, T, vocab] of the trainer's current weights (rank 0 answers)."""
-        from reference.hf_model import float_logits  # transformers, on first use
+        from weight_transfer.engines.reference.hf_model import (
+            float_logits,  # transformers, on first use
+        )
 
         ref = self._reference_model()
         return None if ref is None else float_logits(ref, torch.as_tensor(ids, dtype=torch.long))

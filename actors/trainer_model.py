@@ -97,7 +97,9 @@ def dense_device_mesh(cluster: ClusterConfig) -> DeviceMesh:
 
 def build_sharded_model(cfg: ModelConfig, cluster: ClusterConfig, *, seed: int) -> nn.Module:
     """The seeded transformers model sharded over the cluster's trainer meshes (gloo, CPU)."""
-    from reference.hf_model import build_hf_model  # transformers: only this builder needs it
+    from weight_transfer.engines.reference.hf_model import (
+        build_hf_model,  # transformers: only this builder needs it
+    )
 
     model = build_hf_model(cfg, seed=seed)
     mesh = dense_device_mesh(cluster)

@@ -148,7 +148,7 @@ class SimConfig(_Strict):
         default=None, gt=0, description="cut/cast copies into staging, GB/s per rank")
     watermark_bytes: int = Field(
         default=1 << 30, ge=1, description="temporary bytes in flight per rank (executor)")
-    # Fixed costs the executor pays whatever the bytes (scripts/calibrate.py measures them).
+    # Fixed costs the executor pays whatever the bytes (actors/bench/calibrate.py measures them).
     param_overhead_us: float = Field(
         default=0.0, ge=0,
         description="per parameter and rank: a pipeline item's Python cost and its gather call")

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from testkit.harness import RemoteTarget
+from actors.testing.harness import RemoteTarget
 from weight_transfer.transport.simnic import SimNic
 
 if os.environ.get("WT_TEST_HIDE_PYVERBS") == "1":
@@ -83,7 +83,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if needs_device and (why := rdma_device_missing()) is not None:
         pytest.skip(f"no RDMA device: {why}")
     if item.get_closest_marker("vllm") is not None:
-        from testkit.vllm_oracle import vllm_missing
+        from actors.testing.vllm_oracle import vllm_missing
 
         if (why := vllm_missing()) is not None:
             pytest.skip(why)

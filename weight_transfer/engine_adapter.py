@@ -13,7 +13,8 @@ half-written version::
     ...                  # remote WRITEs land in the engine's buffer
     adapter.resume()     # generation continues with the new weights
 
-``reference.adapter.ReferenceEngineAdapter`` implements it for the reference engine.
+``weight_transfer.engines.reference.adapter.ReferenceEngineAdapter`` implements it for the
+reference engine.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Each architecture module spells its own names (Mixtral's checkpoint:
 :class:`TrainerParamSpec` is a :class:`~weight_transfer.types.TensorSpec` with
 the decoder ``layer`` and, under per_expert naming, the ``expert``. Seeded
 random weights of a tiny config for tests and the demo are in
-:mod:`reference.random_state`.
+:mod:`weight_transfer.engines.reference.random_state`.
 """
 
 from __future__ import annotations

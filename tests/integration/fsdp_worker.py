@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from reference.random_state import random_state_dict
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import param_metas_from_module
 from weight_transfer.models import load_model_config

@@ -23,7 +23,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from testkit.engine_bytes import engine_mismatches
+from actors.testing.engine_bytes import engine_mismatches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

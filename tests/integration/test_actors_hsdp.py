@@ -19,8 +19,8 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors.testing.engine_bytes import engine_mismatches
 from scheduling.config_metadata import trainer_meta_from_config
-from testkit.engine_bytes import engine_mismatches
 from weight_transfer.types import Placement
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

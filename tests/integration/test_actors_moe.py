@@ -14,9 +14,9 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors.testing.engine_bytes import engine_mismatches
 from actors.trainer_model import make_optimizer, sequence_loss
-from reference.hf_model import build_hf_model
-from testkit.engine_bytes import engine_mismatches
+from weight_transfer.engines.reference.hf_model import build_hf_model
 from weight_transfer.types import Placement
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

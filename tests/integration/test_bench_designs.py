@@ -12,9 +12,9 @@ import math
 
 import pytest
 
-import scripts.bench_designs as bench_designs
-from scripts.bench_designs import run
-from scripts.run_config import ROOT
+import actors.bench.designs as bench_designs
+from actors.bench.designs import run
+from actors.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

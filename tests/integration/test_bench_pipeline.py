@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.bench.pipeline import run
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scripts.bench_pipeline import run
 from weight_transfer.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]

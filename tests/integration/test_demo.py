@@ -18,9 +18,9 @@ import sys
 import pytest
 import ray
 
-from scripts.demo import LOCAL_NODE_IP, run_job
-from scripts.demo_checks import STAGES
-from scripts.run_config import ROOT, load_run_config
+from actors.demo.checks import STAGES
+from actors.demo.fleet import LOCAL_NODE_IP, run_job
+from actors.run_config import ROOT, load_run_config
 from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import read_chrome_trace
@@ -62,7 +62,7 @@ def _check_common(doc, *, fp8, updates):
         assert u["checks"]["weights_version"] == {"engine0": u["version"],
                                                   "engine1": u["version"]}
         assert math.isfinite(u["checks"]["train_loss"])
-        assert u["checks"]["oracle"] == "reference.loader"
+        assert u["checks"]["oracle"] == "weight_transfer.engines.reference.loader"
     later = doc["updates"][1:]
     assert all(u["checks"]["tensors_changed_since_previous"] > 0 for u in later)
 
@@ -112,7 +112,7 @@ def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path):
     out = tmp_path / "bad.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.cli", "demo", "--updates", "2",
+        [sys.executable, "-m", "actors.cli.main", "demo", "--updates", "2",
          "--corrupt-version", "1", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -21,9 +21,9 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from scripts import demo
-from scripts.demo import LOCAL_NODE_IP, run_cli
-from testkit.engine_bytes import engine_mismatches
+from actors.demo import fleet as demo
+from actors.demo.fleet import LOCAL_NODE_IP, run_cli
+from actors.testing.engine_bytes import engine_mismatches
 from weight_transfer.transport.mooncake import load_engine_class
 
 try:

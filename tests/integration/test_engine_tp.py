@@ -23,15 +23,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference.adapter import ReferenceEngineAdapter
-from reference.engine import ReferenceEngine
-from reference.hf_model import (
+from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
+from weight_transfer.engines.reference.engine import ReferenceEngine
+from weight_transfer.engines.reference.hf_model import (
     build_hf_model,
     float_logits,
     fp8_float_copy,
     greedy_generate,
 )
-from reference.loader import load_engine_shard
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.models import load_model_config
 from weight_transfer.types import ShardSpec
 

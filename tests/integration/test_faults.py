@@ -29,7 +29,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from reference.loader import load_engine_shard
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -251,8 +251,8 @@ def test_trainer_killed_mid_update_then_replaced(env):
 
 @pytest.fixture(scope="module")
 def fleet(env):
-    from scripts.demo import Fleet
-    from scripts.run_config import load_run_config
+    from actors.demo.fleet import Fleet
+    from actors.run_config import load_run_config
 
     ctl = env["ctl"]
     return Fleet(run=load_run_config(CONFIGS / "runs" / "demo.yaml"), config=env["cfg"],
@@ -261,7 +261,7 @@ def fleet(env):
 
 
 def test_wt_soak_nothing_grows(env, fleet, tmp_path):
-    from scripts import soak
+    from actors.demo import soak
 
     out = tmp_path / "soak.json"
     assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=20, json_path=out,
@@ -286,7 +286,7 @@ def ctl_versions(env):
 
 
 def test_wt_chaos_json(env, fleet, tmp_path):
-    from scripts import chaos
+    from actors.demo import chaos
 
     out = tmp_path / "chaos.json"
     faults = ["nic-link-down", "nic-transient-error", "region-revoked"]

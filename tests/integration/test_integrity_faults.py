@@ -26,7 +26,7 @@ import yaml
 from actors import TransferConfig, UpdateError, WeightTransferController
 from actors.audit import read_audit
 from actors.launch import launch_engines, launch_trainers
-from reference.loader import load_engine_shard
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.run_config import ROOT
+from actors.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BIN = Path(sys.executable).parent

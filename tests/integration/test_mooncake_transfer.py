@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from testkit.harness import GUARD_BYTE, RemoteTarget
+from actors.testing.harness import GUARD_BYTE, RemoteTarget
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError, make_transport
 from weight_transfer.transport.mooncake import load_engine_class
 

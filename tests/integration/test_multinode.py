@@ -19,9 +19,9 @@ from ray.cluster_utils import Cluster
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.placement import trainer_rank_infos
-from reference.loader import load_engine_shard
 from scheduling import load_cluster_config
 from scheduling.serialize import loads_plan
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

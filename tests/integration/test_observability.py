@@ -28,7 +28,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from scripts.demo import LOCAL_NODE_IP
+from actors.demo.fleet import LOCAL_NODE_IP
 from weight_transfer.trace import read_chrome_trace, timeline_of_trace
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -18,7 +18,7 @@ CLUSTER = ROOT / "configs/clusters/local_cpu.yaml"
 
 
 def wt(*args):
-    return subprocess.run([sys.executable, "-m", "scripts.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "actors.cli.main", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
 

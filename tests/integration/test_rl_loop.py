@@ -9,9 +9,9 @@ import pytest
 import ray
 from rich.console import Console
 
-from scripts.demo import LOCAL_NODE_IP
-from scripts.rl_loop import advantages_of, run_rl, toy_reward
-from scripts.run_config import RlConfig, load_run_config
+from actors.demo.fleet import LOCAL_NODE_IP
+from actors.demo.rl_loop import advantages_of, run_rl, toy_reward
+from actors.run_config import RlConfig, load_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

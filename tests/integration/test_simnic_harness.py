@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from testkit.harness import (
+from actors.testing.harness import (
     GUARD_BYTE,
     RemoteTarget,
     RemoteTargetError,

@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import torch
 
-from testkit.harness import GUARD_BYTE, RemoteTarget, proc_activity
+from actors.testing.harness import GUARD_BYTE, RemoteTarget, proc_activity
 from weight_transfer.transport.simnic import SimNic
 
 MiB = 1 << 20

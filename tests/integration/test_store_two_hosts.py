@@ -23,8 +23,8 @@ from ray.cluster_utils import Cluster
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.groups import GroupMember, connect_store
-from reference.loader import load_engine_shard
 from weight_transfer.barrier import StoreBarrier
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from fsdp_worker import run_rank  # tests/integration is on sys.path
 
-from reference.loader import load_engine_shard
-from reference.random_state import random_state_dict
+from actors.testing.harness import RemoteTarget
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.serialize import dumps_trainer_plan
-from testkit.harness import RemoteTarget
+from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import TrainerMeta

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.vllm_oracle import (
+from actors.testing.vllm_oracle import (
     compare_to_oracle,
     connect_link,
     oracle_load,
@@ -79,7 +79,7 @@ def test_recorded_layout_agrees_with_our_tables(engine):
 
 
 def test_update_by_one_sided_writes(engine):
-    from reference.hf_model import greedy_generate
+    from weight_transfer.engines.reference.hf_model import greedy_generate
 
     link, meta, model, path = engine
     nic = connect_link(link, meta, DEFAULT_TRANSPORT, trainer=TRAINER, nic=TNIC)

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from testkit.vllm_oracle import (
+from actors.testing.vllm_oracle import (
     compare_to_oracle,
     oracle_load,
     registered_tensors,
@@ -51,7 +51,7 @@ def env(tmp_path_factory):
 
 
 def _trainer_checkpoint(cfg, trainers, root, version):
-    from reference.hf_model import build_hf_model
+    from weight_transfer.engines.reference.hf_model import build_hf_model
 
     state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
     model = build_hf_model(cfg.model, seed=0, dtype=torch.float32)
@@ -62,8 +62,8 @@ def _trainer_checkpoint(cfg, trainers, root, version):
 
 
 def test_controller_updates_a_vllm_replica(env):
-    from reference.hf_model import build_hf_model, greedy_generate
     from scheduling.recorded import engine_table_differences
+    from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
 
     cfg, trainers, replicas, owners, ctl, root = env
     summary = ctl.setup()

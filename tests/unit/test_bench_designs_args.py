@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_designs import ENGINES, _bench_class, run
-from scripts.bench_designs_fleet import DesignBench, ReferenceBench
-from scripts.run_config import ROOT
+from actors.bench.designs import ENGINES, _bench_class, run
+from actors.bench.designs_fleet import DesignBench, ReferenceBench
+from actors.run_config import ROOT
 
 
 def _run(**kw):
@@ -31,7 +31,7 @@ def test_bad_arguments_exit_2_naming_the_option(kw, named, capsys):
 def test_each_engine_has_a_fleet_and_a_bench():
     assert set(ENGINES) == {"reference", "vllm"}
     start, cls = _bench_class("reference")
-    assert cls is ReferenceBench and start.__module__ == "scripts.demo"
+    assert cls is ReferenceBench and start.__module__ == "actors.demo.fleet"
     start, cls = _bench_class("vllm")
     assert issubclass(cls, DesignBench) and cls.engine == "vllm"
-    assert start.__module__ == "scripts.demo_vllm"
+    assert start.__module__ == "actors.demo.vllm_demo"

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from scripts.cli import app
-from scripts.progress import PhaseBars, command_console, emit_json, progress_bar, steps
-from scripts.run_config import ROOT
+from actors.cli.main import app
+from actors.cli.progress import PhaseBars, command_console, emit_json, progress_bar, steps
+from actors.run_config import ROOT
 from weight_transfer.pipeline import Span
 from weight_transfer.trace import RankTrace, UpdateTrace, write_chrome_trace
 

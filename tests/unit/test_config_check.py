@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from scripts.cli import app
-from scripts.config_cmd import check, detect_kind
-from scripts.run_config import ROOT
+from actors.cli.config_cmd import check, detect_kind
+from actors.cli.main import app
+from actors.run_config import ROOT
 
 CONFIGS = ROOT / "configs"
 runner = CliRunner()

@@ -8,9 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from reference.loader import load_engine_shard
-from reference.random_state import random_state_dict
-from scripts.demo_checks import (
+from actors.demo.checks import (
     UpdateCheck,
     byte_problems,
     expected_digests,
@@ -21,7 +19,9 @@ from scripts.demo_checks import (
     token_problems,
     write_json,
 )
-from scripts.run_config import ROOT
+from actors.run_config import ROOT
+from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import ShardSpec

@@ -27,12 +27,12 @@ CONFIG_MODELS = (
     "scheduling.cluster.TrainerCluster",
     "scheduling.cluster.InferenceCluster",
     "scheduling.cluster.SimConfig",
-    "scripts.run_config.RunConfig",
-    "scripts.run_config.TrainConfig",
-    "scripts.run_config.VerifyConfig",
-    "scripts.run_config.RayConfig",
-    "scripts.run_config.TransferConfig",
-    "scripts.run_config.RlConfig",
+    "actors.run_config.RunConfig",
+    "actors.run_config.TrainConfig",
+    "actors.run_config.VerifyConfig",
+    "actors.run_config.RayConfig",
+    "actors.run_config.TransferConfig",
+    "actors.run_config.RlConfig",
     "actors.config.TransferConfig",
 )
 

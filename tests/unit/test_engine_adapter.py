@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.adapter import ReferenceEngineAdapter
-from reference.engine import ReferenceEngine
-from reference.hf_model import build_hf_model, greedy_generate
-from reference.loader import load_engine_shard
 from weight_transfer.engine_adapter import EngineAdapter
+from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
+from weight_transfer.engines.reference.engine import ReferenceEngine
+from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.models import load_model_config
 from weight_transfer.types import ShardSpec
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.hf_model import (
+from weight_transfer.engines.reference.hf_model import (
     build_hf_model,
     expert_naming_of,
     float_logits,
     greedy_generate,
     hf_config,
 )
-from reference.random_state import random_state_dict
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.models import trainer_param_specs as specs_of
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.buffer import TENSOR_ALIGN, EngineBuffer, slot_layout
-from reference.engine import ReferenceEngine
-from reference.hf_model import (
+from weight_transfer.engine_layout import engine_tensor_specs
+from weight_transfer.engines.reference.buffer import TENSOR_ALIGN, EngineBuffer, slot_layout
+from weight_transfer.engines.reference.engine import ReferenceEngine
+from weight_transfer.engines.reference.hf_model import (
     build_hf_model,
     float_logits,
     fp8_float_copy,
     greedy_generate,
 )
-from reference.loader import load_engine_shard
-from weight_transfer.engine_layout import engine_tensor_specs
+from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.transport._vm import HUGE_PAGE_SIZE
 from weight_transfer.types import ShardSpec

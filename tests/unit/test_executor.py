@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.loader import load_engine_shard
-from reference.random_state import random_state_dict
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
+from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer, check_trainer_plan
 from weight_transfer.models import load_model_config
 from weight_transfer.pipeline import PipelineError

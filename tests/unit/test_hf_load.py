@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.loader import load_engine_shard
-from reference.random_state import random_state_dict
+from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import load_model_config
 from weight_transfer.quant import quantize_fp8_blocks
 from weight_transfer.types import ShardSpec

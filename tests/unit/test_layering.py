@@ -1,13 +1,14 @@
-"""The layering rule, read from the source: ``scripts -> actors -> scheduling -> weight_transfer``.
+"""The layering rule, read from the source: ``actors -> scheduling -> weight_transfer``.
 
 Every .py file of the project's packages is parsed with ``ast`` (imports inside
 functions included) into an import graph between project modules:
 
-- ``weight_transfer/`` (the core) imports no scheduling, actors, scripts,
-  reference or testkit, and no ``ray``;
-- ``scheduling/`` (pure planning) imports no actors, scripts, reference or
-  testkit, and no ``ray``, ``torch`` or ``transformers``;
-- ``actors/`` does not import ``scripts``;
+- ``weight_transfer/`` (the core) imports no scheduling or actors, and no ``ray``;
+- ``scheduling/`` (pure planning) imports no actors, and no ``ray``, ``torch`` or
+  ``transformers``;
+- the test scaffolding (``actors.testing``) is imported only by itself and by the
+  harnesses that verify what they run (``actors.bench``, ``actors.demo``), never by
+  the library;
 - no import cycle between project modules (imports under ``if TYPE_CHECKING:``
   do not run, so they count for the layers but not for cycles).
 
@@ -27,15 +28,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("weight_transfer", "scheduling", "actors", "reference", "testkit", "scripts")
+PACKAGES = ("weight_transfer", "scheduling", "actors")
 
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "weight_transfer": frozenset({"scheduling", "actors", "scripts", "reference", "testkit",
-                                  "ray"}),
-    "scheduling": frozenset({"actors", "scripts", "reference", "testkit", "ray", "torch",
-                             "transformers"}),
-    "actors": frozenset({"scripts"}),
+    "weight_transfer": frozenset({"scheduling", "actors", "ray"}),
+    "scheduling": frozenset({"actors", "ray", "torch", "transformers"}),
 }
+# Subpackages that may import the test scaffolding (actors.testing).
+TESTING_USERS = ("actors.testing", "actors.bench", "actors.demo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,8 @@ def project_target(target: str) -> str | None:
 def test_the_sources_are_found_and_parsed():
     modules = project_modules()
     for name in ("weight_transfer.transport.base", "scheduling.plan", "actors.controller",
-                 "reference.loader", "testkit.harness", "scripts.cli"):
+                 "weight_transfer.engines.reference.loader", "actors.testing.harness",
+                 "actors.cli.main"):
         assert name in modules, name
     graph = import_graph()
     assert {"ray", "actors.schedule_actor", "weight_transfer.types"} <= {
@@ -130,6 +131,22 @@ def test_layer_imports_nothing_above_it(layer):
         if i.importer.split(".")[0] == layer and i.target.split(".")[0] in FORBIDDEN[layer]
     ]
     assert not bad, f"{layer}/ may not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
+
+
+def test_only_harnesses_import_the_test_scaffolding():
+    bad = [
+        f"{ROOT.joinpath(*i.importer.split('.'))}: line {i.line} imports {i.target}"
+        for i in all_imports()
+        if (i.target == "actors.testing" or i.target.startswith("actors.testing."))
+        and not any(i.importer == u or i.importer.startswith(u + ".") for u in TESTING_USERS)
+    ]
+    assert not bad, "only " + ", ".join(TESTING_USERS) + " may import actors.testing:\n" + (
+        "\n".join(bad))
+
+
+def test_scripts_is_no_package():
+    assert not (ROOT / "scripts" / "__init__.py").exists()
+    assert not any(i.target.split(".")[0] == "scripts" for i in all_imports())
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -124,7 +124,7 @@ def test_one_tensor_record_for_every_kind_of_metadata():
     import dataclasses
     import pickle
 
-    from reference.buffer import TensorSlot
+    from weight_transfer.engines.reference.buffer import TensorSlot
     from weight_transfer.models import TrainerParamSpec
     from weight_transfer.types import EngineTensorMeta, ParamMeta, RegionDesc, TensorSpec
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.random_state import random_state_dict
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import (
     ModelConfig,
     load_model_config,

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.random_state import random_state_dict
 from weight_transfer.engine_layout import engine_pieces
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import piece_bytes, prepare_piece, prepare_pieces
 from weight_transfer.quant import quantize_fp8_blocks

@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from scripts.cli import app
+from actors.cli.main import app
 from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
 
 needs_no_device = pytest.mark.skipif(rdma_unavailable_reason() is None,

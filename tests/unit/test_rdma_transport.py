@@ -424,7 +424,7 @@ def test_close_releases_every_qp_and_mr(fabric):
 
 
 def test_selftest_loopback_on_the_model_device(monkeypatch, plain):
-    from scripts import selftest
+    from actors.cli import selftest
     from weight_transfer.transport import rdma
 
     fabric = Fabric(plain, max_msg_sz=MiB)

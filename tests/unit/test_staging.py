@@ -17,11 +17,11 @@ import torch
 from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 
 import weight_transfer.staging as staging
-from reference.loader import load_engine_shard
-from reference.random_state import random_state_dict
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer import executor
+from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into

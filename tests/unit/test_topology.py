@@ -16,6 +16,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from actors.cli.main import app
+from actors.cli.topology_cmd import EXIT_NO_HARDWARE, run
 from scheduling import load_cluster_config
 from scheduling.topology import (
     NoHardwareError,
@@ -27,8 +29,6 @@ from scheduling.topology import (
     read_host,
     shared_depth,
 )
-from scripts.cli import app
-from scripts.topology_cmd import EXIT_NO_HARDWARE, run
 
 GPU, NIC, BRIDGE, NVSWITCH = ("0x10de", "0x030200"), ("0x15b3", "0x020700"), \
     ("0x1000", "0x060400"), ("0x10de", "0x068000")

@@ -15,7 +15,7 @@ import pytest
 
 from actors.config import TransferConfig
 from actors.connections import Connector
-from scripts.run_config import parse_run_config
+from actors.run_config import parse_run_config
 from weight_transfer.transport import fault_injection, make_transport
 from weight_transfer.transport.handshake import HostId, reaches, unreachable_links
 from weight_transfer.transport.options import (
@@ -142,7 +142,7 @@ def test_the_run_yaml_chooses_the_transport_and_the_command_line_overrides_it():
 def test_wt_demo_refuses_an_unknown_transport_before_starting_anything():
     from typer.testing import CliRunner
 
-    from scripts.cli import app
+    from actors.cli.main import app
 
     result = CliRunner().invoke(app, ["demo", "--transport", "pigeon"])
     assert result.exit_code == 2

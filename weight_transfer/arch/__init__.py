@@ -18,7 +18,7 @@ To add an architecture:
 2. register it: a line in ``_BUILTIN`` below, or ``register_architecture(name,
    module, attribute)`` from outside the package;
 3. add a tiny ``configs/models/tiny_<name>.yaml`` and tests: names and shapes
-   against the transformers model, plans equal to ``reference.loader``, and
+   against the transformers model, plans equal to ``weight_transfer.engines.reference.loader``, and
    generations equal to the transformers model (see tests/unit/test_mixtral.py).
 
 Pure Python: neither this package nor its modules import torch or transformers.

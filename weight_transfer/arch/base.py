@@ -12,7 +12,7 @@ two RMSNorms - so a module overrides only what its family does differently::
     arch.hf_config_class, arch.hf_fields(cfg)   # for the trainer model builder
 
 Everything here is pure Python: the transformers config class is a name that
-``reference.hf_model`` resolves.
+``weight_transfer.engines.reference.hf_model`` resolves.
 """
 
 from __future__ import annotations

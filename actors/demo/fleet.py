@@ -1,0 +1,360 @@
+"""The main job: FSDP2 trainer actors -> TP inference replicas over the configured transport,
+verified.
+
+``wt demo``, ``scripts/launch.py`` (``ray job submit``) and the tests all run
+:func:`run_job`. One run:
+
+1. joins a Ray cluster (an address in the run config, ``RAY_ADDRESS``, or, for
+   ``launch.py``, a running local cluster) or starts a local instance;
+2. starts the trainer actors (one per rank of the cluster config, a seeded
+   transformers model sharded with FSDP2 over a gloo group) and the inference
+   replicas (reference-engine TP ranks, each buffer registered with its NIC of
+   the run's ``transfer.transport``: ``simnic`` by default, ``mooncake`` TCP with
+   ``wt demo --transport mooncake``, ``rdma``), then
+   ``WeightTransferController.setup()`` plans once and connects every NIC pair
+   both ways (a transport that cannot reach a peer fails here, naming them);
+3. per cycle ``v = 1..updates``: one AdamW step on the trainers, then
+   ``controller.update(v)``, then the checks of :mod:`actors.demo.verify`:
+   every engine tensor byte-equal to the reference layout of the trainer's
+   current weights (bf16 copies, or the reference FP8 quantization), greedy
+   generations equal to the trainer model's token for token (bf16), logits
+   within ``verify.fp8_logits_rel_tol`` of the trainer model's (FP8), every
+   replica at version ``v``. Checks move digests, tokens and logits only:
+   digests are computed inside the actors (``__ray_call__``), so no weights
+   cross Ray's object store, for the update or for its verification;
+4. prints a rich table per update, writes ``--json`` (``-``: standard output,
+   everything else to standard error) and ``--trace`` (a Chrome trace of every
+   update, :mod:`weight_transfer.trace`) and returns 0 only when every update
+   verified (the exit code of ``wt demo`` and of the job).
+
+Progress bars (:mod:`actors.cli.progress`) show the set-up and the updates on a
+terminal; logs and ``--json -`` get none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from actors.cli.progress import (
+    PhaseBars,
+    command_console,
+    emit_json,
+    json_to_stdout,
+    progress_bar,
+)
+from actors.demo.checks import UpdateCheck, render_table, summary, write_json
+from actors.demo.verify import check_bytes, corrupt_one_byte, first_answer, verify
+from actors.run_config import RunConfig, load_run_config
+from scheduling.cluster import load_cluster_config
+from weight_transfer.models import load_model_config
+from weight_transfer.trace import write_chrome_trace
+
+log = logging.getLogger(__name__)
+# A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
+# interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
+LOCAL_NODE_IP = "127.0.0.2"
+# Per engine, the module holding its ``start_fleet(run, progress)`` and
+# ``check_bytes(fleet, checks, problems, previous)`` (the reference engine's from
+# :mod:`actors.demo.verify`); imported on use.
+ENGINE_MODULES = {"reference": __name__, "vllm": "actors.demo.vllm_demo"}
+
+
+def engine_impl(engine: str, name: str) -> Callable:
+    """The demo's ``name`` function for ``engine`` (see ``ENGINE_MODULES``)."""
+    return getattr(importlib.import_module(ENGINE_MODULES[engine]), name)
+
+
+# ------------------------------------------------------------------------ Ray and actors
+
+
+def connect_ray(run: RunConfig, *, join_existing: bool = False) -> bool:
+    """Join or start Ray; True when this call connected (the caller disconnects).
+
+    An explicit ``ray.address`` wins, then ``RAY_ADDRESS``; ``join_existing``
+    joins a cluster started on this machine with ``ray start``; otherwise a
+    local instance of ``ray.num_cpus`` logical CPUs starts on loopback.
+    """
+    if ray.is_initialized():
+        return False
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+    address = run.ray.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
+    if address is None and join_existing and _local_cluster_running():
+        try:
+            ray.init(address="auto", **quiet)
+            return True
+        except ConnectionError as exc:  # a stale address file: start our own
+            log.warning("no Ray cluster at the last `ray start` address (%s); starting one", exc)
+    if address is not None:
+        ray.init(address=address, **quiet)
+    else:  # "local": a new instance even when another one runs on this machine
+        ray.init(address="local", num_cpus=run.ray.num_cpus, include_dashboard=False,
+                 _node_ip_address=LOCAL_NODE_IP, **quiet)
+    return True
+
+
+def _local_cluster_running() -> bool:
+    """A cluster started here with ``ray start`` (its address file exists)."""
+    from ray._private.services import find_bootstrap_address
+
+    return find_bootstrap_address(None) is not None
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The running job: actors, the controller and what the checks need to know."""
+
+    run: RunConfig
+    config: Any  # actors.TransferConfig
+    trainers: list[Any]
+    replicas: dict[str, list[Any]]
+    controller: Any
+    setup_seconds: float
+    engine: str = "reference"
+    owners: list[Any] = field(default_factory=list)  # actors owning the engines (vLLM)
+    workdir: Path | None = None  # checkpoints of the trainers' weights (vLLM), removed at close
+
+    @property
+    def engine_keys(self) -> dict[str, Any]:
+        """``{"<replica>/tp<rank>": ShardSpec}`` of every engine rank."""
+        cluster = self.config.cluster
+        return {f"{name}/tp{local}": cluster.engine_rank(i, local)[2]
+                for i, (name, actors) in enumerate(self.replicas.items())
+                for local in range(len(actors))}
+
+    def describe(self) -> str:
+        cfg, summary = self.config, self.controller.summary
+        return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
+                f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
+                f" over {cfg.transport_spec.describe()}"
+                f" ({self.engine_kind} engines); plan: {summary.num_tasks} "
+                f"writes, {summary.bytes_total / 1e6:.2f} MB, {summary.num_groups} mesh group(s);"
+                f" set up in {self.setup_seconds:.1f} s")
+
+    @property
+    def engine_kind(self) -> str:
+        dtype = "fp8" if self.config.engine_fp8 else "bf16"
+        return dtype if self.engine == "reference" else f"{self.engine}, float32"
+
+    def info(self) -> dict[str, Any]:
+        cfg, summary = self.config, self.controller.summary
+        return {"run": self.run.name, "engine": self.engine, "model": cfg.model.name,
+                "cluster": cfg.cluster.name, "fp8": cfg.engine_fp8,
+                "setup_seconds": self.setup_seconds,
+                "plan": {"bytes": summary.bytes_total, "tasks": summary.num_tasks,
+                         "mesh_groups": summary.num_groups}}
+
+    def close(self) -> None:
+        """Drop the controller, the actors and their placement groups."""
+        self.controller.shutdown()
+        actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
+        groups = {}
+        for actor in actors:
+            try:
+                pg = ray.get(actor.__ray_call__.remote(_placement_group), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as exc:  # dead: nothing to ask
+                log.warning("closing the demo: an actor did not answer: %s", exc)
+                continue
+            if pg is not None:
+                groups[pg.id] = pg
+        for owner in self.owners:  # stop the engines' own processes first
+            try:
+                ray.get(owner.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("closing the demo: an engine did not shut down: %s", exc)
+        for actor in [*actors, *self.owners]:
+            ray.kill(actor)
+        for pg in groups.values():
+            ray.util.remove_placement_group(pg)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def transfer_config(run: RunConfig, **overrides: Any) -> Any:
+    """The controller's ``TransferConfig`` of a run config; ``overrides``: fields set
+    otherwise than the run config says (``wt chaos``: a short ``update_timeout_s``, capped
+    NICs)."""
+    from actors import TransferConfig
+
+    fields = dict(
+        model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
+        fp8=run.fp8, seed=run.seed, lr=run.train.lr,
+        pause_during_update=run.transfer.pause_during_update,
+        setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s,
+        transport=run.transfer.transport, transport_options=run.transfer.spec.options,
+        integrity=run.transfer.integrity, retry=run.transfer.retry,
+        audit_path=run.transfer.audit_path)
+    return TransferConfig(**(fields | overrides))
+
+
+def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
+    """Actors as the cluster config places them, and the controller after setup()
+    (``overrides``: see :func:`transfer_config`)."""
+    from actors import WeightTransferController, launch_engines, launch_trainers
+
+    config = transfer_config(run, **overrides)
+    start = time.perf_counter()
+    bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
+    bars("start trainer ranks", 0, 1)
+    trainers = launch_trainers(config)
+    bars("start trainer ranks", 1, 1)
+    engines = []
+    for i in range(config.cluster.inference.replicas):
+        bars("start engine replicas", i, config.cluster.inference.replicas)
+        engines += launch_engines(config, replicas=[i])
+    bars("start engine replicas", len(engines), len(engines))
+    ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
+    ctl.progress = bars if progress is not None else None
+    ctl.setup()
+    ctl.progress = None
+    names = [config.cluster.replica_name(i) for i in range(len(engines))]
+    return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
+                 strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def fleet_session(run: RunConfig, fleet: Fleet | None = None,
+                  **overrides: Any) -> Iterator[Fleet]:
+    """``fleet`` as given (the caller's, left running), or one started for the block on a
+    Ray instance of its own, closed after it (``overrides``: see :func:`start_fleet`)."""
+    if fleet is not None:
+        yield fleet
+        return
+    started = connect_ray(run)
+    own = None
+    try:
+        own = start_fleet(run, **overrides)
+        yield own
+    finally:
+        if own is not None:
+            own.close()
+        if started:
+            ray.shutdown()
+
+
+def _placement_group(actor: Any) -> Any:
+    return ray.util.get_current_placement_group()
+
+
+# ------------------------------------------------------------------------ one cycle
+
+
+def token_batch(vocab: int, rows: int, cols: int, *, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (rows, cols), generator=gen).tolist()
+
+
+def run_cycles(fleet: Fleet, console: Console,
+               after_update: Callable[[Fleet, int], None] | None = None, *,
+               traces: list | None = None,
+               progress: Progress | None = None) -> list[UpdateCheck]:
+    """The train-step + update + verify cycles; ``traces`` collects each update's trace."""
+    run, cfg = fleet.run, fleet.config.model
+    prompts = token_batch(cfg.vocab_size, run.verify.prompts, run.verify.prompt_len,
+                          seed=run.seed + 99)
+    rows, previous = [], None
+    bar = progress.add_task("updates", total=run.updates) if progress is not None else None
+    for version in range(1, run.updates + 1):
+        batch = token_batch(cfg.vocab_size, run.train.batch_size, run.train.seq_len,
+                            seed=run.seed * 1000 + version)
+        loss = first_answer(ray.get([t.train_step.remote(batch) for t in fleet.trainers]))
+        report = fleet.controller.update(version, trace=traces is not None)
+        if traces is not None:
+            traces.append(report.trace)
+        if after_update is not None:
+            after_update(fleet, version)
+        start = time.perf_counter()
+        checks, problems, previous = verify(
+            fleet, version, prompts, previous,
+            check_bytes=engine_impl(fleet.engine, "check_bytes"))
+        checks.update(train_loss=loss, verify_seconds=time.perf_counter() - start)
+        row = UpdateCheck(version=version, seconds=report.seconds, bytes=report.bytes,
+                          stages=dict(report.stages), checks=checks, problems=problems,
+                          report=report.as_dict())
+        rows.append(row)
+        verdict = "[green]verified[/]" if row.verified else "[bold red]NOT verified[/]"
+        console.print(f"update {version}: {report.bytes / 1e6:.2f} MB in {report.seconds:.3f} s,"
+                      f" loss {loss:.4f}, {verdict}")
+        for p in problems:
+            console.print(f"  [red]{p}[/]")
+        if bar is not None:
+            progress.advance(bar)
+    return rows
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | None = None,
+            after_update: Callable[[Fleet, int], None] | None = None,
+            trace_path: Path | None = None) -> int:
+    """The whole job; 0 when every update verified, 1 otherwise."""
+    console = console or command_console(run.json_path)
+    start = time.perf_counter()
+    started = connect_ray(run, join_existing=join_existing)
+    fleet, traces = None, ([] if trace_path is not None else None)
+    try:
+        with progress_bar(console, quiet=json_to_stdout(run.json_path)) as progress:
+            fleet = engine_impl(run.engine, "start_fleet")(run, progress)
+            console.print(fleet.describe())
+            rows = run_cycles(fleet, console, after_update, traces=traces, progress=progress)
+        info, kind = fleet.info(), fleet.engine_kind
+    finally:
+        if fleet is not None:
+            fleet.close()
+        if started:
+            ray.shutdown()
+    console.print(render_table(rows, title=f"{run.name}: {info['model']}, {kind} engines"))
+    info["total_seconds"] = total = time.perf_counter() - start
+    if json_to_stdout(run.json_path):
+        emit_json("-", summary(rows, **info), console)
+    elif run.json_path is not None:
+        write_json(Path(run.json_path), rows, **info)
+    if trace_path is not None:
+        write_chrome_trace(trace_path, traces)
+        console.print(f"wrote {trace_path} (open in https://ui.perfetto.dev; "
+                      f"`wt trace {trace_path} --png OUT` draws it)")
+    ok = bool(rows) and all(r.verified for r in rows)
+    verdict = "[green]all updates verified[/]" if ok else "[bold red]verification FAILED[/]"
+    console.print(f"{verdict} in {total:.1f} s")
+    return 0 if ok else 1
+
+
+def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
+            updates: int | None, json_path: Path | None, corrupt_version: int | None,
+            trace_path: Path | None = None, transport: str | None = None,
+            engine: str | None = None) -> int:
+    """``wt demo``: the run config with the command line's options applied."""
+    console = command_console(json_path)
+    try:
+        run = load_run_config(config)
+        run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
+                                 json_path=json_path, transport=transport, engine=engine)
+        if corrupt_version is not None and run.engine != "reference":
+            raise ValueError("--corrupt-version works with the reference engine only")
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    hook = None
+    if corrupt_version is not None:
+        def hook(fleet: Fleet, version: int) -> None:
+            if version == corrupt_version:
+                corrupt_one_byte(fleet, version)
+    return run_job(run, console=console, after_update=hook, trace_path=trace_path)
+
+
+__all__ = ["LOCAL_NODE_IP", "Fleet", "check_bytes", "connect_ray", "run_cli", "run_job",
+           "start_fleet"]

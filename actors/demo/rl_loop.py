@@ -1,0 +1,190 @@
+"""An RL loop in the style of OpenRLHF, showing what embedding weight transfer takes.
+
+The library's part is five lines (marked ``# wt``): a config, the actors, the
+controller, ``setup()`` once, ``update(version)`` after every policy step::
+
+    cfg = TransferConfig.from_files(model_yaml, cluster_yaml, lr=...)          # wt
+    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)              # wt
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
+    ctl.setup()                                                                 # wt
+    for it in range(iterations):
+        rollouts = sample on the replicas (prompts split over replicas)
+        rewards = toy_reward(rollouts); advantages = rewards - mean(rewards)
+        trainers: REINFORCE step on prompt + rollout, weighted by the advantages
+        ctl.update(version=it + 1)                                              # wt
+
+Rollouts are sampled token by token from the engines' logits (temperature
+``rl.temperature``; 0 means greedy, the engines' own ``generate``), so they come
+from the weights the last update put there. The reward is the fraction of
+rollout tokens in ``[rl.target_start, rl.target_end)``. Run it with::
+
+    python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
+
+With ``--engine vllm`` the replicas are real vLLM engines
+(:func:`actors.vllm_engine.launch_vllm_engines`, float32, started from the
+trainers' initial weights) and vLLM samples the rollouts itself (seeded
+``SamplingParams``); the weight updates are the same five lines::
+
+    python scripts/rl_loop.py --engine vllm --cluster configs/clusters/vllm_cpu_tp1.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import ray
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from actors.demo.checks import make_console
+from actors.demo.fleet import connect_ray, token_batch
+from actors.run_config import RlConfig, RunConfig, load_run_config
+
+log = logging.getLogger(__name__)
+
+
+def sample_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
+                    gen: torch.Generator, engine: str = "reference") -> list[list[int]]:
+    """``rl.rollout_tokens`` new tokens per prompt from one replica (all its TP ranks called;
+    a vLLM replica samples itself, once)."""
+    if engine == "vllm":
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature,
+                                                  seed))
+    if rl.temperature == 0:
+        return ray.get([a.generate.remote(prompts, rl.rollout_tokens) for a in replica])[0]
+    ids = torch.tensor(prompts, dtype=torch.long)
+    for _ in range(rl.rollout_tokens):
+        logits = ray.get([a.logits.remote(ids) for a in replica])[0][:, -1].float()
+        probs = torch.softmax(logits / rl.temperature, dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    return ids[:, len(prompts[0]):].tolist()
+
+
+def toy_reward(rollout: list[int], rl: RlConfig) -> float:
+    """Fraction of the rollout's tokens in the target band."""
+    return sum(rl.target_start <= t < rl.target_end for t in rollout) / len(rollout)
+
+
+def advantages_of(rewards: list[float]) -> list[float]:
+    """REINFORCE with a mean baseline."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunConfig,
+                 vocab: int, gen: torch.Generator) -> dict:
+    """Rollouts, rewards, one policy-gradient step, one weight update."""
+    rl = run.rl
+    prompts = token_batch(vocab, rl.prompts, rl.prompt_len, seed=run.seed * 1000 + it)
+    share = math.ceil(len(prompts) / len(replicas))
+    rollouts = []
+    for k, replica in enumerate(replicas):  # like OpenRLHF: prompts split over the engines
+        chunk = prompts[k * share:(k + 1) * share]
+        if chunk:
+            rollouts += sample_rollouts(replica, chunk, rl, gen, run.engine)
+    rewards = [toy_reward(r, rl) for r in rollouts]
+    tokens = [p + r for p, r in zip(prompts, rollouts, strict=True)]
+    adv = advantages_of(rewards)
+    loss = ray.get([t.train_step.remote(tokens, advantages=adv, prompt_len=rl.prompt_len)
+                    for t in trainers])[0]
+    report = ctl.update(version=it + 1)                                         # wt
+    return {"iteration": it + 1, "mean_reward": sum(rewards) / len(rewards),
+            "rewards": rewards, "loss": loss, "update_seconds": report.seconds,
+            "update_bytes": report.bytes, "weights_version": ctl.weights_version()}
+
+
+def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> tuple[list, list]:
+    """(replicas, owners): reference engines, or vLLM engines from the trainers' weights."""
+    from actors import launch_engines
+
+    if run.engine == "reference":
+        return launch_engines(cfg), []
+    from actors.demo.vllm_demo import ENGINE_ENV, save_trainer_checkpoint
+    from actors.vllm_engine import launch_vllm_engines
+
+    first = save_trainer_checkpoint(trainers, workdir / "v0")
+    return launch_vllm_engines(cfg, str(first), dtype="float32", env=ENGINE_ENV)
+
+
+def run_rl(run: RunConfig, console: Console) -> list[dict]:
+    """The whole loop on a fresh set of actors; returns one record per iteration."""
+    import tempfile
+
+    from actors import TransferConfig, WeightTransferController, launch_trainers
+
+    started = connect_ray(run, join_existing=True)
+    trainers, replicas, owners, ctl = [], [], [], None
+    workdir = Path(tempfile.mkdtemp(prefix="wt-rl-"))
+    try:
+        cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
+                                        seed=run.seed, lr=run.rl.lr,
+                                        transport=run.transfer.transport,
+                                        transport_options=run.transfer.spec.options)
+        trainers = launch_trainers(cfg)                                         # wt
+        replicas, owners = launch_replicas(cfg, run, trainers, workdir)         # wt
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
+        ctl.setup()                                                             # wt
+        ctl.update(version=0)  # the replicas start from the trainers' initial weights
+        gen = torch.Generator().manual_seed(run.seed)
+        history = []
+        for it in range(run.rl.iterations):
+            rec = rl_iteration(it, trainers, replicas, ctl, run, cfg.model.vocab_size, gen)
+            console.print(f"iteration {rec['iteration']}: mean reward {rec['mean_reward']:.3f}, "
+                          f"loss {rec['loss']:+.4f}, update {rec['update_bytes'] / 1e6:.2f} MB "
+                          f"in {rec['update_seconds']:.3f} s, versions {rec['weights_version']}")
+            history.append(rec)
+        return history
+    finally:
+        if ctl is not None:
+            ctl.shutdown()
+        for owner in owners:
+            ray.get(owner.shutdown.remote(), timeout=60)
+        for actor in [*trainers, *(a for r in replicas for a in r), *owners]:
+            ray.kill(actor)
+        shutil.rmtree(workdir, ignore_errors=True)
+        if started:
+            ray.shutdown()
+
+
+def main(
+    config: Path = typer.Option(Path("configs/runs/rl_loop.yaml"), help="Run config."),
+    iterations: int | None = typer.Option(None, min=1, help="RL iterations [rl.iterations]."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the history."),
+    engine: str | None = typer.Option(
+        None, help="reference or vllm (real vLLM engines) [default: from --config]."),
+    cluster: Path | None = typer.Option(None, help="Cluster YAML [default: from --config]."),
+) -> None:
+    """Rollouts on the inference replicas, REINFORCE on the trainers, weight updates."""
+    console = make_console()
+    try:
+        run = load_run_config(config).with_overrides(engine=engine, cluster=cluster)
+        if iterations is not None:
+            run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": iterations})
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    start = time.perf_counter()
+    history = run_rl(run, console)
+    table = Table(title=f"{run.name}: REINFORCE towards tokens "
+                        f"[{run.rl.target_start}, {run.rl.target_end})")
+    for col in ("iteration", "mean reward", "loss", "update s", "MB"):
+        table.add_column(col, justify="right")
+    for r in history:
+        table.add_row(str(r["iteration"]), f"{r['mean_reward']:.3f}", f"{r['loss']:+.4f}",
+                      f"{r['update_seconds']:.3f}", f"{r['update_bytes'] / 1e6:.2f}")
+    console.print(table)
+    console.print(f"done in {time.perf_counter() - start:.1f} s")
+    if json_path is not None:
+        json_path.write_text(json.dumps(history, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
