@@ -242,8 +242,9 @@ class TrainerMixin:
 
     def wt_nic_stats(self) -> dict[str, int]:
         nic = self._wt_nic
-        return {"bytes_written": getattr(nic, "bytes_written", 0),
-                "writes": getattr(nic, "writes", 0)}
+        if nic is None:  # no NIC opened yet
+            return {"bytes_written": 0, "writes": 0}
+        return {"bytes_written": nic.bytes_written, "writes": nic.writes}
 
     @property
     def wt_nic(self) -> Any:
