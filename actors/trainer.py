@@ -274,6 +274,13 @@ class TrainerMixin:
         """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""
         self._wt_faults().fail_after_bytes(nbytes)
 
+    def wt_disconnect(self, peers: list[tuple[str, str]]) -> int:
+        """Close this rank's connections to the engine NICs ``peers`` ((owner, nic) pairs:
+        a removed replica's); returns how many were open."""
+        if self._wt_nic is None:
+            return 0
+        return sum(self._wt_nic.disconnect(owner, nic) for owner, nic in peers)
+
     def wt_close(self) -> None:
         if self._wt_link is not None:
             self._wt_link.transfer.close()
