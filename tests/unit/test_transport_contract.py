@@ -402,3 +402,16 @@ def test_generic_modules_branch_on_no_transport_name(module):
                        "bytes_written", "is_transient", "disconnect"):
         assert f'getattr(transport, "{capability}"' not in source
         assert f'getattr(nic, "{capability}"' not in source
+
+
+def test_simnic_is_re_capped_through_its_own_method():
+    nic = SimNic(owner="w", nic="n")
+    try:
+        nic.set_bandwidth(2.0)
+        assert nic.bandwidth_gbps == 2.0 and nic._link._bytes_per_s == 2e9
+        nic.set_bandwidth(None)
+        assert nic.bandwidth_gbps is None and nic._link._bytes_per_s is None
+        with pytest.raises(ValueError, match="bandwidth_gbps must be None or > 0"):
+            nic.set_bandwidth(-1.0)
+    finally:
+        nic.close()

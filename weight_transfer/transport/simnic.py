@@ -261,6 +261,12 @@ class SimNic(TransportBase):
             timer.daemon = True
             timer.start()
 
+    def set_bandwidth(self, bandwidth_gbps: float | None) -> None:
+        """Re-cap this NIC at ``bandwidth_gbps`` GB/s (None: uncapped), between writes."""
+        _check_args(self.owner, self.nic, bandwidth_gbps, self.latency_us)
+        self.bandwidth_gbps = bandwidth_gbps
+        self._link.set_bandwidth(bandwidth_gbps)
+
     def fail_after_bytes(self, nbytes: int | None) -> None:
         """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
         if nbytes is not None:
