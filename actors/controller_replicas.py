@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from actors.connections import copy_links
+from actors.connections import copy_links, engine_endpoints
 from actors.engine_control import describe_faults, fan_out, next_epoch, wall_deadline
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
@@ -125,17 +125,20 @@ class ReplicaOps:
         if len(self.replicas) == 1:
             raise ValueError(f"remove_replica(): {name} is the last replica; a plan needs one")
         actors = self.replicas[name]
+        gone = [(ep.owner, ep.nic) for m in self._engine_metas[name] for ep in engine_endpoints(m)]
         self._forget_replica(name)
         self._replan()
         refs = [self.ledger.call(a.wt_close) for a in actors]
+        # The trainers close their connections to the removed NICs too (else open until then).
+        refs += [self.ledger.call(t.wt_disconnect, gone) for t in self.trainers]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_WAIT_S)
         for rank, ref in enumerate(refs):
             try:
                 if ref not in pending:
                     self.ledger.get(ref)
             except ray.exceptions.RayError as exc:
-                log.info("removed replica %s: rank %d did not close its NICs: %s", name, rank,
-                         type(exc).__name__)
+                log.info("removed replica %s: call %d (close its NICs, or a trainer's "
+                         "disconnect) failed: %s", name, rank, type(exc).__name__)
         log.info("replica %s removed; replicas now %s", name, list(self.replicas))
 
     def _forget_replica(self, name: str) -> None:

@@ -293,8 +293,8 @@ class InferenceMixin:
 
     def wt_nic_stats(self) -> dict[str, int]:
         nics = self._wt_nics.values()
-        return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
-                "writes": sum(getattr(n, "writes", 0) for n in nics)}
+        return {"bytes_written": sum(n.bytes_written for n in nics),
+                "writes": sum(n.writes for n in nics)}
 
     def wt_transport(self) -> str | None:
         """The transport of this rank's NICs (``simnic``, ``mooncake``, ``rdma``), once open."""

@@ -35,12 +35,10 @@ from pydantic import (
 from weight_transfer.config_files import read_yaml, validate_mapping
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.retry import RetryPolicy, parse_retry
-from weight_transfer.transport.options import (
-    MooncakeOptions,
-    RdmaOptions,
-    SimNicOptions,
-    TransportSpec,
-)
+from weight_transfer.transport.mooncake import MooncakeOptions
+from weight_transfer.transport.options import TransportName, TransportSpec
+from weight_transfer.transport.rdma import RdmaOptions
+from weight_transfer.transport.simnic import SimNicOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +94,7 @@ class TransferConfig(_Section):
 
     pause_during_update: bool = True
     timeout_s: PositiveFloat = 300.0
-    transport: Literal["simnic", "mooncake", "rdma"] = "simnic"
+    transport: TransportName = "simnic"  # a registered transport (its section below)
     simnic: SimNicOptions = SimNicOptions()
     mooncake: MooncakeOptions = MooncakeOptions()
     rdma: RdmaOptions = RdmaOptions()

@@ -243,8 +243,9 @@ class TrainerMixin:
 
     def wt_nic_stats(self) -> dict[str, int]:
         nic = self._wt_nic
-        return {"bytes_written": getattr(nic, "bytes_written", 0),
-                "writes": getattr(nic, "writes", 0)}
+        if nic is None:  # no NIC opened yet
+            return {"bytes_written": 0, "writes": 0}
+        return {"bytes_written": nic.bytes_written, "writes": nic.writes}
 
     @property
     def wt_nic(self) -> Any:
@@ -273,6 +274,13 @@ class TrainerMixin:
     def wt_fail_after_bytes(self, nbytes: int | None) -> None:
         """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""
         self._wt_faults().fail_after_bytes(nbytes)
+
+    def wt_disconnect(self, peers: list[tuple[str, str]]) -> int:
+        """Close this rank's connections to the engine NICs ``peers`` ((owner, nic) pairs:
+        a removed replica's); returns how many were open."""
+        if self._wt_nic is None:
+            return 0
+        return sum(self._wt_nic.disconnect(owner, nic) for owner, nic in peers)
 
     def wt_close(self) -> None:
         if self._wt_link is not None:

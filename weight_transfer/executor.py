@@ -231,10 +231,10 @@ class RankTransfer:
         self._task_spans: list[Span] = []
         self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
-        self.device_memory = bool(getattr(transport, "supports_device_memory", False))
+        self.device_memory = bool(transport.supports_device_memory)
         # A NIC that needs no source registration (simnic) writes a piece that already is a
         # contiguous slice of the gathered tensor straight from it: no copy at all.
-        self.write_from_views = getattr(transport, "register_source", None) is None
+        self.write_from_views = not transport.registers_sources
         self.arena = self._make_arena() if staging else None
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")

@@ -1,11 +1,13 @@
 """Retry of WRITEs that failed with a transient transport error, under a stated policy.
 
-Which errors count: only :class:`~weight_transfer.transport.base.TransientTransportError`
-(simnic: :class:`~weight_transfer.transport.base.LinkDownError`, the writer's or the
-target's link down). A refused write (:class:`RemoteAccessError`: wrong rkey,
-out of bounds, revoked region), a dead or unconnected peer
-(:class:`PeerUnreachableError`) and any other TransportError fail at once: retrying
-cannot help them. A WRITE is idempotent (the same source bytes into the same
+Which errors count: those the transport classes as transient,
+``transport.is_transient(exc)`` (by default a
+:class:`~weight_transfer.transport.base.TransientTransportError`: simnic's
+:class:`~weight_transfer.transport.base.LinkDownError`, a link down; rdma's full
+send queue; Mooncake's refused or reset connection). A refused write
+(:class:`RemoteAccessError`: wrong rkey, out of bounds, revoked region), a dead
+or unconnected peer (:class:`PeerUnreachableError`) and any other TransportError
+fail at once: retrying cannot help them. A WRITE is idempotent (the same source bytes into the same
 range), so writing it again after a partial delivery is safe.
 
 How: a WRITE is tried up to ``attempts`` times; before try ``k + 1`` the rank
@@ -36,7 +38,7 @@ from typing import Any
 
 from weight_transfer.transport.base import (
     RetriesExhaustedError,
-    TransientTransportError,
+    TransportError,
     source_buffer,
 )
 from weight_transfer.types import RegionDesc
@@ -99,13 +101,15 @@ class RetryingWriter:
         self.retries = 0
         self._given_up: dict[tuple[str, str], str] = {}  # peer NIC -> why
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._label = f"NIC {getattr(transport, 'owner', '?')}/{getattr(transport, 'nic', '?')}"
+        self._label = f"NIC {transport.owner}/{transport.nic}"
 
     async def write(self, src: Any, dst: RegionDesc, dst_offset: int) -> None:
         try:
             await self.transport.write(src, dst, dst_offset)
             return
-        except TransientTransportError as exc:
+        except TransportError as exc:
+            if not self.transport.is_transient(exc):
+                raise
             first = exc
         peer = (dst.owner, dst.nic)
         # One write at a time probes a failing peer NIC; the others wait for its verdict.
@@ -113,7 +117,7 @@ class RetryingWriter:
             await self._retry(src, dst, dst_offset, first)
 
     async def _retry(self, src: Any, dst: RegionDesc, dst_offset: int,
-                     exc: TransientTransportError) -> None:
+                     exc: TransportError) -> None:
         peer, start = (dst.owner, dst.nic), time.monotonic()
         delays = self.policy.delays()
         for tries, delay in enumerate(delays, 2):
@@ -126,7 +130,9 @@ class RetryingWriter:
             try:
                 await self.transport.write(src, dst, dst_offset)
                 return
-            except TransientTransportError as again:
+            except TransportError as again:
+                if not self.transport.is_transient(again):
+                    raise
                 exc = again
         else:
             raise self._exhausted(src, dst, dst_offset, len(delays) + 1, start, exc,

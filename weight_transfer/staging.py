@@ -16,11 +16,11 @@ so the hot path allocates nothing, registers nothing and touches no fresh page
 Where the buffer lives: on the GPU when the transport reads device memory
 (``transport.supports_device_memory``, rdma with CUDA dma-buf), in pinned host
 memory when the parameters are on a GPU that the transport cannot read, else in
-huge-page aligned, pre-faulted host memory (:func:`~weight_transfer.transport._vm.alloc_buffer`).
-A transport that needs local source memory registered has
-``register_source(buf) -> handle`` and ``deregister_source(handle)`` (rdma: one
-MR for the whole arena instead of one per write); one without them (simnic)
-needs none.
+huge-page aligned, pre-faulted host memory
+(:func:`~weight_transfer.host_memory.alloc_buffer`). The arena is registered once
+with ``transport.register_source(buf) -> handle`` and released with
+``deregister_source(handle)`` (rdma: one MR for the whole arena instead of one
+per write); a transport that needs no registration (simnic) returns None.
 
 A request larger than the whole arena gets a one-off buffer, with a warning:
 it is allocated for that parameter and freed after its writes (the watermark
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.transport._vm import alloc_buffer
+from weight_transfer.host_memory import alloc_buffer
 from weight_transfer.watermark import BLOCKED, serve_fifo
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ class StagingArena:
         self.oversized = 0  # one-off buffers handed out for requests larger than the arena
         self.peak = 0
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
-        register = getattr(transport, "register_source", None)
-        self._handle = register(self.buffer) if register is not None else None
+        self._handle = transport.register_source(self.buffer) if transport is not None \
+            else None
         log.info("%s: %d B arena on %s, %s", self.label, capacity,
                  self.buffer.device, "registered as a source" if self._handle is not None
                  else "no source registration needed")

@@ -263,10 +263,9 @@ def trainer_params(trainer: Any) -> dict[str, Any]:
 
 def set_simnic_cap(trainer: Any, gbps: float | None) -> None:
     """Re-cap this trainer's simnic (ours) at ``gbps`` between updates (None: uncapped)."""
+    from weight_transfer.transport.simnic import SimNic
+
     nic = trainer.wt_nic
-    if nic is None or nic.kind != "simnic":
+    if not isinstance(nic, SimNic):
         raise RuntimeError(f"trainer rank {trainer._wt_rank}: no simnic to re-cap")
-    # The simnic's link model (shared with its data path), changed while no write runs.
-    nic.bandwidth_gbps = gbps
-    nic._link._bytes_per_s = None if gbps is None else gbps * 1e9
-    nic._link._next_free = 0.0
+    nic.set_bandwidth(gbps)  # changed while no write runs

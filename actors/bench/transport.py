@@ -34,8 +34,8 @@ from rich.table import Table
 from actors.cli.progress import command_console, emit_json, json_to_stdout, progress_bar
 from actors.cli.sizes import format_size, parse_sizes
 from actors.testing.harness import RemoteTarget
+from weight_transfer.host_memory import alloc_buffer
 from weight_transfer.transport import make_transport
-from weight_transfer.transport._vm import alloc_buffer
 
 BACKENDS = ("memcpy", "simnic", "mooncake_tcp")
 REQUIRED = ("memcpy", "simnic")  # an optional backend that fails is reported, not fatal

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weight_transfer.transport import _vm
+from weight_transfer import host_memory
 from weight_transfer.types import EngineRankMeta, PeerInfo, RegionDesc
 
 GUARD_BYTE = 0xA5
@@ -88,8 +88,9 @@ class _Child:
         from weight_transfer.transport import make_transport
 
         self.nbytes, self.guard = nbytes, guard
-        lead = -(-guard // _vm.HUGE_PAGE_SIZE) * _vm.HUGE_PAGE_SIZE  # keeps the region aligned
-        self.mapping, off, addr = _vm.alloc_buffer(lead + nbytes + guard, fill=GUARD_BYTE)
+        huge = host_memory.HUGE_PAGE_SIZE
+        lead = -(-guard // huge) * huge  # keeps the region aligned
+        self.mapping, off, addr = host_memory.alloc_buffer(lead + nbytes + guard, fill=GUARD_BYTE)
         self.addr = addr + lead
         self.view = memoryview(self.mapping)[off + lead - guard : off + lead + nbytes + guard]
         self.transport = make_transport(kind, owner=owner, **opts)

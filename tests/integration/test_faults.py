@@ -29,6 +29,7 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
+from actors.connections import engine_endpoints
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
@@ -153,7 +154,11 @@ def test_remove_replica_and_bad_names(env):
     with pytest.raises(ValueError, match="no replica 'engine9'"):
         ctl.remove_replica("engine9")
     actors = ctl.replicas["engine1"]
+    gone = [(ep.owner, ep.nic) for m in ctl._engine_metas["engine1"] for ep in engine_endpoints(m)]
     ctl.remove_replica("engine1")
+    # The trainers closed their connections to its NICs: none is left to disconnect.
+    assert [ray.get(t.wt_disconnect.remote(gone)) for t in ctl.trainers] == \
+        [0] * len(ctl.trainers)
     assert "engine1" not in ctl.weights_version()
     assert ctl.summary.bytes_total == before // 2
     assert ray.get(actors[0].wt_transport.remote()) is None  # its NICs are closed

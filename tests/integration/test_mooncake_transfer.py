@@ -146,7 +146,7 @@ def test_out_of_bounds_writes_fail_and_write_nothing(target, writer):
 def test_unconnected_writer_fails_and_writes_nothing(target):
     nic = make_transport("mooncake", owner="trainer2", nic="mc0", **OPTS)
     try:
-        with pytest.raises(PeerUnreachableError, match=r"not connected to engine0/tp0/mc0"):
+        with pytest.raises(PeerUnreachableError, match=r"not connected to peer engine0/tp0/mc0"):
             asyncio.run(nic.write(torch.ones(16), target.desc, 0))
     finally:
         nic.close()

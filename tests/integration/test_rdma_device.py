@@ -144,7 +144,7 @@ def test_dead_target_is_unreachable(writer, target):
 
 
 def test_write_before_connect_and_misaddressed_peer_info(writer, target):
-    with pytest.raises(PeerUnreachableError, match="not connected to 'target'"):
+    with pytest.raises(PeerUnreachableError, match="not connected to peer target/"):
         asyncio.run(writer.write(random_bytes(16), target.region, 0))
     for_someone_else = target.get_peer_info("trainer/7")
     with pytest.raises(ValueError, match="made for 'trainer/7', not for 'writer'"):

@@ -26,8 +26,8 @@ from weight_transfer.engines.reference.hf_model import (
     greedy_generate,
 )
 from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.host_memory import HUGE_PAGE_SIZE
 from weight_transfer.models import ModelConfig, load_model_config
-from weight_transfer.transport._vm import HUGE_PAGE_SIZE
 from weight_transfer.types import ShardSpec
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"

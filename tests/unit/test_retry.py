@@ -16,6 +16,7 @@ from weight_transfer.transport.base import (
     RemoteAccessError,
     RetriesExhaustedError,
     TransientTransportError,
+    TransportBase,
 )
 
 
@@ -114,8 +115,8 @@ def test_permanent_errors_are_not_retried():
 def test_writer_counts_retries_of_one_write():
     calls = []
 
-    class Flaky:
-        owner, nic = "w", "n0"
+    class Flaky(TransportBase):
+        kind = "flaky"
 
         async def write(self, src, dst, off):
             calls.append(off)
@@ -125,7 +126,7 @@ def test_writer_counts_retries_of_one_write():
     s = Setup("tiny_llama", fp8=False)
     try:
         region = s.engines[0].tensors[0].region
-        w = RetryingWriter(Flaky(), RetryPolicy(attempts=3, backoff_s=0.0))
+        w = RetryingWriter(Flaky(owner="w", nic="n0"), RetryPolicy(attempts=3, backoff_s=0.0))
         asyncio.run(w.write(b"abcd", region, 8))
         assert calls == [8, 8, 8] and w.retries == 2
     finally:

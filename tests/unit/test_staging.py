@@ -27,6 +27,7 @@ from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
 from weight_transfer.staging import ALIGN, RingAllocator, StagingArena, piece_slots
 from weight_transfer.transport import make_transport
+from weight_transfer.transport.base import TransportBase
 from weight_transfer.transport.simnic import SimNic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -77,8 +78,10 @@ def test_piece_slots_align_every_piece():
 # ---------------------------------------------------------------- the arena
 
 
-class CountingNic:
+class CountingNic(TransportBase):
     """A transport stand-in that counts source registrations."""
+
+    registers_sources = True
 
     def __init__(self):
         self.registered, self.released = [], []
@@ -288,8 +291,10 @@ def test_simnic_writes_from_the_arenas_or_straight_from_the_parameters():
         target.close()
 
 
-class GpuRecorder:
+class GpuRecorder(TransportBase):
     """Writes through a simnic (host memory), recording where each source lived."""
+
+    registers_sources = True
 
     def __init__(self, inner, *, device_memory: bool):
         self.inner, self.supports_device_memory = inner, device_memory

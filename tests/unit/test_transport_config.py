@@ -18,12 +18,9 @@ from actors.connections import Connector
 from actors.run_config import parse_run_config
 from weight_transfer.transport import fault_injection, make_transport
 from weight_transfer.transport.handshake import HostId, reaches, unreachable_links
-from weight_transfer.transport.options import (
-    DEFAULT_TRANSPORT,
-    MooncakeOptions,
-    SimNicOptions,
-    parse_transport,
-)
+from weight_transfer.transport.mooncake import MooncakeOptions
+from weight_transfer.transport.options import DEFAULT_TRANSPORT, parse_transport
+from weight_transfer.transport.simnic import SimNicOptions
 from weight_transfer.types import EngineRankMeta, EngineTensorMeta, RegionDesc, ShardSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -114,7 +111,8 @@ def test_bad_transport_config_names_the_field(cfg, changes, field, words):
 @pytest.mark.parametrize(
     ("transfer", "field", "words"),
     [
-        ({"transport": "pigeon"}, "transfer.transport", "'simnic', 'mooncake' or 'rdma'"),
+        ({"transport": "pigeon"}, "transfer.transport",
+         "unknown transport 'pigeon'; known: ['mooncake', 'rdma', 'simnic']"),
         ({"simnic": {"bandwidth_gbps": "fast"}}, "transfer.simnic.bandwidth_gbps",
          "valid number"),
         ({"mooncake": {"bogus": 1}}, "transfer.mooncake.bogus", "Extra inputs are not permitted"),

@@ -44,6 +44,12 @@ class LinkModel:
             self._next_free = start + nbytes / self._bytes_per_s
             return start, self._next_free
 
+    def set_bandwidth(self, bandwidth_gbps: float | None) -> None:
+        """Re-cap the link (None: uncapped), between writes."""
+        with self._mutex:
+            self._bytes_per_s = None if bandwidth_gbps is None else bandwidth_gbps * 1e9
+            self._next_free = 0.0
+
     def set_budget(self, nbytes: int | None) -> None:
         with self._mutex:
             self._budget = nbytes

@@ -7,6 +7,7 @@ reads as the data path; everything here runs without Mooncake installed.
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import os
 import queue
 import secrets
@@ -109,3 +110,13 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` names this host only (``localhost``, 127.0.0.0/8, ::1)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False

@@ -1,4 +1,4 @@
-"""The transport protocol every data-plane backend implements.
+"""The transport contract every data-plane backend implements, and its shared plumbing.
 
 One object is one NIC of one process. The life of a transfer:
 
@@ -9,16 +9,42 @@ One object is one NIC of one process. The life of a transfer:
    :mod:`.handshake` for a whole cluster at once);
 3. the writer issues one-sided ``write`` calls; the target runs no code;
    completion and errors come back to the writer only;
-4. ``deregister`` revokes remote access; ``close`` releases the NIC.
+4. ``disconnect(owner, nic)`` drops the connections to a peer that went away (a
+   removed replica); ``deregister`` revokes remote access; ``close`` releases the NIC.
 
-Backends: ``simnic`` (simulated NIC, the default without RDMA hardware),
-``rdma`` (pyverbs RC queue pairs), ``mooncake`` (Mooncake TransferEngine).
+Built-in backends (:mod:`.registry`): ``simnic`` (simulated NIC, the default
+without RDMA hardware), ``rdma`` (pyverbs RC queue pairs), ``mooncake``
+(Mooncake TransferEngine). A backend is one module with one class deriving
+from :class:`TransportBase`, registered with ``register_transport``.
+
+:class:`TransportBase` declares the optional capabilities with their defaults,
+so callers never probe with ``getattr``:
+
+- ``Options``: the backend's pydantic options model (a :class:`TransportOptions`);
+  ``open_kwargs``, ``reaches`` and ``unreachable_reason`` (classmethods) say how
+  a configured spec opens a NIC and which hosts it reaches;
+- ``supports_device_memory`` (False): the NIC reads GPU memory (sources stay on it);
+- ``registers_sources`` (False) with ``register_source`` / ``deregister_source``:
+  the NIC sends only from memory registered with it (long-lived staging buffers);
+- ``check_peer(info)``: checks a peer's endpoint fields before any connects;
+- ``bytes_written`` / ``writes``: what the NIC delivered;
+- ``disconnect(owner, nic=None)``: closes the connections to a peer;
+- ``is_transient(exc)``: whether a failed WRITE may succeed when tried again
+  (:mod:`weight_transfer.retry` asks it); by default an instance of
+  :class:`TransientTransportError`, which each backend raises for its own
+  transient faults.
+
+It also holds the plumbing every backend shares: the peer table behind
+``connect`` / ``disconnect`` and the lookup of a write's peer
+(:meth:`TransportBase._peer_for`), the destination checks
+(:meth:`TransportBase._check_destination`) and one ``max_inflight`` semaphore
+per event loop (:meth:`TransportBase._semaphore`).
 
 Errors: :class:`RemoteAccessError` (wrong rkey, out of bounds, revoked) and
-:class:`PeerUnreachableError` (peer dead, not connected) are permanent;
-:class:`TransientTransportError` (simnic: :class:`LinkDownError`) may clear and
-is retried by the executor under its ``RetryPolicy``; when it does not clear,
-:class:`RetriesExhaustedError` names the NIC, the peer and the region.
+:class:`PeerUnreachableError` (peer dead, not connected, disconnected) are
+permanent; :class:`TransientTransportError` (simnic: :class:`LinkDownError`) may
+clear and is retried by the executor under its ``RetryPolicy``; when it does not
+clear, :class:`RetriesExhaustedError` names the NIC, the peer and the region.
 
 Fault injection (link down, fail after N bytes) is an optional interface,
 :class:`FaultInjection`, that only simnic implements; callers get it through
@@ -27,11 +53,22 @@ Fault injection (link down, fail after N bytes) is an optional interface,
 
 from __future__ import annotations
 
-import ctypes
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+import asyncio
+import threading
+import weakref
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict
+
+from weight_transfer.transport.buffers import SourceBuffer, source_buffer, target_buffer
 from weight_transfer.types import PeerInfo, RegionDesc
+
+__all__ = [  # the buffer helpers are re-exported: every backend takes them from here
+    "FaultInjection", "LinkDownError", "PeerUnreachableError", "RemoteAccessError",
+    "RetriesExhaustedError", "SourceBuffer", "TransientTransportError", "Transport",
+    "TransportBase", "TransportError", "TransportOptions", "check_write_range",
+    "fault_injection", "source_buffer", "target_buffer",
+]
 
 
 class TransportError(RuntimeError):
@@ -93,6 +130,30 @@ class Transport(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional capabilities: TransportBase gives each a default.
+    supports_device_memory: bool
+    registers_sources: bool
+    bytes_written: int
+    writes: int
+
+    def register_source(self, buf: Any) -> Any:
+        """Register memory that writes read from; a handle (None: nothing to register)."""
+        ...
+
+    def deregister_source(self, handle: Any) -> None: ...
+
+    def check_peer(self, peer: PeerInfo) -> None:
+        """ValueError naming the field if ``peer`` is not an endpoint this NIC can use."""
+        ...
+
+    def disconnect(self, owner: str, nic: str | None = None) -> int:
+        """Close the connections to NIC ``nic`` of ``owner`` (None: all its NICs)."""
+        ...
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether the WRITE that raised ``exc`` may succeed when tried again."""
+        ...
+
 
 @runtime_checkable
 class FaultInjection(Protocol):
@@ -122,74 +183,176 @@ def fault_injection(nic: Any) -> FaultInjection:
     return nic
 
 
-@dataclass(frozen=True, slots=True)
-class SourceBuffer:
-    """A local source of a write as raw bytes: address, length, and what keeps it alive."""
-
-    addr: int
-    nbytes: int
-    keepalive: Any
-
-
-def source_buffer(src: Any) -> SourceBuffer:
-    """Resolve a write source to (address, nbytes).
-
-    Accepts a contiguous torch tensor (any dtype, float8 included: its bytes
-    are sent as they are), a contiguous numpy array, any object exposing the
-    buffer protocol, or an explicit ``(addr, nbytes)`` byte range whose memory
-    the caller keeps alive.
-    """
-    if isinstance(src, tuple) and len(src) == 2 and all(isinstance(v, int) for v in src):
-        addr, nbytes = src
-        if addr <= 0 or nbytes < 0:
-            raise ValueError(f"bad source byte range (addr={addr:#x}, nbytes={nbytes})")
-        return SourceBuffer(addr, nbytes, None)
-    if hasattr(src, "data_ptr") and hasattr(src, "element_size"):  # torch.Tensor
-        if not src.is_contiguous():
-            raise ValueError(
-                f"source tensor of shape {tuple(src.shape)} is not contiguous; "
-                "call .contiguous() first"
-            )
-        return SourceBuffer(src.data_ptr(), src.numel() * src.element_size(), src)
-    if hasattr(src, "__array_interface__"):  # numpy array
-        if not src.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"source array of shape {src.shape} is not C-contiguous")
-        return SourceBuffer(src.__array_interface__["data"][0], src.nbytes, src)
-    try:
-        view = memoryview(src)
-    except TypeError:
-        raise ValueError(
-            f"cannot write from {type(src).__name__}: pass a tensor, an array, a buffer "
-            "or an (addr, nbytes) tuple"
-        ) from None
-    if not view.contiguous:
-        raise ValueError("source buffer is not contiguous")
-    nbytes = view.nbytes
-    if nbytes == 0:
-        return SourceBuffer(0, 0, view)
-    if view.readonly:
-        # ctypes cannot take the address of a read-only buffer without a copy.
-        copy = bytearray(view.cast("B"))
-        return SourceBuffer(ctypes.addressof(ctypes.c_char.from_buffer(copy)), nbytes, copy)
-    c = ctypes.c_char.from_buffer(view.cast("B"))
-    return SourceBuffer(ctypes.addressof(c), nbytes, (view, c))
-
-
-def target_buffer(buf: Any) -> SourceBuffer:
-    """Resolve memory to register (must be writable and contiguous)."""
-    if hasattr(buf, "__array_interface__") and not buf.flags["WRITEABLE"]:
-        raise ValueError("cannot register a read-only array")
-    if isinstance(buf, bytes | memoryview) and memoryview(buf).readonly:
-        raise ValueError("cannot register read-only memory")
-    out = source_buffer(buf)
-    if out.nbytes == 0:
-        raise ValueError("cannot register an empty buffer")
-    return out
-
-
 def check_write_range(dst: RegionDesc, dst_offset: int, nbytes: int) -> None:
     """Local sanity check before a write leaves the NIC (the remote NIC checks again)."""
     if dst_offset < 0 or dst_offset + nbytes > dst.length:
         raise RemoteAccessError(
             f"write of {nbytes} B at offset {dst_offset} is outside {dst.describe()}"
         )
+
+
+# --------------------------------------------------------------------------- the base class
+
+
+class TransportOptions(BaseModel):
+    """Base of every backend's options model: frozen, strict (``"2"`` is not a number,
+    ``1.5`` not an integer), unknown names refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TransportBase:
+    """Defaults of the optional capabilities and the plumbing every backend shares.
+
+    A backend sets ``kind`` and ``Options``, calls ``super().__init__(owner=..., nic=...)``
+    and keeps its connections in the peer table (``_add_peer``; ``_release_peer`` closes
+    one when it is dropped). See the module docstring.
+    """
+
+    kind: ClassVar[str] = ""
+    Options: ClassVar[type[TransportOptions]] = TransportOptions
+    registers_sources: ClassVar[bool] = False
+    supports_device_memory: bool = False
+    bytes_written: int = 0
+    writes: int = 0
+    owner: str = ""
+    nic: str = ""
+    label: str = "NIC ?/?"
+    max_inflight: int = 1
+
+    def __init__(self, *, owner: str, nic: str) -> None:
+        self.owner, self.nic = owner, nic
+        self.label = f"NIC {owner}/{nic}"
+        self._peers: dict[tuple[str, str | None], Any] = {}
+        self._peers_lock = threading.Lock()
+        self._disconnected: set[tuple[str, str | None]] = set()
+        self._sems: weakref.WeakKeyDictionary[Any, asyncio.Semaphore] = \
+            weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def open_kwargs(cls, options: TransportOptions, *, node: str = "",
+                    address: str = "") -> dict[str, Any]:
+        """Constructor keywords for a NIC of ``options`` on host ``address``, node ``node``."""
+        return {**options.model_dump(), "node": node}
+
+    @classmethod
+    def reaches(cls, options: TransportOptions, src: Any, dst: Any) -> bool:
+        """Whether a NIC on host ``src`` reaches one on another host ``dst`` (HostIds)."""
+        return True
+
+    @classmethod
+    def unreachable_reason(cls, options: TransportOptions) -> str:
+        """Why :meth:`reaches` said no, for the error that names the hosts."""
+        return f"transport {cls.kind!r} reaches only NICs of its own host"
+
+    # ------------------------------------------------------------------ capabilities
+
+    def register_source(self, buf: Any) -> Any:
+        """Nothing to register: this NIC sends from any memory (handle None)."""
+        return None
+
+    def deregister_source(self, handle: Any) -> None:
+        """Release a :meth:`register_source` handle (nothing by default)."""
+
+    def check_peer(self, peer: PeerInfo) -> None:
+        """Endpoint fields are the backend's; by default only the transport is checked."""
+        if peer.transport != self.kind:
+            raise ValueError(f"{self.label} cannot connect to a {peer.transport!r} endpoint "
+                             f"(peer {peer.owner}/{peer.nic})")
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether a WRITE that raised ``exc`` may succeed when tried again."""
+        return isinstance(exc, TransientTransportError)
+
+    def disconnect(self, owner: str, nic: str | None = None) -> int:
+        """Close the connections to NIC ``nic`` of ``owner`` (None: every NIC of it);
+        later writes to it raise PeerUnreachableError until ``connect`` again. Returns
+        how many connections were closed (0: none was open)."""
+        with self._peers_lock:
+            keys = [k for k in self._peers if k[0] == owner and nic in (None, k[1])]
+            dropped = [self._peers.pop(k) for k in keys]
+            self._disconnected.update(keys)
+            self._disconnected.add((owner, nic))
+        for conn in dropped:
+            self._release_peer(conn)
+        return len(dropped)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _release_peer(self, conn: Any) -> None:
+        """Close one dropped connection (the backend's; nothing by default)."""
+
+    def _add_peer(self, owner: str, nic: str | None, conn: Any) -> Any:
+        """Record the connection to ``owner``/``nic``; returns the one it replaces."""
+        with self._peers_lock:
+            old = self._peers.get((owner, nic))
+            self._peers[(owner, nic)] = conn
+            self._disconnected.discard((owner, nic))
+            self._disconnected.discard((owner, None))
+        return old
+
+    def _peer(self, owner: str, nic: str | None) -> Any:
+        with self._peers_lock:
+            return self._peers.get((owner, nic))
+
+    def _is_connected(self, conn: Any) -> bool:
+        """Whether a table entry can carry writes (rdma: a QP made but not yet connected)."""
+        return True
+
+    def _peer_for(self, dst: RegionDesc) -> Any:
+        """The connection a write into ``dst`` goes through; PeerUnreachableError if none."""
+        key = (dst.owner, dst.nic)
+        with self._peers_lock:
+            conn = self._peers.get(key)
+            gone = key in self._disconnected or (dst.owner, None) in self._disconnected
+        if conn is not None and self._is_connected(conn):
+            return conn
+        if gone:
+            raise PeerUnreachableError(
+                f"{self.label} was disconnected from peer {dst.owner}/{dst.nic} (it was "
+                f"removed); connect() again before writing into {dst.describe()}")
+        raise PeerUnreachableError(
+            f"{self.label} is not connected to peer {dst.owner}/{dst.nic} (target of "
+            f"{dst.describe()}); exchange peer_info() and connect() both sides first")
+
+    def _take_peers(self) -> list[Any]:
+        """Empty the peer table (``close``); returns what it held."""
+        with self._peers_lock:
+            conns, self._peers = list(self._peers.values()), {}
+        return conns
+
+    def _check_region(self, dst: Any) -> None:
+        """ValueError unless ``dst`` is a descriptor of a region of this transport."""
+        if not isinstance(dst, RegionDesc):
+            raise ValueError(f"{self.label}: write destination must be a RegionDesc, not "
+                             f"{type(dst).__name__}")
+        if dst.transport != self.kind:
+            raise ValueError(f"{self.label}: {dst.describe()} belongs to transport "
+                             f"{dst.transport!r}, not {self.kind!r}")
+
+    def _check_destination(self, dst: Any, dst_offset: Any, nbytes: int) -> None:
+        """Descriptor, offset type and bounds of a write, before anything is sent."""
+        self._check_region(dst)
+        if isinstance(dst_offset, bool) or not isinstance(dst_offset, int):
+            raise ValueError(f"{self.label}: dst_offset must be an int, not {dst_offset!r}")
+        check_write_range(dst, dst_offset, nbytes)
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        """The ``max_inflight`` semaphore of the running event loop (one per loop)."""
+        loop = asyncio.get_running_loop()
+        sem = self._sems.get(loop)
+        if sem is None:
+            sem = self._sems[loop] = asyncio.Semaphore(self.max_inflight)
+        return sem
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the NIC (each backend has its own)."""
+

@@ -17,25 +17,25 @@ process does 2 and 4 on its own NICs):
 
 Each receiver checks what it got before using it (:mod:`weight_transfer.receipt`):
 requests name NICs by strings, peer infos name owner, NIC and the receiving
-NIC's transport, endpoints are mappings with string keys; a backend with
-``check_peer(info)`` (simnic) checks its endpoint fields, for every connection
+NIC's transport, endpoints are mappings with string keys; each NIC's
+``check_peer(info)`` checks its backend's endpoint fields, for every connection
 before any connects.
 
 :func:`unreachable_links` checks, before any NIC is built, that a transport
-bound to one host (simnic; Mooncake on a loopback or a fixed address) is not
-asked to reach a peer on another host; hosts are compared by hostname and
-address.
+bound to one host is not asked to reach a peer on another host; hosts are
+compared by hostname and address, and the backend class decides
+(``reaches`` / ``unreachable_reason``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weight_transfer.receipt import check_peer_info, check_str
 from weight_transfer.transport.options import TransportSpec
+from weight_transfer.transport.registry import registered_transports, transport_class
 from weight_transfer.types import PeerInfo
 
 
@@ -145,33 +145,16 @@ def connect_peers(nics: Mapping[str, Any], conns: Sequence[Connection], *,
             raise ValueError(f"{where} must be a Connection, not {type(conn).__name__}")
         check_str(conn.nic, f"{where}: nic")
         nic = _nic(nics, conn.nic, owner)
-        check_peer_info(conn.peer, f"{where} ({conn.nic})", transport=getattr(nic, "kind", None))
-        check_peer = getattr(nic, "check_peer", None)  # the backend's endpoint fields
-        if check_peer is not None:
-            check_peer(conn.peer)
+        check_peer_info(conn.peer, f"{where} ({conn.nic})", transport=nic.kind)
+        nic.check_peer(conn.peer)  # the backend's endpoint fields
     for conn in conns:
         _nic(nics, conn.nic, owner).connect(conn.peer)
     return len(conns)
 
 
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
 def reaches(spec: TransportSpec, src: HostId, dst: HostId) -> bool:
     """Whether a NIC of ``spec`` on ``src`` can write into one on ``dst``."""
-    if src == dst:
-        return True
-    if spec.kind == "simnic":
-        return False
-    if spec.kind == "mooncake":  # a fixed hostname is every actor's, wherever it runs
-        return getattr(spec.options, "hostname", None) is None and not _is_loopback(dst.address)
-    return True
+    return src == dst or spec.backend.reaches(spec.options, src, dst)
 
 
 def unreachable_links(spec: TransportSpec, hosts: Mapping[str, HostId],
@@ -188,12 +171,20 @@ def unreachable_message(spec: TransportSpec, hosts: Mapping[str, HostId],
     """One error naming the transport, the field, the first pairs and their hosts."""
     shown = "; ".join(f"{w} on {hosts[w]} -> {t} on {hosts[t]}" for w, t in bad[:limit])
     more = f" and {len(bad) - limit} more pairs" if len(bad) > limit else ""
-    if spec.kind == "simnic":
-        why = "simnic writes with process_vm_writev into processes of its own host"
-    elif getattr(spec.options, "hostname", None) is not None:
-        why = (f"mooncake option hostname={spec.options.hostname!r} is advertised by every "
-               "actor; leave it null to take each actor's own address")
-    else:
-        why = "mooncake would advertise a loopback address that other hosts cannot reach"
+    why = spec.backend.unreachable_reason(spec.options)
     return (f"{field}: transport {spec.kind!r} cannot reach across hosts: {shown}{more} "
-            f"({why}; choose 'mooncake' or 'rdma' for actors on several hosts)")
+            f"({why}; choose {_across_hosts()} for actors on several hosts)")
+
+
+def _across_hosts() -> str:
+    """The registered transports whose default options reach other hosts, quoted."""
+    a, b = HostId(hostname="a", address="10.0.0.1"), HostId(hostname="b", address="10.0.0.2")
+    names = []
+    for name in registered_transports():
+        try:
+            cls = transport_class(name)
+        except ValueError:  # a backend that does not load here is not a choice
+            continue
+        if cls.reaches(cls.Options(), a, b):
+            names.append(repr(name))
+    return " or ".join(names) or "a transport that reaches other hosts"

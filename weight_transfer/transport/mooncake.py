@@ -38,6 +38,17 @@ target's TCP server, that each chunk lies inside one buffer registered now
 Protocols other than ``"tcp"`` (``"rdma"``) send only from registered memory:
 register the source (staging) buffers with the writer's NIC too.
 
+Transient faults (retried under the executor's policy): a chunk that failed
+while the peer's handshake port did not answer a probe at once (connection
+refused or reset: a peer restarting or a link that is down) raises
+:class:`MooncakeLinkError`; Mooncake opens a new session on the next submit.
+A chunk that timed out is not transient: its batch may still be reading the
+source, and each try would wait the whole timeout again.
+
+``disconnect(owner, nic)`` forgets the peer's session: no later write goes to it
+(Mooncake 0.3.13 has no call that closes one session; its sockets close with
+the engine).
+
 Environment: ``MC_LOG_LEVEL`` defaults to WARNING here (set it to see Mooncake's
 INFO lines). Mooncake's listeners bind all interfaces whatever ``hostname`` is.
 Destroying an engine takes about 1 s, and the next engine of the process waits
@@ -51,15 +62,17 @@ import concurrent.futures
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from weight_transfer.transport._mooncake_calls import (
     CallThread,
     _first_error,
     _new_rkey,
     chunk_deadline_s,
+    is_loopback,
     load_engine_class,
     parse_session_id,
     split_chunks,
@@ -68,7 +81,10 @@ from weight_transfer.transport.base import (
     PeerUnreachableError,
     RemoteAccessError,
     SourceBuffer,
+    TransientTransportError,
+    TransportBase,
     TransportError,
+    TransportOptions,
     check_write_range,
     source_buffer,
     target_buffer,
@@ -82,6 +98,25 @@ _SUBMIT_FAILED = frozenset({0, -1, 2**64 - 1})  # batch ids Mooncake returns on 
 _DONE, _PENDING = 1, 0  # transfer_check_status: 1 done, 0 pending, -1 failed, -2 timed out
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
 _GRAVEYARD: list[Any] = []  # engines closed with transfers in flight, kept alive
+
+
+class MooncakeOptions(TransportOptions):
+    """Mooncake TransferEngine: ``hostname`` None takes each actor's own host address."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    hostname: str | None = None
+    device_name: str = ""
+    max_inflight: int = Field(default=8, ge=1)
+    chunk_bytes: int = Field(default=64 << 20, ge=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(default=20.0, gt=0)
+
+
+class MooncakeLinkError(PeerUnreachableError, TransientTransportError):
+    """A chunk failed and the peer's handshake port refused a probe (connection refused
+    or reset): transient, retried under the policy (a new session opens on the next try)."""
+
+
 @dataclass(slots=True)
 class _Chunk:
     """One submitted piece of a write, for error messages."""
@@ -94,10 +129,34 @@ class _Chunk:
     what: str
 
 
-class MooncakeTransport:
+class MooncakeTransport(TransportBase):
     """One Mooncake engine = one NIC of this process. See the module docstring."""
 
     kind = "mooncake"
+    Options = MooncakeOptions
+
+    @classmethod
+    def open_kwargs(cls, options: TransportOptions, *, node: str = "",
+                    address: str = "") -> dict[str, Any]:
+        """``hostname`` None takes the actor's own ``address``; no ``node`` keyword."""
+        out = options.model_dump()
+        if out["hostname"] is None:
+            out["hostname"] = address or "127.0.0.1"
+        return out
+
+    @classmethod
+    def reaches(cls, options: TransportOptions, src: Any, dst: Any) -> bool:
+        """Other hosts, unless a fixed hostname (every actor's, wherever it runs) or a
+        loopback address is advertised."""
+        return getattr(options, "hostname", None) is None and not is_loopback(dst.address)
+
+    @classmethod
+    def unreachable_reason(cls, options: TransportOptions) -> str:
+        hostname = getattr(options, "hostname", None)
+        if hostname is not None:
+            return (f"mooncake option hostname={hostname!r} is advertised by every actor; "
+                    "leave it null to take each actor's own address")
+        return "mooncake would advertise a loopback address that other hosts cannot reach"
 
     def __init__(
         self, *, owner: str, nic: str = "mc0", protocol: str = "tcp",
@@ -113,8 +172,9 @@ class MooncakeTransport:
                 f" timeout_s={timeout_s}, min_gbps={min_gbps}, connect_timeout_s="
                 f"{connect_timeout_s}: all must be positive"
             )
-        self.owner, self.nic, self.protocol, self.hostname = owner, nic, protocol, hostname
-        self._me = f"mooncake {owner}/{nic}"  # how messages name this NIC
+        super().__init__(owner=owner, nic=nic)
+        self.protocol, self.hostname = protocol, hostname
+        self._me = self.label = f"mooncake {owner}/{nic}"  # how messages name this NIC
         self.max_inflight, self.chunk_bytes, self.timeout_s = max_inflight, chunk_bytes, timeout_s
         self.min_gbps, self.connect_timeout_s = min_gbps, connect_timeout_s
         engine = load_engine_class()()
@@ -129,9 +189,7 @@ class MooncakeTransport:
         self._calls = CallThread(f"mooncake-{owner}-{nic}")
         self._lock = threading.Lock()
         self._regions: dict[int, tuple[RegionDesc, Any]] = {}  # addr -> (desc, keepalive)
-        self._peers: dict[tuple[str, str], str] = {}  # (owner, nic) -> session id
         self._abandoned: list[tuple[int, Any]] = []  # (batch id, source it may still read)
-        self._sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> sem
         self._closed = False
         self.bytes_written = self.writes = 0  # writes this NIC completed, and their bytes
         logger.info("mooncake %s/%s: %s engine at %s", owner, nic, protocol, self.session_id)
@@ -210,26 +268,14 @@ class MooncakeTransport:
             ) from None
         if rc != 0:
             raise PeerUnreachableError(f"{where}: handshake probe of {session} failed (code {rc})")
-        with self._lock:
-            self._peers[(peer.owner, peer.nic)] = session
+        self._add_peer(peer.owner, peer.nic, session)  # the peer table holds session ids
         logger.info("%s: session %s", where, session)
 
     def _session_for(self, dst: RegionDesc) -> str:
-        me = self._me
-        if not isinstance(dst, RegionDesc):
-            raise ValueError(f"{me}: write destination must be a RegionDesc, not {type(dst)}")
-        if dst.transport != self.kind:
-            raise ValueError(f"{me}: {dst.describe()} belongs to transport {dst.transport!r}")
+        self._check_region(dst)
         if dst.addr <= 0 or dst.length <= 0:
-            raise ValueError(f"{me}: bad descriptor {dst.describe()}")
-        with self._lock:
-            session = self._peers.get((dst.owner, dst.nic))
-        if session is None:
-            raise PeerUnreachableError(
-                f"{me}: not connected to {dst.owner}/{dst.nic} (the owner of "
-                f"{dst.describe()}); call connect(peer_info) first"
-            )
-        return session
+            raise ValueError(f"{self._me}: bad descriptor {dst.describe()}")
+        return self._peer_for(dst)
 
     # ------------------------------------------------------------------ writes
 
@@ -314,15 +360,11 @@ class MooncakeTransport:
                 f"{where}: refused (status {status}): bytes [{chunk.dst_addr:#x}, "
                 f"+{chunk.nbytes}) are not inside a region the target has registered now"
             )
-        return PeerUnreachableError(
-            f"{where}: failed (status {status}) and the peer does not answer a probe ({probe})"
-        )
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if (sem := self._sems.get(loop)) is None:
-            sem = self._sems[loop] = asyncio.Semaphore(self.max_inflight)
-        return sem
+        if probe is None:  # no answer in time: a stalled peer, not retried
+            return PeerUnreachableError(
+                f"{where}: failed (status {status}) and the peer does not answer a probe")
+        return MooncakeLinkError(f"{where}: failed (status {status}) and the peer does not "
+                                 f"answer a probe ({probe}: connection refused or reset)")
 
     def _registered_here(self, sb: SourceBuffer) -> bool:
         with self._lock:

@@ -3,7 +3,10 @@
 A :class:`TransportSpec` is plain data (picklable; it crosses Ray inside the
 controller's config): the backend's name and its options, each backend's
 options a frozen pydantic model that refuses unknown names and values of the
-wrong type (strict: ``"2"`` is not a number, ``1.5`` not an integer)::
+wrong type (strict: ``"2"`` is not a number, ``1.5`` not an integer). Each
+backend class carries its model (``cls.Options``, a
+:class:`~weight_transfer.transport.base.TransportOptions`), and decides how a spec
+opens a NIC (``cls.open_kwargs``); nothing here knows a backend by name::
 
     spec = parse_transport("mooncake", {"protocol": "tcp"}, where="TransferConfig")
     nic = spec.open(owner="trainer0", nic="tnode0/nic0", node=node_id, address="10.0.0.7")
@@ -19,59 +22,35 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
 
 from weight_transfer.config_files import format_validation_error
-from weight_transfer.transport.registry import make_transport
+from weight_transfer.transport.base import TransportOptions as BaseOptions
+from weight_transfer.transport.registry import (
+    DEFAULT_TRANSPORT_NAME,
+    check_transport_name,
+    make_transport,
+    registered_transports,
+    transport_class,
+)
+
+# Any backend's options model: each backend class carries its own (``cls.Options``).
+TransportOptions = BaseOptions
 
 
-class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+def options_model(kind: str) -> type[BaseOptions]:
+    """The options model of registered transport ``kind`` (imports the backend)."""
+    return transport_class(kind).Options
 
 
-class SimNicOptions(_Options):
-    """Simulated NIC (one host): a bandwidth cap and added latency model a real fabric."""
-
-    bandwidth_gbps: float | None = Field(default=None, gt=0)  # GB/s per NIC; None: memcpy speed
-    latency_us: float = Field(default=0.0, ge=0)
-    max_inflight: int = Field(default=4, ge=1)
-    chunk_bytes: int = Field(default=8 << 20, ge=4096)
+def _check_name(value: Any) -> str:
+    return check_transport_name(value, where="transport")
 
 
-class MooncakeOptions(_Options):
-    """Mooncake TransferEngine: ``hostname`` None takes each actor's own host address."""
-
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    hostname: str | None = None
-    device_name: str = ""
-    max_inflight: int = Field(default=8, ge=1)
-    chunk_bytes: int = Field(default=64 << 20, ge=1)
-    timeout_s: float = Field(default=30.0, gt=0)
-    connect_timeout_s: float = Field(default=20.0, gt=0)
-
-
-class RdmaOptions(_Options):
-    """pyverbs RC queue pairs: device (None: the first), port, GID index (RoCE needs one)."""
-
-    device: str | None = None
-    port: int = Field(default=1, ge=1)
-    gid_index: int = Field(default=0, ge=0)
-    max_inflight: int = Field(default=16, ge=1)
-    chunk_bytes: int = Field(default=16 << 20, ge=1)
-    timeout: int = Field(default=14, ge=0, le=31)
-    retry_cnt: int = Field(default=7, ge=0, le=7)
-
-
-# Backend name -> its options model (the backends themselves: transport.BACKENDS).
-OPTIONS: dict[str, type[_Options]] = {
-    "simnic": SimNicOptions,
-    "mooncake": MooncakeOptions,
-    "rdma": RdmaOptions,
-}
-TransportOptions = SimNicOptions | MooncakeOptions | RdmaOptions
+# A field holding a transport name: validated against the registry (run configs).
+TransportName = Annotated[str, pydantic.AfterValidator(_check_name)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,31 +64,32 @@ class TransportSpec:
         changed = self.options.model_dump(exclude_defaults=True)
         return self.kind + (f" {changed}" if changed else "")
 
-    def kwargs(self, *, address: str = "") -> dict[str, Any]:
-        """Constructor keywords of the backend; ``address`` fills mooncake's ``hostname``."""
-        out = self.options.model_dump()
-        if self.kind == "mooncake" and out["hostname"] is None:
-            out["hostname"] = address or "127.0.0.1"
-        return out
+    @property
+    def backend(self) -> type:
+        """The backend class (imported on first use)."""
+        return transport_class(self.kind)
+
+    def kwargs(self, *, address: str = "", node: str = "") -> dict[str, Any]:
+        """Constructor keywords of the backend for a NIC on host ``address``, node ``node``
+        (the backend's ``open_kwargs`` decides what each fills)."""
+        return self.backend.open_kwargs(self.options, node=node, address=address)
 
     def open(self, *, owner: str, nic: str, node: str = "", address: str = "") -> Any:
         """One NIC of this transport for ``owner`` (the registry builds it)."""
-        kwargs = self.kwargs(address=address)
-        if self.kind != "mooncake":
-            kwargs["node"] = node
+        kwargs = self.kwargs(address=address, node=node)
         return make_transport(self.kind, owner=owner, nic=nic, **kwargs)
 
 
 def parse_transport(kind: Any, options: Any = None, *, where: str,
                     who: str = "every trainer and engine NIC") -> TransportSpec:
     """Validate a transport name and its options; ValueError names ``where`` and the field."""
-    if not isinstance(kind, str) or kind not in OPTIONS:
+    if not isinstance(kind, str) or kind not in registered_transports():
         raise ValueError(f"{where}.transport: unknown transport {kind!r} (used by {who}); "
-                         f"known: {sorted(OPTIONS)}")
-    model = OPTIONS[kind]
+                         f"known: {list(registered_transports())}")
+    model = options_model(kind)
     if isinstance(options, model):
         return TransportSpec(kind=kind, options=options)
-    if isinstance(options, _Options):
+    if isinstance(options, BaseOptions):
         raise ValueError(f"{where}.transport_options: {type(options).__name__} given for "
                          f"transport {kind!r} (used by {who}); expected {model.__name__}")
     if options is None:
@@ -131,4 +111,9 @@ def parse_transport(kind: Any, options: Any = None, *, where: str,
     return TransportSpec(kind=kind, options=parsed)
 
 
-DEFAULT_TRANSPORT = TransportSpec(kind="simnic", options=SimNicOptions())
+def default_spec(kind: str) -> TransportSpec:
+    """``kind`` with its default options."""
+    return parse_transport(kind, None, where="default")
+
+
+DEFAULT_TRANSPORT = default_spec(DEFAULT_TRANSPORT_NAME)

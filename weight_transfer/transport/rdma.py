@@ -34,6 +34,11 @@ where GPU memory can be registered (CUDA dma-buf): callers then keep their
 sources on the GPU. ``registrations`` counts every MR ever made (tests check
 that the hot path makes none).
 
+Transient errors (:mod:`.rdma_errors`): only a post refused for want of
+resources (send queue full); a failed completion leaves the QP in the error
+state. ``disconnect(owner, nic)`` closes the QPs to a peer (call it with no write
+to that peer in flight: the controller removes a replica between updates).
+
 After a failed completion the QP is in the error state: later writes to that
 peer raise PeerUnreachableError until both sides ``connect`` again (the same
 ``PeerInfo`` can be reused: connect resets the QP). Without pyverbs or without a
@@ -53,15 +58,18 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from pydantic import Field
+
 from weight_transfer.transport.base import (
     PeerUnreachableError,
+    TransportBase,
     TransportError,
-    check_write_range,
+    TransportOptions,
     source_buffer,
     target_buffer,
 )
 from weight_transfer.transport.rdma_cuda import dmabuf_unsupported_reason, export_dmabuf
-from weight_transfer.transport.rdma_errors import completion_error
+from weight_transfer.transport.rdma_errors import completion_error, post_error
 from weight_transfer.transport.rdma_plan import LocalRegion, LocalRegions, split_write
 from weight_transfer.transport.rdma_verbs import (
     PortInfo,
@@ -90,6 +98,18 @@ log = logging.getLogger(__name__)
 TARGET_ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE
 
 
+class RdmaOptions(TransportOptions):
+    """pyverbs RC queue pairs: device (None: the first), port, GID index (RoCE needs one)."""
+
+    device: str | None = None
+    port: int = Field(default=1, ge=1)
+    gid_index: int = Field(default=0, ge=0)
+    max_inflight: int = Field(default=16, ge=1)
+    chunk_bytes: int = Field(default=16 << 20, ge=1)
+    timeout: int = Field(default=14, ge=0, le=31)
+    retry_cnt: int = Field(default=7, ge=0, le=7)
+
+
 @dataclass(slots=True)
 class _Registration:
     mr: Any
@@ -112,10 +132,12 @@ class _Conn:
     error: str | None = None
 
 
-class RdmaTransport:
+class RdmaTransport(TransportBase):
     """One RDMA port of one process. See the module docstring for the call order."""
 
     kind = "rdma"
+    Options = RdmaOptions
+    registers_sources = True  # writes post from registered memory (register_source)
 
     def __init__(self, *, owner: str, nic: str | None = None, device: str | None = None,
                  port: int = 1, gid_index: int = 0, max_inflight: int = 16,
@@ -134,13 +156,13 @@ class RdmaTransport:
         except BaseException:
             self._ctx.close()
             raise
-        self.owner, self.nic, self.node = owner, nic or self.device, node
+        super().__init__(owner=owner, nic=nic or self.device)
+        self.node = node
         self.port, self.gid_index, self.max_inflight = port, gid_index, max_inflight
         self.chunk_bytes = min(chunk_bytes, self._port.max_msg_sz)
         self._qp_opts = {"timeout": timeout, "retry_cnt": retry_cnt}
         self._window: CompletionWindow = CompletionWindow(
             lambda n: poll_cq(self._cq, n), max_inflight=max_inflight)
-        self._conns: dict[tuple[str, str | None], _Conn] = {}  # (owner, nic) -> its QP
         self.bytes_written = self.writes = 0  # writes this NIC completed, and their bytes
         self._regs: dict[tuple[int, int], _Registration] = {}
         self._sources: dict[int, _Registration] = {}  # register_source handles
@@ -238,18 +260,21 @@ class RdmaTransport:
         NIC of that owner that asks or connects; a lookup with ``nic`` None
         finds the owner's only QP.
         """
-        conn = self._conns.get((owner, nic))
-        if conn is None and nic is not None and (owner, None) in self._conns:
-            conn = self._conns[(owner, nic)] = self._conns.pop((owner, None))
-        if conn is None and nic is None:
-            mine = [c for (o, _), c in self._conns.items() if o == owner]
-            conn = mine[0] if len(mine) == 1 else None
+        conns = self._peers  # the peer table: (owner, nic) -> _Conn, QPs not yet connected too
+        with self._peers_lock:
+            conn = conns.get((owner, nic))
+            if conn is None and nic is not None and (owner, None) in conns:
+                conn = conns[(owner, nic)] = conns.pop((owner, None))
+            if conn is None and nic is None:
+                mine = [c for (o, _), c in conns.items() if o == owner]
+                conn = mine[0] if len(mine) == 1 else None
         if conn is None:
             qp = create_rc_qp(self._pv, self._pd, self._cq, self.max_inflight)
             ep = RdmaEndpoint(lid=self._port.lid, gid=self._port.gid, qpn=qp.qp_num,
                               psn=secrets.randbits(24), port=self.port, mtu=self._port.mtu,
                               peer=owner)
-            conn = self._conns[(owner, nic)] = _Conn(qp=qp, local=ep)
+            conn = _Conn(qp=qp, local=ep)
+            self._add_peer(owner, nic, conn)
         return conn
 
     def connect(self, peer: PeerInfo) -> None:
@@ -273,12 +298,14 @@ class RdmaTransport:
                                        f"{self.port}, qpn {conn.local.qpn} -> {ep.qpn})")
         conn.remote, conn.error = ep, None
 
+    def _is_connected(self, conn: _Conn) -> bool:
+        return conn.remote is not None
+
+    def _release_peer(self, conn: _Conn) -> None:
+        conn.qp.close()
+
     def _conn_for(self, dst: RegionDesc) -> _Conn:
-        conn = self._conns.get((dst.owner, dst.nic))
-        if conn is None or conn.remote is None:
-            raise PeerUnreachableError(
-                f"{self.owner} is not connected to {dst.owner!r} NIC {dst.nic!r} (target of "
-                f"{dst.describe()}): exchange peer_info() and connect() both sides at setup")
+        conn = self._peer_for(dst)
         if conn.error is not None:
             raise PeerUnreachableError(
                 f"connection {self.owner} -> {dst.owner!r} failed earlier ({conn.error}); "
@@ -289,11 +316,9 @@ class RdmaTransport:
 
     async def write(self, src: Any, dst: RegionDesc, dst_offset: int = 0) -> None:
         """One-sided RDMA WRITE of all of ``src`` into ``dst`` at ``dst_offset``."""
-        if dst.transport != "rdma":
-            raise ValueError(f"{dst.describe()} belongs to transport {dst.transport!r}, "
-                             "not 'rdma'")
+        self._check_region(dst)
         sb = source_buffer(src)
-        check_write_range(dst, dst_offset, sb.nbytes)
+        self._check_destination(dst, dst_offset, sb.nbytes)
         if sb.nbytes == 0:
             return
         conn = self._conn_for(dst)
@@ -326,9 +351,10 @@ class RdmaTransport:
             try:
                 post_write(pv, qp, wr_id, local.sge_addr(chunk.src), local.lkey, chunk, dst.rkey)
             except pv.pyverbs_error.PyverbsError as exc:
-                conn.error = f"ibv_post_send failed: {exc}"
-                raise TransportError(f"{self.owner}: posting an RDMA WRITE of {chunk.length} B "
-                                     f"to {dst.describe()} failed: {exc}") from exc
+                err = post_error(exc, owner=self.owner, nbytes=chunk.length, region=dst)
+                if not self.is_transient(err):  # a full send queue leaves the QP usable
+                    conn.error = f"ibv_post_send failed: {exc}"
+                raise err from exc
         return post
 
     @property
@@ -350,15 +376,8 @@ class RdmaTransport:
             reg.close()
         self._regs.clear()
         self._sources.clear()
-        for conn in self._conns.values():
+        for conn in self._take_peers():
             conn.qp.close()
-        self._conns.clear()
         self._cq.close()
         self._pd.close()
         self._ctx.close()
-
-    def __enter__(self) -> RdmaTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -9,16 +9,35 @@ table against the installed pyverbs. The classes:
 - :class:`PeerUnreachableError`: no acknowledgement came back (process dead,
   link down, QP of the peer not connected);
 - :class:`TransportError`: everything else, flushed work requests included.
+
+Which failures are transient (retried under the executor's policy): an
+``ibv_post_send`` refused for want of resources (``ENOMEM``, ``EAGAIN``,
+``EBUSY``, ``ENOBUFS``: the send queue is full for now) raises
+:class:`RdmaQueueFullError`; the QP stays usable. A failed *completion* is never
+transient here, whatever its status (retry exceeded, response timeout ...): it
+moves the RC queue pair to the error state, and only a new ``connect`` of both
+sides recovers it, so trying the same WRITE again on it cannot succeed (RNR
+errors do not occur at all: RDMA WRITEs consume no receive requests).
 """
 
 from __future__ import annotations
 
+import errno
+
 from weight_transfer.transport.base import (
     PeerUnreachableError,
     RemoteAccessError,
+    TransientTransportError,
     TransportError,
 )
 from weight_transfer.types import RegionDesc
+
+TRANSIENT_POST_ERRNOS = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EBUSY, errno.ENOBUFS})
+
+
+class RdmaQueueFullError(TransientTransportError):
+    """``ibv_post_send`` was refused for want of resources (send queue full): transient."""
+
 
 IBV_WC_SUCCESS = 0
 IBV_WC_WR_FLUSH_ERR = 5
@@ -97,3 +116,16 @@ def completion_error(
         f"({wc_status_name(status)}, vendor_err={vendor_err:#x}) writing {nbytes} B at "
         f"offset {offset} of {region.describe()}: {hint}"
     )
+
+
+def post_error(exc: BaseException, *, owner: str, nbytes: int,
+               region: RegionDesc) -> TransportError:
+    """The exception for an ``ibv_post_send`` that raised ``exc`` (pyverbs: its
+    ``error_code`` is the errno); transient when the send queue was only full."""
+    code = getattr(exc, "error_code", None)
+    if code is None and len(getattr(exc, "args", ())) > 1:
+        code = exc.args[1]
+    what = f"{owner}: posting an RDMA WRITE of {nbytes} B to {region.describe()} failed: {exc}"
+    if code in TRANSIENT_POST_ERRNOS:
+        return RdmaQueueFullError(f"{what} ({errno.errorcode[code]}: send queue full for now)")
+    return TransportError(what)

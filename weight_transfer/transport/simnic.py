@@ -14,6 +14,11 @@ One :class:`SimNic` is one NIC of one process; a process may hold several.
   the target's memory. Refused writes raise :class:`RemoteAccessError` or
   :class:`PeerUnreachableError` naming the region and peer, and write nothing.
 * ``deregister(desc)`` revokes the region: once it returns, no write lands.
+* ``disconnect(owner, nic)`` drops the connection to a peer NIC: its table and
+  process handle close once no write through them is in flight; later writes to
+  it raise :class:`PeerUnreachableError` saying it was disconnected.
+* Transient faults: a link down (:class:`LinkDownError`), which the executor's
+  retry policy rides out; every other error is permanent.
 * Link model: ``bandwidth_gbps`` caps the NIC (1 GB/s = 1e9 B/s), ``latency_us``
   is added to every write, ``max_inflight`` bounds writes in flight (more
   await), ``set_link(False)``, ``flap_link(s)`` (down for ``s`` seconds from
@@ -39,10 +44,11 @@ import logging
 import math
 import os
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import Field
 
 from weight_transfer.transport import _vm
 from weight_transfer.transport._datapath import DataPath, Peer
@@ -50,8 +56,9 @@ from weight_transfer.transport._link import LinkModel
 from weight_transfer.transport._regtable import RegionTable, RemoteTable
 from weight_transfer.transport.base import (
     PeerUnreachableError,
+    TransportBase,
     TransportError,
-    check_write_range,
+    TransportOptions,
     source_buffer,
     target_buffer,
 )
@@ -60,6 +67,15 @@ from weight_transfer.types import PeerInfo, RegionDesc
 logger = logging.getLogger(__name__)
 
 _ENDPOINT_KEYS = ("pid", "start_time", "table_fd", "table_nonce", "boot_id", "pid_ns")
+
+
+class SimNicOptions(TransportOptions):
+    """Simulated NIC (one host): a bandwidth cap and added latency model a real fabric."""
+
+    bandwidth_gbps: float | None = Field(default=None, gt=0)  # GB/s per NIC; None: memcpy speed
+    latency_us: float = Field(default=0.0, ge=0)
+    max_inflight: int = Field(default=4, ge=1)
+    chunk_bytes: int = Field(default=8 << 20, ge=4096)
 
 
 @dataclass(slots=True)
@@ -116,10 +132,20 @@ def _check_endpoint(ep: dict, where: str) -> None:
                          f"{ep['table_nonce']!r:.40}") from None
 
 
-class SimNic:
+class SimNic(TransportBase):
     """A simulated RDMA NIC (implements :class:`~weight_transfer.transport.base.Transport`)."""
 
     kind = "simnic"
+    Options = SimNicOptions
+
+    @classmethod
+    def reaches(cls, options: TransportOptions, src: Any, dst: Any) -> bool:
+        """Only its own host: ``process_vm_writev`` reaches processes of this host."""
+        return False
+
+    @classmethod
+    def unreachable_reason(cls, options: TransportOptions) -> str:
+        return "simnic writes with process_vm_writev into processes of its own host"
 
     def __init__(
         self,
@@ -135,24 +161,23 @@ class SimNic:
         node: str = "",
     ) -> None:
         _check_args(owner, nic, bandwidth_gbps, latency_us)
-        self.owner, self.nic, self.node = owner, nic, node
+        super().__init__(owner=owner, nic=nic)
+        self.node = node
         self.bandwidth_gbps = bandwidth_gbps
         self.latency_us = float(latency_us)
         self.max_inflight = _positive_int("max_inflight", max_inflight, 1)
         self.chunk_bytes = _positive_int("chunk_bytes", chunk_bytes, _vm.PAGE_SIZE)
         self.inline_bytes = _positive_int("inline_bytes", inline_bytes, 0)
         _positive_int("max_regions", max_regions, 1)
-        self.label = f"NIC {owner}/{nic}"
         if max_regions > 1 << 20:
             raise ValueError(f"SimNic: max_regions must be at most 2**20, not {max_regions}")
         self._table = RegionTable(f"{owner}-{nic}", max_regions)
         self._link = LinkModel(bandwidth_gbps)
         self._regions: dict[int, _Registered] = {}
-        self._peers: dict[tuple[str, str], Peer] = {}
-        self._retired: list[Peer] = []
+        self._retired: list[Peer] = []  # replaced or disconnected, closed once unused
+        self._users: dict[int, int] = {}  # id(peer) -> writes in flight through it
         self._mutex = threading.Lock()
         self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"simnic-{nic}")
-        self._sems: weakref.WeakKeyDictionary[Any, asyncio.Semaphore] = weakref.WeakKeyDictionary()
         self._wake = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the NIC closes
         self._closed = False
         self._flap: float | None = None  # flap_link: seconds down, armed for the next write
@@ -236,6 +261,12 @@ class SimNic:
             timer.daemon = True
             timer.start()
 
+    def set_bandwidth(self, bandwidth_gbps: float | None) -> None:
+        """Re-cap this NIC at ``bandwidth_gbps`` GB/s (None: uncapped), between writes."""
+        _check_args(self.owner, self.nic, bandwidth_gbps, self.latency_us)
+        self.bandwidth_gbps = bandwidth_gbps
+        self._link.set_bandwidth(bandwidth_gbps)
+
     def fail_after_bytes(self, nbytes: int | None) -> None:
         """Deliver ``nbytes`` more bytes, then fail the write that needs more (None: off)."""
         if nbytes is not None:
@@ -261,8 +292,7 @@ class SimNic:
 
     def check_peer(self, peer: PeerInfo) -> None:
         """ValueError naming the field if ``peer`` is not a well-formed simnic endpoint."""
-        if peer.transport != self.kind:
-            raise ValueError(f"{self.label} cannot connect to a {peer.transport!r} endpoint")
+        super().check_peer(peer)
         missing = [k for k in _ENDPOINT_KEYS if k not in peer.endpoint]
         if missing:
             raise ValueError(f"peer info of {peer.owner}/{peer.nic} lacks {missing}")
@@ -278,10 +308,9 @@ class SimNic:
             raise PeerUnreachableError(
                 f"{label} is on another host or pid namespace; simnic reaches only this one"
             )
-        key = (peer.owner, peer.nic)
-        with self._mutex:
-            if key in self._peers and self._peers[key].endpoint == ep:
-                return
+        known = self._peer(peer.owner, peer.nic)
+        if known is not None and known.endpoint == ep:
+            return
         try:
             proc = _vm.ProcessHandle.open(ep["pid"], start_time=ep["start_time"])
         except OSError as e:  # gone (ProcessLookupError), or not a process we may open
@@ -291,23 +320,25 @@ class SimNic:
         except OSError as e:
             proc.close()
             raise PeerUnreachableError(f"cannot open the region table of {label}: {e}") from None
-        with self._mutex:
-            old = self._peers.get(key)
-            self._peers[key] = Peer(label=label, endpoint=dict(ep), proc=proc, table=table)
-            if old is not None:
-                self._retired.append(old)  # a write in flight may still use it
+        old = self._add_peer(peer.owner, peer.nic,
+                             Peer(label=label, endpoint=dict(ep), proc=proc, table=table))
+        if old is not None:
+            self._release_peer(old)  # a write in flight may still use it
         logger.info("%s connected to %s", self.label, label)
 
     async def write(self, src: Any, dst: RegionDesc, dst_offset: int = 0) -> None:
         """One-sided WRITE of all of ``src`` into ``dst`` at ``dst_offset`` bytes."""
         self._check_open()
         mem = source_buffer(src)
-        if dst.transport != self.kind:
-            raise ValueError(f"{dst.describe()} belongs to transport {dst.transport!r}")
-        if isinstance(dst_offset, bool) or not isinstance(dst_offset, int):
-            raise ValueError(f"dst_offset must be an int, not {dst_offset!r}")
-        check_write_range(dst, dst_offset, mem.nbytes)
-        peer = self._peer_for(dst)
+        self._check_destination(dst, dst_offset, mem.nbytes)
+        peer = self._use_peer(dst)
+        try:
+            await self._write_through(peer, mem, dst, dst_offset)
+        finally:
+            self._unuse_peer(peer)
+
+    async def _write_through(self, peer: Peer, mem: Any, dst: RegionDesc,
+                             dst_offset: int) -> None:
         if self._flap is not None:
             self._start_flap()
         async with self._semaphore():
@@ -343,8 +374,10 @@ class SimNic:
         self._executor.shutdown(wait=True)
         with self._mutex:
             regions, self._regions = list(self._regions.values()), {}
-            peers = [*self._peers.values(), *self._retired]
-            self._peers, self._retired = {}, []
+        peers = self._take_peers()
+        with self._mutex:
+            peers += self._retired
+            self._retired = []
         for reg in regions:
             self._table.revoke(reg.slot)
         self._table.close()
@@ -353,31 +386,35 @@ class SimNic:
         os.close(self._wake)
         logger.debug("%s closed", self.label)
 
-    def __enter__(self) -> SimNic:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"{self.label} is closed")
 
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        sem = self._sems.get(loop)
-        if sem is None:
-            sem = self._sems[loop] = asyncio.Semaphore(self.max_inflight)
-        return sem
-
-    def _peer_for(self, dst: RegionDesc) -> Peer:
+    def _use_peer(self, dst: RegionDesc) -> Peer:
+        """The peer of ``dst``, counted as in use until :meth:`_unuse_peer`."""
+        peer = self._peer_for(dst)
         with self._mutex:
-            peer = self._peers.get((dst.owner, dst.nic))
-        if peer is None:
-            raise PeerUnreachableError(
-                f"{self.label} is not connected to peer {dst.owner}/{dst.nic}; call "
-                f"connect() with its peer info first (writing into {dst.describe()})"
-            )
+            self._users[id(peer)] = self._users.get(id(peer), 0) + 1
         return peer
+
+    def _unuse_peer(self, peer: Peer) -> None:
+        with self._mutex:
+            left = self._users[id(peer)] = self._users[id(peer)] - 1
+            if left == 0:
+                del self._users[id(peer)]
+            done = left == 0 and any(p is peer for p in self._retired)
+            if done:
+                self._retired = [p for p in self._retired if p is not peer]
+        if done:
+            peer.close()
+
+    def _release_peer(self, conn: Peer) -> None:
+        """A replaced or disconnected peer: closed now, or by the last write using it."""
+        with self._mutex:
+            busy = id(conn) in self._users
+            if busy:
+                self._retired.append(conn)
+        if not busy:
+            conn.close()

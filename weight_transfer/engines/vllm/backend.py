@@ -183,8 +183,8 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
 
     def _stats(self, _req=None) -> dict[str, int]:
         nics = self.nics.values()
-        return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
-                "writes": sum(getattr(n, "writes", 0) for n in nics),
+        return {"bytes_written": sum(n.bytes_written for n in nics),
+                "writes": sum(n.writes for n in nics),
                 "finished": self.finished}
 
     def _checksum(self, ranges) -> Any:
