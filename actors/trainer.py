@@ -42,7 +42,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.config import TransferConfig
+from actors.config import DemoActorConfig, TransferConfig
 from actors.connections import this_host, trainer_owner
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import TrainerRankMeta
@@ -285,8 +285,9 @@ class TrainerMixin:
 class TrainerWorker(TrainerMixin, GroupMember):
     """The ready-made trainer rank (``TrainerActor`` is this class as a Ray actor)."""
 
-    def __init__(self, config: TransferConfig, rank: int) -> None:
-        self.config, self.rank = config, rank
+    def __init__(self, config: TransferConfig, rank: int, *,
+                 demo: DemoActorConfig = DemoActorConfig()) -> None:
+        self.config, self.rank, self.demo = config, rank, demo
         self.world = config.cluster.trainer_world
         if not 0 <= rank < self.world:
             raise ValueError(f"trainer rank {rank} outside [0, {self.world})")
@@ -300,9 +301,10 @@ class TrainerWorker(TrainerMixin, GroupMember):
             self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
         join_gloo_group(self._store, rank=self.rank, world=self.world,
                         timeout_s=cfg.setup_timeout_s)
-        torch.manual_seed(cfg.seed + 1000 + self.rank)  # per-rank randomness stays reproducible
-        model = build_sharded_model(cfg.model, cfg.cluster, seed=cfg.seed)
-        self.optimizer = make_optimizer(model, lr=cfg.lr)
+        seed = self.demo.seed
+        torch.manual_seed(seed + 1000 + self.rank)  # per-rank randomness stays reproducible
+        model = build_sharded_model(cfg.model, cfg.cluster, seed=seed)
+        self.optimizer = make_optimizer(model, lr=self.demo.lr)
         self.wt_attach(model=model, rank=self.rank, world=self.world)
         return self.node_id()
 
@@ -319,7 +321,7 @@ class TrainerWorker(TrainerMixin, GroupMember):
         if self._ref is None:
             from reference.hf_model import build_hf_model  # transformers, on first use
 
-            self._ref = build_hf_model(self.config.model, seed=self.config.seed)
+            self._ref = build_hf_model(self.config.model, seed=self.demo.seed)
         self._ref.load_state_dict(full)
         return self._ref
 

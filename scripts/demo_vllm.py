@@ -80,7 +80,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     workdir = Path(tempfile.mkdtemp(prefix="wt-demo-vllm-"))
     bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config)
+    trainers = launch_trainers(config, demo=run.demo_actors)
     bars("start trainer ranks", 1, 1)
     first = save_trainer_checkpoint(trainers, workdir / "v0")
     bars("start vLLM engines", 0, 1)
