@@ -57,6 +57,7 @@ from pydantic import (
     model_validator,
 )
 
+from actors.messages import RankOptions
 from scheduling.cluster import ClusterConfig, load_cluster_config
 from weight_transfer.config_files import format_validation_error
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
@@ -178,6 +179,12 @@ class TransferSettings(_Frozen):
         if self.nic_gbps is not None:
             options = options.model_copy(update={"bandwidth_gbps": self.nic_gbps})
         return TransportSpec(kind=self.transport, options=options)
+
+    def rank_options(self) -> RankOptions:
+        """What each trainer rank's pipeline needs of these settings (sent with its plan)."""
+        return RankOptions(barrier_timeout_s=self.barrier_timeout_s,
+                           watermark_bytes=self.watermark_bytes, transport=self.transport_spec,
+                           metrics=self.metrics, integrity=self.integrity, retry=self.retry)
 
     def settings(self) -> TransferSettings:
         """These knobs alone (without a model and a cluster)."""

@@ -286,9 +286,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         def trainer_call(rank: int, conns: tuple[Connection, ...]) -> Any:
             return self.ledger.call(
                 self.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
-                rank_info=self._rank_infos[rank], barrier_timeout_s=cfg.barrier_timeout_s,
-                watermark_bytes=cfg.watermark_bytes, transport=cfg.transport_spec,
-                metrics=cfg.metrics, integrity=cfg.integrity, retry=cfg.retry)
+                rank_info=self._rank_infos[rank], options=cfg.rank_options())
 
         links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
         self._connector.connect(links, phase="distribute the plan",

@@ -4,7 +4,7 @@
 
     cfg = TransferConfig.from_files(model_yaml, cluster_yaml)
     trainers = launch_trainers(cfg)             # FSDP2 model built, gloo group formed
-    trainers = launch_trainers(cfg, demo=DemoActorConfig(seed=3, lr=1e-4))  # their own knobs
+    # (launch_trainers(cfg, demo=DemoActorConfig(seed=3, lr=1e-4)): the demo actors' own knobs)
     replicas = launch_engines(cfg)              # [[engine0/tp0, engine0/tp1], [...]]
     new = launch_engines(cfg, replicas=[2])     # one more replica, for add_replica
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)

@@ -45,7 +45,7 @@ import torch
 from actors.config import DemoActorConfig, TransferConfig
 from actors.connections import this_host, trainer_owner
 from actors.groups import GroupMember, connect_store, join_gloo_group
-from actors.messages import TrainerRankMeta
+from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_model import (
@@ -58,10 +58,8 @@ from actors.write_guard import WriteGuard
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import RankTransfer, check_trainer_plan
-from weight_transfer.integrity import IntegrityPolicy
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
-from weight_transfer.retry import RetryPolicy
 from weight_transfer.trace import rank_trace_of
 from weight_transfer.transport.base import fault_injection
 from weight_transfer.transport.handshake import (
@@ -171,15 +169,12 @@ class TrainerMixin:
         *,
         store: tuple[str, int],
         rank_info: RankInfo,
-        barrier_timeout_s: float = 60.0,
-        watermark_bytes: int = 1 << 30,
-        transport: TransportSpec | None = None,
-        metrics: str = "auto",
-        integrity: IntegrityPolicy | None = None,
-        retry: RetryPolicy | None = None,
+        options: RankOptions = RankOptions(),
     ) -> int:
         """Connection set-up, round 2: take this rank's plan, connect its NIC to the engine
-        NICs (``peers``: their peer infos made for it). Returns its number of tasks.
+        NICs (``peers``: their peer infos made for it) with the config's ``options``
+        (timeouts, watermark, transport, metrics, integrity, retry). Returns its number of
+        tasks.
 
         The plan is decoded and checked against this rank's parameters first: a
         corrupt or foreign plan is a ValueError, and the rank keeps its previous plan."""
@@ -195,16 +190,18 @@ class TrainerMixin:
         if self._wt_link is not None:
             self._wt_link.transfer.close()
         # Re-plan (add_replica): the same NIC, its connections kept; only new peers come.
-        nic = self._wt_open_nic(rank_info, transport)
+        nic = self._wt_open_nic(rank_info, options.transport)
         connect_peers({rank_info.nic: nic}, peers, owner=self._wt_owner)
         guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
-        kv = connect_store(*store, timeout_s=barrier_timeout_s)
+        kv = connect_store(*store, timeout_s=options.barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
-                               name="wt-update", timeout_s=barrier_timeout_s)
+                               name="wt-update", timeout_s=options.barrier_timeout_s)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
-                                transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
-                                on_write_error=guard.record, metrics=actor_metrics(metrics),
-                                integrity=integrity, retry=retry)
+                                transport=nic, barrier=barrier,
+                                watermark_bytes=options.watermark_bytes,
+                                on_write_error=guard.record,
+                                metrics=actor_metrics(options.metrics),
+                                integrity=options.integrity, retry=options.retry)
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
