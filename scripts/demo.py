@@ -62,6 +62,7 @@ from scripts.progress import (
 from scripts.run_config import RunConfig, load_run_config
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
+from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
@@ -131,7 +132,7 @@ class Fleet:
     def engine_keys(self) -> dict[str, Any]:
         """``{"<replica>/tp<rank>": ShardSpec}`` of every engine rank."""
         cluster = self.config.cluster
-        return {f"{name}/tp{local}": cluster.engine_rank(i, local)[2]
+        return {str(EngineRankId(replica=name, rank=local)): cluster.engine_rank(i, local)[2]
                 for i, (name, actors) in enumerate(self.replicas.items())
                 for local in range(len(actors))}
 

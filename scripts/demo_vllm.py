@@ -38,6 +38,7 @@ from scripts.demo import Fleet, transfer_config
 from scripts.demo_checks import capped
 from scripts.demo_verify import check_changed
 from scripts.run_config import RunConfig
+from weight_transfer.types import EngineRankId
 
 ORACLE = "vllm.load_weights"
 ENGINE_ENV = {
@@ -118,8 +119,9 @@ def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
         for name, owner in zip(fleet.replicas, fleet.owners, strict=True):
             ranks = ray.get(owner.collective_rpc.remote(oracle_check, (str(path),)))
             for rank, (differences, digests) in enumerate(ranks):
-                issues += [f"{name}/tp{rank}: {d}" for d in differences]
-                got[f"{name}/tp{rank}"] = digests
+                who = str(EngineRankId(replica=name, rank=rank))
+                issues += [f"{who}: {d}" for d in differences]
+                got[who] = digests
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
     checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()), oracle=ORACLE)
