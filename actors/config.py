@@ -59,7 +59,6 @@ from pydantic import (
 
 from actors.messages import RankOptions
 from scheduling.cluster import ClusterConfig, load_cluster_config
-from weight_transfer.config_files import format_validation_error
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.retry import RetryPolicy, parse_retry
@@ -77,9 +76,9 @@ def _value_error(cls: type, exc: pydantic.ValidationError) -> ValueError:
     for e in exc.errors():
         if e["type"] == "value_error":  # our validators' messages already name the field
             parts.append(str(e["ctx"]["error"]))
-        else:
-            parts.append(format_validation_error(pydantic.ValidationError.from_exception_data(
-                exc.title, [e])).replace("field ", f"{cls.__name__}.", 1))
+            continue
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.40})"
+        parts.append(f"{cls.__name__}.{'.'.join(map(str, e['loc']))}: {e['msg']}{got}")
     return ValueError("; ".join(parts))
 
 
