@@ -11,10 +11,14 @@ weight_transfer/ (neither of which imports Ray).
     ctl.setup()
     report = ctl.update(version=1)
 
-Modules: trainer (TrainerMixin, TrainerActor), inference (InferenceMixin,
-InferenceActor), schedule_actor (ScheduleActor), controller
-(WeightTransferController), launch (placement and group formation), reports
-(UpdateReport), config (TransferConfig), messages (what crosses Ray at setup).
+Public names (this package's ``__all__``, listed in docs/embedding.md): the
+controller and its config (``WeightTransferController``, ``TransferConfig``,
+``TransferSettings``, ``UpdateReport``, ``UpdateError``), the two mixins for your
+own actors (``TrainerMixin``, ``InferenceMixin``) and the ready-made actors with
+their launch helpers and settings (``TrainerActor``, ``InferenceActor``,
+``launch_trainers``, ``launch_engines``, ``DemoActorConfig``). Everything else
+lives in its module: trainer, inference, schedule_actor, controller, launch,
+reports, config, messages (what crosses Ray at setup).
 
 The package imports its submodules lazily, on first access of a public name:
 ``import actors.reports`` (plain data) does not import Ray; ``from actors import
@@ -26,24 +30,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Public name -> the submodule that defines it.
+# The public API, exactly (docs/embedding.md lists the same names; a test compares them):
+# public name -> the submodule that defines it. Internals (the ready-made workers' classes,
+# the schedule actor, what crosses Ray at setup) are imported from their modules.
 _EXPORTS: dict[str, str] = {
+    "DemoActorConfig": "actors.config",
     "InferenceActor": "actors.inference",
     "InferenceMixin": "actors.inference",
-    "InferenceWorker": "actors.inference",
-    "PlanSummary": "actors.messages",
-    "RankReport": "actors.reports",
-    "ScheduleActor": "actors.schedule_actor",
-    "Scheduler": "actors.schedule_actor",
     "TrainerActor": "actors.trainer",
     "TrainerMixin": "actors.trainer",
-    "TrainerRankMeta": "actors.messages",
-    "TrainerWorker": "actors.trainer",
     "TransferConfig": "actors.config",
+    "TransferSettings": "actors.config",
     "UpdateError": "actors.controller",
     "UpdateReport": "actors.reports",
     "WeightTransferController": "actors.controller",
-    "WriteFailure": "actors.reports",
     "launch_engines": "actors.launch",
     "launch_trainers": "actors.launch",
 }

@@ -1,44 +1,63 @@
-"""What the controller and the ready-made actors need to know: model, cluster, knobs.
+"""What the controller needs to know: the model, the cluster and the transfer settings.
 
-A :class:`TransferConfig` is plain, picklable data; build it from YAML files
-or from loaded configs::
+One pydantic model holds every setting the library reads; a run file
+(``configs/runs/*.yaml``) embeds the same fields as its ``transfer:`` section,
+so YAML and Python set the same names with the same defaults::
 
     cfg = TransferConfig.from_files("configs/models/tiny_llama.yaml",
                                     "configs/clusters/local_cpu.yaml", fp8=False)
     ctl = WeightTransferController(trainers=..., engines=..., config=cfg)
+    cfg.replace(update_timeout_s=30)        # a validated copy
+    TransferConfig.from_settings(model, cluster, settings=run.transfer, fp8=run.fp8)
 
-``fp8=None`` takes the cluster's ``inference.fp8``. Timeouts bound each phase
-the controller waits for; a phase that overruns raises naming the ranks that
-did not answer.
+:class:`TransferSettings` is the knobs alone (what a run file's ``transfer:``
+sets); :class:`TransferConfig` adds the loaded ``model`` and ``cluster`` and
+``fp8`` (``None`` takes the cluster's ``inference.fp8``). Both are frozen,
+picklable and refuse unknown fields; a bad value is a ``ValueError`` naming
+the field (``TransferConfig.watermark_bytes: ...``), and in a run file the file
+and ``transfer``. Timeouts bound each phase the controller waits for; a phase
+that overruns raises naming the ranks that did not answer.
 
 ``transport`` names the data plane every trainer and engine NIC uses
 (``simnic``, the default, within one host; ``mooncake``; ``rdma``) and
-``transport_options`` its options, checked here against that transport's typed
-options (:mod:`weight_transfer.transport.options`): an unknown transport, an
-unknown option name or a value of the wrong type is a ``ValueError`` naming
-the field before any actor is asked anything::
+``transport_options`` its options, checked against that transport's typed
+options (:mod:`weight_transfer.transport.options`) and typed from then on::
 
     cfg = TransferConfig.from_files(model, cluster, transport="mooncake",
                                     transport_options={"protocol": "tcp"})
     cfg.transport_spec          # TransportSpec(kind="mooncake", options=MooncakeOptions(...))
 
 ``nic_gbps`` is a shortcut for the simnic option ``bandwidth_gbps``.
-
-``integrity`` (``{"mode": "off" | "sample" | "full", "fraction": 0.1}`` or a
-mode name), ``retry`` (``{"attempts", "backoff_s", "backoff_factor",
-"max_backoff_s"}``) and ``audit_path`` (a file for one JSON line per update)
-are checked here too and typed (:class:`~weight_transfer.integrity.IntegrityPolicy`,
+``integrity``, ``retry`` and ``audit_path`` are typed here too
+(:class:`~weight_transfer.integrity.IntegrityPolicy`,
 :class:`~weight_transfer.retry.RetryPolicy`); docs/configuration.md says what
-each does.
+each field does.
+
+The ready-made (demo) actors' own settings, the weights seed and learning rate
+of ``TrainerActor`` and the logical CPUs of each actor ``launch_*`` starts, are
+not the library's: they are a :class:`DemoActorConfig` given to the launch
+helpers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pydantic
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from actors.messages import RankOptions
 from scheduling.cluster import ClusterConfig, load_cluster_config
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.models import ModelConfig, load_model_config
@@ -51,65 +70,106 @@ DEFAULT_INTEGRITY = IntegrityPolicy(mode="sample", fraction=0.1)
 DEFAULT_RETRY = RetryPolicy()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferConfig:
-    """See the module docstring."""
+def _value_error(cls: type, exc: pydantic.ValidationError) -> ValueError:
+    """One ValueError naming ``cls`` and each bad field (a validator's message as it is)."""
+    parts = []
+    for e in exc.errors():
+        if e["type"] == "value_error":  # our validators' messages already name the field
+            parts.append(str(e["ctx"]["error"]))
+            continue
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.40})"
+        parts.append(f"{cls.__name__}.{'.'.join(map(str, e['loc']))}: {e['msg']}{got}")
+    return ValueError("; ".join(parts))
 
-    model: ModelConfig
-    cluster: ClusterConfig
-    fp8: bool | None = None
+
+# Set while a file's model validates these as one of its sections: pydantic then names the
+# path (``field transfer.watermark_bytes``) and our messages start with the section's name.
+_SECTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("section", default=None)
+
+
+@contextlib.contextmanager
+def as_section(name: str) -> Iterator[None]:
+    """Validate the settings inside as the section ``name`` of a file (actors.run_config)."""
+    token = _SECTION.set(name)
+    try:
+        yield
+    finally:
+        _SECTION.reset(token)
+
+
+def _where(cls: type) -> str:
+    return _SECTION.get() or cls.__name__
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    def __init__(self, **data: Any) -> None:
+        if _SECTION.get() is not None:  # the file's model reports the error with its path
+            super().__init__(**data)
+            return
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as exc:
+            raise _value_error(type(self), exc) from None
+
+    def replace(self, **changes: Any) -> Any:
+        """A validated copy with ``changes`` applied (``model_copy`` would not check them)."""
+        return type(self)(**{**{k: getattr(self, k) for k in type(self).model_fields},
+                             **changes})
+
+
+class TransferSettings(_Frozen):
+    """Every knob the library reads (a run file's ``transfer:`` section); see the module
+    docstring."""
+
     pause_during_update: bool = True
-    seed: int = 0
-    lr: float = 1e-3
-    setup_timeout_s: float = 300.0
-    update_timeout_s: float = 120.0
-    barrier_timeout_s: float = 60.0
-    watermark_bytes: int = 1 << 30
-    nic_gbps: float | None = None  # cap every simulated NIC (GB/s); None: memcpy speed
-    actor_cpus: float = 0.1  # logical CPUs per actor (Ray only uses them to place actors)
+    setup_timeout_s: PositiveFloat = 300.0
+    update_timeout_s: PositiveFloat = 120.0
+    barrier_timeout_s: PositiveFloat = 60.0
+    watermark_bytes: PositiveInt = 1 << 30
+    nic_gbps: PositiveFloat | None = None  # cap every simulated NIC (GB/s); None: memcpy speed
     metrics: str = "auto"  # metrics backend: auto (ray inside Ray), ray, prometheus, null
     transport: str = "simnic"  # the data plane of every trainer and engine NIC
-    transport_options: Mapping[str, Any] | TransportOptions | None = None  # checked, then typed
+    transport_options: TransportOptions | None = None  # checked, then typed (never None)
     # Checksums of written ranges, compared after every update (weight_transfer.integrity).
-    integrity: Mapping[str, Any] | str | IntegrityPolicy = DEFAULT_INTEGRITY
+    integrity: IntegrityPolicy = DEFAULT_INTEGRITY
     # Transient WRITE errors (link down) retried under this policy (weight_transfer.retry).
-    retry: Mapping[str, Any] | RetryPolicy = DEFAULT_RETRY
-    audit_path: str | Path | None = None  # one JSON line per update / re-sync (actors.audit)
+    retry: RetryPolicy = DEFAULT_RETRY
+    audit_path: Path | None = None  # one JSON line per update / re-sync (actors.audit)
 
-    def __post_init__(self) -> None:
-        for name in ("setup_timeout_s", "update_timeout_s", "barrier_timeout_s", "lr"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"TransferConfig.{name} must be positive, not {value!r}")
-        if self.watermark_bytes <= 0:
-            raise ValueError(
-                f"TransferConfig.watermark_bytes must be positive, not {self.watermark_bytes}"
-            )
-        if self.nic_gbps is not None and not self.nic_gbps > 0:
-            raise ValueError(f"TransferConfig.nic_gbps must be None or > 0, not {self.nic_gbps}")
-        if not self.actor_cpus > 0:
-            raise ValueError(f"TransferConfig.actor_cpus must be > 0, not {self.actor_cpus}")
-        spec = parse_transport(self.transport, self.transport_options, where="TransferConfig")
-        object.__setattr__(self, "integrity",
-                           parse_integrity(self.integrity, where="TransferConfig.integrity"))
-        object.__setattr__(self, "retry", parse_retry(self.retry, where="TransferConfig.retry"))
-        if self.audit_path is not None and not isinstance(self.audit_path, str | Path):
-            raise ValueError(f"TransferConfig.audit_path must be a path or None, not "
-                             f"{self.audit_path!r}")
-        object.__setattr__(self, "transport_options", spec.options)  # typed from here on
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_transport(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        spec = parse_transport(data.get("transport", "simnic"), data.get("transport_options"),
+                               where=_where(cls))
+        return {**data, "transport_options": spec.options}
+
+    @field_validator("integrity", mode="before")
+    @classmethod
+    def _integrity(cls, value: Any) -> IntegrityPolicy:
+        return parse_integrity(value, where=f"{_where(cls)}.integrity")
+
+    @field_validator("retry", mode="before")
+    @classmethod
+    def _retry(cls, value: Any) -> RetryPolicy:
+        return parse_retry(value, where=f"{_where(cls)}.retry")
+
+    @model_validator(mode="after")
+    def _nic_cap(self) -> TransferSettings:
+        where = _where(type(self))
         if self.nic_gbps is not None and self.transport != "simnic":
             raise ValueError(
-                f"TransferConfig.nic_gbps caps simulated NICs only; transport is "
+                f"{where}.nic_gbps caps simulated NICs only; transport is "
                 f"{self.transport!r} (every trainer and engine NIC): leave nic_gbps None")
-        if self.nic_gbps is not None and spec.options.bandwidth_gbps not in (None, self.nic_gbps):
+        cap = getattr(self.transport_options, "bandwidth_gbps", None)
+        if self.nic_gbps is not None and cap not in (None, self.nic_gbps):
             raise ValueError(
-                f"TransferConfig.nic_gbps={self.nic_gbps} and transport_options.bandwidth_gbps="
-                f"{spec.options.bandwidth_gbps} disagree (the cap of every trainer and engine "
-                "NIC); set one of them")
-
-    @classmethod
-    def from_files(cls, model: str | Path, cluster: str | Path, **kwargs) -> TransferConfig:
-        return cls(model=load_model_config(model), cluster=load_cluster_config(cluster), **kwargs)
+                f"{where}.nic_gbps={self.nic_gbps} and transport_options.bandwidth_gbps="
+                f"{cap} disagree (the cap of every trainer and engine NIC); set one of them")
+        return self
 
     @property
     def transport_spec(self) -> TransportSpec:
@@ -119,6 +179,36 @@ class TransferConfig:
             options = options.model_copy(update={"bandwidth_gbps": self.nic_gbps})
         return TransportSpec(kind=self.transport, options=options)
 
+    def rank_options(self) -> RankOptions:
+        """What each trainer rank's pipeline needs of these settings (sent with its plan)."""
+        return RankOptions(barrier_timeout_s=self.barrier_timeout_s,
+                           watermark_bytes=self.watermark_bytes, transport=self.transport_spec,
+                           metrics=self.metrics, integrity=self.integrity, retry=self.retry)
+
+    def settings(self) -> TransferSettings:
+        """These knobs alone (without a model and a cluster)."""
+        return TransferSettings(**{k: getattr(self, k) for k in TransferSettings.model_fields})
+
+
+class TransferConfig(TransferSettings):
+    """The settings with the model and cluster they apply to; see the module docstring."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    fp8: bool | None = None
+
+    @classmethod
+    def from_files(cls, model: str | Path, cluster: str | Path, **kwargs: Any) -> TransferConfig:
+        return cls(model=load_model_config(model), cluster=load_cluster_config(cluster), **kwargs)
+
+    @classmethod
+    def from_settings(cls, model: ModelConfig, cluster: ClusterConfig, *,
+                      settings: TransferSettings, **kwargs: Any) -> TransferConfig:
+        """``settings`` (e.g. a run file's ``transfer:``) for ``model`` on ``cluster``;
+        ``kwargs`` set fields otherwise (``fp8``, a shorter ``update_timeout_s``)."""
+        fields = {k: getattr(settings, k) for k in TransferSettings.model_fields}
+        return cls(model=model, cluster=cluster, **(fields | kwargs))
+
     @property
     def engine_fp8(self) -> bool:
         return self.cluster.inference.fp8 if self.fp8 is None else self.fp8
@@ -126,4 +216,14 @@ class TransferConfig:
     def with_replicas(self, replicas: int) -> TransferConfig:
         """The same config with the cluster's inference side grown to ``replicas``."""
         inference = self.cluster.inference.model_copy(update={"replicas": replicas})
-        return replace(self, cluster=self.cluster.model_copy(update={"inference": inference}))
+        return self.replace(cluster=self.cluster.model_copy(update={"inference": inference}))
+
+
+class DemoActorConfig(_Frozen):
+    """The ready-made actors' own settings (not the library's): the weights seed and AdamW
+    learning rate of ``TrainerActor``, and the logical CPUs of each actor ``launch_trainers``
+    and ``launch_engines`` start (Ray only uses them to place actors)."""
+
+    seed: int = 0
+    lr: PositiveFloat = 1e-3
+    actor_cpus: PositiveFloat = 0.1

@@ -78,7 +78,7 @@ from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
 from actors.telemetry import ProgressHook
 from weight_transfer.transport.handshake import Connection
-from weight_transfer.types import EngineRankMeta, RankInfo
+from weight_transfer.types import EngineRankId, EngineRankMeta, RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         for name in replicas:
             for rank, actor in enumerate(self.replicas[name]):
                 refs.append(self.ledger.call(getattr(actor, method), *args))
-                labels.append(f"{name}/tp{rank}")
+                labels.append(str(EngineRankId(replica=name, rank=rank)))
         return self._gather(refs, labels, phase=phase, timeout=timeout)
 
     def _check_ready(self, what: str) -> None:
@@ -239,7 +239,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         fresh = [n for n in names if n not in faults]
         refs = [self.ledger.call(a.wt_engine_meta, self.config.transport_spec)
                 for n in fresh for a in self.replicas[n]]
-        metas = iter(self._gather(refs, [f"{n}/tp{r}" for n in fresh
+        metas = iter(self._gather(refs, [str(EngineRankId(replica=n, rank=r)) for n in fresh
                                          for r in range(len(self.replicas[n]))],
                                   phase="gather engine metadata again"))
         for name in fresh:
@@ -253,7 +253,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         for actor, meta in zip(actors, metas, strict=True):
             slot = groups.setdefault(meta.replica, {})
             if meta.rank in slot:
-                raise ValueError(f"two engine actors claim {meta.replica}/tp{meta.rank}")
+                raise ValueError(f"two engine actors claim {meta.id}")
             slot[meta.rank] = (actor, meta)
         for name, slot in groups.items():
             if sorted(slot) != list(range(len(slot))):
@@ -286,9 +286,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         def trainer_call(rank: int, conns: tuple[Connection, ...]) -> Any:
             return self.ledger.call(
                 self.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
-                rank_info=self._rank_infos[rank], barrier_timeout_s=cfg.barrier_timeout_s,
-                watermark_bytes=cfg.watermark_bytes, transport=cfg.transport_spec,
-                metrics=cfg.metrics, integrity=cfg.integrity, retry=cfg.retry)
+                rank_info=self._rank_infos[rank], options=cfg.rank_options())
 
         links = plan_links(self._rank_infos, result.summary.replicas_by_rank, self._engine_metas)
         self._connector.connect(links, phase="distribute the plan",

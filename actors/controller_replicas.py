@@ -32,6 +32,7 @@ from actors.engine_control import describe_faults, fan_out, next_epoch, wall_dea
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
 from actors.telemetry import replica_versions
+from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class ReplicaOps:
         self._connector.connect(copy_links(src, dst), phase=f"connect {source} to {target}")
         refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, dst[r])
                 for r in range(len(dst))]
-        labels = [(f"{source}/tp{r}", f"{target}/tp{r}") for r in range(len(refs))]
+        labels = [(str(EngineRankId(replica=source, rank=r)),
+                   str(EngineRankId(replica=target, rank=r))) for r in range(len(refs))]
         done = self._gather(refs, [f"{a} -> {b}" for a, b in labels],
                             phase=f"copy version {version} from {source} to {target}",
                             timeout=timeout)

@@ -33,6 +33,8 @@ from typing import Any
 
 import ray
 
+from weight_transfer.types import EngineRankId
+
 FAULT_KINDS: dict[str, str] = {
     "dead": "the actor died",
     "unresponsive": "no answer before the deadline",
@@ -68,7 +70,7 @@ class RankFault:
 
     @property
     def label(self) -> str:
-        return f"{self.replica}/tp{self.rank}"
+        return str(EngineRankId(replica=self.replica, rank=self.rank))
 
     def describe(self) -> str:
         return f"{self.label} {self.kind} at {self.method}: {self.error}"

@@ -9,7 +9,8 @@ buffers, and pause/resume hooks)::
         def __init__(self, ...):
             ...                                             # build the engine
             self.wt_attach_engine(adapter=ReferenceEngineAdapter(engine), replica="engine0",
-                                  rank=tp_rank, shard=shard, nics=["inode0/nic0"])
+                                  rank=tp_rank, shard=shard,
+                                  nics=[cluster.engine_nic(replica_index, tp_rank)])
 
 At setup the controller gathers ``wt_engine_meta(transport)`` (the engine's
 buffers registered with one NIC of the configured transport, built through the
@@ -64,8 +65,10 @@ from weight_transfer.transport.handshake import (
 )
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
+    EngineRankId,
     EngineRankMeta,
     EngineTensorMeta,
+    NicId,
     PeerInfo,
     ShardSpec,
 )
@@ -91,15 +94,17 @@ class InferenceMixin:
     _wt_meta: EngineRankMeta | None = None
 
     def wt_attach_engine(
-        self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[str],
+        self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[NicId],
         transport: TransportSpec | None = None,
     ) -> None:
-        """Declare the engine (through its adapter) and the NICs this rank may use;
+        """Declare the engine (through its adapter) and the NICs this rank may use (from the
+        cluster config: ``cluster.engine_nic(replica_index, rank)``);
         ``transport``: the NICs' default until the controller names one (else simnic)."""
         if not nics:
-            raise ValueError(f"{replica}/tp{rank}: needs at least one NIC name")
+            who = EngineRankId(replica=replica, rank=rank)
+            raise ValueError(f"{who}: needs at least one NIC name")
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
-        self._wt_shard, self._wt_nic_names = shard, list(nics)
+        self._wt_shard, self._wt_nic_names = shard, [str(n) for n in nics]  # names on the wire
         self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
         self._wt_buffers: dict[int, torch.Tensor] = {}  # region addr -> its bytes (uint8)
         self._wt_spec: TransportSpec | None = None
@@ -114,7 +119,7 @@ class InferenceMixin:
 
     @property
     def _wt_owner(self) -> str:
-        return f"{self._wt_replica}/tp{self._wt_rank}"
+        return str(EngineRankId(replica=self._wt_replica, rank=self._wt_rank))
 
     def _wt_require(self) -> None:
         if self._wt_adapter is None:
@@ -324,8 +329,9 @@ class InferenceWorker(InferenceMixin, GroupMember):
         cluster = config.cluster
         if replica >= cluster.inference.replicas:  # a replica added after setup
             cluster = config.with_replicas(replica + 1).cluster
-        _, nic, self.shard = cluster.engine_rank(replica, local)
-        self.config, self.local, self.nic_names = config, local, [nic]
+        _, _, self.shard = cluster.engine_rank(replica, local)
+        self.config, self.local = config, local
+        self.nic_names = [cluster.engine_nic(replica, local)]
         self.replica_name = cluster.replica_name(replica)
         self.tp_size = cluster.inference.gpus_per_replica
         self._store = None

@@ -45,7 +45,7 @@ from weight_transfer.integrity import (
     IntegrityPolicy,
     merge_ranges,
 )
-from weight_transfer.types import EngineRankMeta
+from weight_transfer.types import EngineRankId, EngineRankMeta
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +64,8 @@ class Mismatch:
     error: str = ""
 
     def describe(self) -> str:
-        where = (f"{self.replica}/tp{self.rank} tensor {self.tensor!r} bytes "
+        rank = EngineRankId(replica=self.replica, rank=self.rank)
+        where = (f"{rank} tensor {self.tensor!r} bytes "
                  f"[{self.tensor_offset}, {self.tensor_offset + self.length}) (task {self.task})")
         if self.actual is None:
             return f"{where}: not checked: {self.error}"
@@ -189,8 +190,8 @@ def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
     for rank, (src, dst) in enumerate(zip(source_metas, target_metas, strict=True)):
         src_regions, dst_regions = regions_of(src), regions_of(dst)
         if len(src_regions) != len(dst_regions):
-            raise ValueError(f"{dst.replica}/tp{rank} has {len(dst_regions)} regions, its "
-                             f"source {src.replica}/tp{rank} {len(src_regions)}")
+            raise ValueError(f"{dst.id} has {len(dst_regions)} regions, its source {src.id} "
+                             f"{len(src_regions)}")
         rows = [np.array([[r.addr, 0, r.length] for r in regions], dtype=np.uint64)
                 for regions in (src_regions, dst_regions)]
         refs += [call(source[rank].wt_checksum, rows[0]), call(target[rank].wt_checksum, rows[1])]

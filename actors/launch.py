@@ -4,6 +4,7 @@
 
     cfg = TransferConfig.from_files(model_yaml, cluster_yaml)
     trainers = launch_trainers(cfg)             # FSDP2 model built, gloo group formed
+    # (launch_trainers(cfg, demo=DemoActorConfig(seed=3, lr=1e-4)): the demo actors' own knobs)
     replicas = launch_engines(cfg)              # [[engine0/tp0, engine0/tp1], [...]]
     new = launch_engines(cfg, replicas=[2])     # one more replica, for add_replica
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
@@ -21,7 +22,7 @@ from typing import Any
 
 import ray
 
-from actors.config import TransferConfig
+from actors.config import DemoActorConfig, TransferConfig
 from actors.inference import InferenceActor
 from actors.placement import ENGINE_NODE_RESOURCE, bundle_options, node_placement_groups
 from actors.trainer import TrainerActor
@@ -40,15 +41,17 @@ def _form_group(actors: list[Any], *, what: str, timeout_s: float) -> list[str]:
     return ray.get(refs)
 
 
-def launch_trainers(config: TransferConfig, *, actor_cls: Any = TrainerActor) -> list[Any]:
-    """One trainer actor per rank, packed per node; gloo group and FSDP2 model ready."""
+def launch_trainers(config: TransferConfig, *, demo: DemoActorConfig = DemoActorConfig(),
+                    actor_cls: Any = TrainerActor) -> list[Any]:
+    """One trainer actor per rank, packed per node; gloo group and FSDP2 model ready
+    (``demo``: the ready-made actors' seed, learning rate and CPUs)."""
     t = config.cluster.trainer
-    groups = node_placement_groups(t.nodes, t.gpus_per_node, cpus=config.actor_cpus,
+    groups = node_placement_groups(t.nodes, t.gpus_per_node, cpus=demo.actor_cpus,
                                    timeout_s=config.setup_timeout_s)
     actors = [
-        actor_cls.options(num_cpus=config.actor_cpus,
+        actor_cls.options(num_cpus=demo.actor_cpus,
                           **bundle_options(groups, rank=r, per_node=t.gpus_per_node))
-        .remote(config, r)
+        .remote(config, r, demo=demo)
         for r in range(config.cluster.trainer_world)
     ]
     nodes = _form_group(actors, what="trainer group", timeout_s=config.setup_timeout_s)
@@ -60,6 +63,7 @@ def launch_engines(
     config: TransferConfig,
     *,
     replicas: Sequence[int] | None = None,
+    demo: DemoActorConfig = DemoActorConfig(),
     actor_cls: Any = InferenceActor,
 ) -> list[list[Any]]:
     """Engine actors of ``replicas`` (default: every replica of the cluster config)."""
@@ -67,11 +71,11 @@ def launch_engines(
     replicas = list(range(inf.replicas)) if replicas is None else list(replicas)
     out = []
     for rep in replicas:
-        (pg,) = node_placement_groups(1, inf.gpus_per_replica, cpus=config.actor_cpus,
+        (pg,) = node_placement_groups(1, inf.gpus_per_replica, cpus=demo.actor_cpus,
                                       timeout_s=config.setup_timeout_s, first_node=rep,
                                       pin=ENGINE_NODE_RESOURCE)
         actors = [
-            actor_cls.options(num_cpus=config.actor_cpus,
+            actor_cls.options(num_cpus=demo.actor_cpus,
                               **bundle_options([pg], rank=local, per_node=inf.gpus_per_replica))
             .remote(config, rep, local)
             for local in range(inf.gpus_per_replica)

@@ -5,7 +5,8 @@ object store besides the version number and the reports. Weights never do.
 :func:`check_trainer_metas` checks the trainers' metadata on receipt.
 The connection set-up sends the records of
 :mod:`weight_transfer.transport.handshake` (``InfoRequest``, ``PeerInfo``,
-``Connection``) and the transport's ``TransportSpec``.
+``Connection``) and the transport's ``TransportSpec``; each trainer gets its plan
+with the :class:`RankOptions` of the config.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from weight_transfer.integrity import IntegrityPolicy
 from weight_transfer.models import EXPERT_NAMINGS
 from weight_transfer.receipt import check_int, check_params, check_str
+from weight_transfer.retry import RetryPolicy
 from weight_transfer.transport.handshake import HostId
+from weight_transfer.transport.options import TransportSpec
 from weight_transfer.types import ParamMeta, RankInfo
 
 
@@ -60,6 +64,19 @@ def check_trainer_metas(metas: Sequence[object]) -> list[TrainerRankMeta]:
         raise ValueError(f"trainer metadata: ranks {ranks} of world sizes {worlds}; expected "
                          f"each rank 0..world-1 exactly once, one world size")
     return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankOptions:
+    """What a trainer rank's pipeline needs of the config, sent with its plan
+    (``TransferSettings.rank_options()``; the defaults are the settings' defaults)."""
+
+    barrier_timeout_s: float = 60.0
+    watermark_bytes: int = 1 << 30
+    transport: TransportSpec | None = None  # None: the NIC wt_endpoints opened, else simnic
+    metrics: str = "auto"
+    integrity: IntegrityPolicy | None = None  # None: no checksums
+    retry: RetryPolicy | None = None  # None: RankTransfer's default policy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

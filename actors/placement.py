@@ -28,7 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduling.cluster import ClusterConfig
-from weight_transfer.types import RankInfo
+from weight_transfer.types import NicId, RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def trainer_rank_infos(cluster: ClusterConfig, node_ids: Sequence[str]) -> tuple
         local = seen.get(key, 0)
         seen[key] = local + 1
         nic_index = cluster.trainer_nic_index(local) % t.nics_per_node
-        out.append(RankInfo(rank=rank, node=node, nic=f"{label}/nic{nic_index}"))
+        out.append(RankInfo(rank=rank, node=node, nic=str(NicId(node=label, index=nic_index))))
     hosts = len(set(node_ids))
     if hosts not in (1, t.nodes):
         log.warning("cluster %s configures %d trainer nodes; the ranks run on %d Ray nodes",

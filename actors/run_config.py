@@ -2,9 +2,11 @@
 
 A run config names a model config and a cluster config, the engines' dtype, how
 many train-step + update cycles to run, how to train between updates, how to
-verify each update, which Ray cluster to use, and the transport between the
-actors (``transfer.transport``: ``simnic``, ``mooncake`` or ``rdma``, each with
-its own options section, ``transfer.simnic`` / ``.mooncake`` / ``.rdma``). It is validated at the
+verify each update, which Ray cluster to use, and the controller's settings
+(``transfer:``, the library's own :class:`actors.config.TransferSettings`: every
+field of the controller's config but the model and cluster, with the same names
+and defaults; ``transfer.transport`` is ``simnic``, ``mooncake`` or ``rdma`` and
+``transfer.transport_options`` its options). It is validated at the
 boundary: :func:`load_run_config` turns every problem into a ``ValueError``
 that names the file and the field (``train.lr``, ``model``, ...)::
 
@@ -32,13 +34,8 @@ from pydantic import (
     model_validator,
 )
 
+from actors.config import DemoActorConfig, TransferSettings, as_section
 from weight_transfer.config_files import read_yaml, validate_mapping
-from weight_transfer.integrity import IntegrityPolicy, parse_integrity
-from weight_transfer.retry import RetryPolicy, parse_retry
-from weight_transfer.transport.mooncake import MooncakeOptions
-from weight_transfer.transport.options import TransportName, TransportSpec
-from weight_transfer.transport.rdma import RdmaOptions
-from weight_transfer.transport.simnic import SimNicOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +55,7 @@ class _Section(BaseModel):
 class TrainConfig(_Section):
     """One optimizer step on the trainers before each update (next-token loss on random tokens)."""
 
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat = DemoActorConfig().lr
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 32
 
@@ -87,36 +84,13 @@ class RayConfig(_Section):
     num_cpus: PositiveInt = 8
 
 
-class TransferConfig(_Section):
-    """Controller options: pause generation during an update; control-call timeout; the
-    transport every trainer and engine NIC uses, and the options of each transport
-    (only the chosen one's apply; each section refuses unknown names and wrong types)."""
-
-    pause_during_update: bool = True
-    timeout_s: PositiveFloat = 300.0
-    transport: TransportName = "simnic"  # a registered transport (its section below)
-    simnic: SimNicOptions = SimNicOptions()
-    mooncake: MooncakeOptions = MooncakeOptions()
-    rdma: RdmaOptions = RdmaOptions()
-    # The controller's checksums, retries and audit log (actors.config.TransferConfig).
-    integrity: IntegrityPolicy = IntegrityPolicy(mode="sample", fraction=0.1)
-    retry: RetryPolicy = RetryPolicy()
-    audit_path: Path | None = None
-
-    @field_validator("integrity", mode="before")
-    @classmethod
-    def _integrity(cls, value: Any) -> IntegrityPolicy:
-        return parse_integrity(value, where="integrity")
-
-    @field_validator("retry", mode="before")
-    @classmethod
-    def _retry(cls, value: Any) -> RetryPolicy:
-        return parse_retry(value, where="retry")
-
-    @property
-    def spec(self) -> TransportSpec:
-        """The chosen transport with its section's options."""
-        return TransportSpec(kind=self.transport, options=getattr(self, self.transport))
+# Run-file names of earlier versions -> the field that replaced each (an error names it).
+RENAMED_TRANSFER = {
+    "timeout_s": "setup_timeout_s and update_timeout_s",
+    "simnic": "transport_options (the options of the chosen transport)",
+    "mooncake": "transport_options (the options of the chosen transport)",
+    "rdma": "transport_options (the options of the chosen transport)",
+}
 
 
 class RlConfig(_Section):
@@ -158,9 +132,29 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     verify: VerifyConfig = VerifyConfig()
     ray: RayConfig = RayConfig()
-    transfer: TransferConfig = TransferConfig()
+    transfer: TransferSettings = TransferSettings()
     rl: RlConfig = RlConfig()
     json_path: Path | None = Field(default=None, alias="json")
+
+    @field_validator("transfer", mode="wrap")
+    @classmethod
+    def _section(cls, value: Any, handler: Any) -> TransferSettings:
+        with as_section("transfer"):  # errors name transfer.<field>
+            return handler(value)
+
+    @field_validator("transfer", mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        old = sorted(set(value) & set(RENAMED_TRANSFER)) if isinstance(value, dict) else []
+        if old:
+            raise ValueError("; ".join(f"transfer.{k} was renamed: use transfer."
+                                       f"{RENAMED_TRANSFER[k]}" for k in old))
+        return value
+
+    @property
+    def demo_actors(self) -> DemoActorConfig:
+        """The ready-made actors' settings: ``seed`` and ``train.lr``."""
+        return DemoActorConfig(seed=self.seed, lr=self.train.lr)
 
     @property
     def model_path(self) -> Path:
@@ -179,12 +173,15 @@ class RunConfig(_Section):
 
     def with_overrides(self, **changes: Any) -> RunConfig:
         """A copy with the non-None ``changes`` applied and validated (CLI options win);
-        ``transport`` sets ``transfer.transport``."""
+        ``transport`` sets ``transfer.transport`` (another transport than the file's takes
+        its own default options)."""
         data = self.model_dump(by_alias=True)
         for key, value in changes.items():
             if value is None:
                 continue
-            if key == "transport":
+            if key == "transport":  # another transport: its own options, at their defaults
+                if value != data["transfer"]["transport"]:
+                    data["transfer"]["transport_options"] = None
                 data["transfer"]["transport"] = value
             else:
                 data["json" if key == "json_path" else key] = value

@@ -43,10 +43,10 @@ from typing import Any
 import ray
 import torch
 
-from actors.config import TransferConfig
+from actors.config import DemoActorConfig, TransferConfig
 from actors.connections import this_host, trainer_owner
 from actors.groups import GroupMember, connect_store, join_gloo_group
-from actors.messages import TrainerRankMeta
+from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_model import (
@@ -59,10 +59,8 @@ from actors.write_guard import WriteGuard
 from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import StoreBarrier
 from weight_transfer.executor import RankTransfer, check_trainer_plan
-from weight_transfer.integrity import IntegrityPolicy
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
-from weight_transfer.retry import RetryPolicy
 from weight_transfer.trace import rank_trace_of
 from weight_transfer.transport.base import fault_injection
 from weight_transfer.transport.handshake import (
@@ -172,15 +170,12 @@ class TrainerMixin:
         *,
         store: tuple[str, int],
         rank_info: RankInfo,
-        barrier_timeout_s: float = 60.0,
-        watermark_bytes: int = 1 << 30,
-        transport: TransportSpec | None = None,
-        metrics: str = "auto",
-        integrity: IntegrityPolicy | None = None,
-        retry: RetryPolicy | None = None,
+        options: RankOptions = RankOptions(),
     ) -> int:
         """Connection set-up, round 2: take this rank's plan, connect its NIC to the engine
-        NICs (``peers``: their peer infos made for it). Returns its number of tasks.
+        NICs (``peers``: their peer infos made for it) with the config's ``options``
+        (timeouts, watermark, transport, metrics, integrity, retry). Returns its number of
+        tasks.
 
         The plan is decoded and checked against this rank's parameters first: a
         corrupt or foreign plan is a ValueError, and the rank keeps its previous plan."""
@@ -196,16 +191,18 @@ class TrainerMixin:
         if self._wt_link is not None:
             self._wt_link.transfer.close()
         # Re-plan (add_replica): the same NIC, its connections kept; only new peers come.
-        nic = self._wt_open_nic(rank_info, transport)
+        nic = self._wt_open_nic(rank_info, options.transport)
         connect_peers({rank_info.nic: nic}, peers, owner=self._wt_owner)
         guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
-        kv = connect_store(*store, timeout_s=barrier_timeout_s)
+        kv = connect_store(*store, timeout_s=options.barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
-                               name="wt-update", timeout_s=barrier_timeout_s)
+                               name="wt-update", timeout_s=options.barrier_timeout_s)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
-                                transport=nic, barrier=barrier, watermark_bytes=watermark_bytes,
-                                on_write_error=guard.record, metrics=actor_metrics(metrics),
-                                integrity=integrity, retry=retry)
+                                transport=nic, barrier=barrier,
+                                watermark_bytes=options.watermark_bytes,
+                                on_write_error=guard.record,
+                                metrics=actor_metrics(options.metrics),
+                                integrity=options.integrity, retry=options.retry)
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
@@ -294,8 +291,9 @@ class TrainerMixin:
 class TrainerWorker(TrainerMixin, GroupMember):
     """The ready-made trainer rank (``TrainerActor`` is this class as a Ray actor)."""
 
-    def __init__(self, config: TransferConfig, rank: int) -> None:
-        self.config, self.rank = config, rank
+    def __init__(self, config: TransferConfig, rank: int, *,
+                 demo: DemoActorConfig = DemoActorConfig()) -> None:
+        self.config, self.rank, self.demo = config, rank, demo
         self.world = config.cluster.trainer_world
         if not 0 <= rank < self.world:
             raise ValueError(f"trainer rank {rank} outside [0, {self.world})")
@@ -309,9 +307,10 @@ class TrainerWorker(TrainerMixin, GroupMember):
             self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
         join_gloo_group(self._store, rank=self.rank, world=self.world,
                         timeout_s=cfg.setup_timeout_s)
-        torch.manual_seed(cfg.seed + 1000 + self.rank)  # per-rank randomness stays reproducible
-        model = build_sharded_model(cfg.model, cfg.cluster, seed=cfg.seed)
-        self.optimizer = make_optimizer(model, lr=cfg.lr)
+        seed = self.demo.seed
+        torch.manual_seed(seed + 1000 + self.rank)  # per-rank randomness stays reproducible
+        model = build_sharded_model(cfg.model, cfg.cluster, seed=seed)
+        self.optimizer = make_optimizer(model, lr=self.demo.lr)
         self.wt_attach(model=model, rank=self.rank, world=self.world)
         return self.node_id()
 
@@ -330,7 +329,7 @@ class TrainerWorker(TrainerMixin, GroupMember):
                 build_hf_model,  # transformers, on first use
             )
 
-            self._ref = build_hf_model(self.config.model, seed=self.config.seed)
+            self._ref = build_hf_model(self.config.model, seed=self.demo.seed)
         self._ref.load_state_dict(full)
         return self._ref
 

@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weight_transfer.config_files import load_yaml, validate_mapping
-from weight_transfer.types import MeshDesc, Placement, RankInfo, ShardSpec
+from weight_transfer.types import MeshDesc, NicId, Placement, RankInfo, ShardSpec
 
 _SHARD0 = Placement(kind="shard", dim=0)
 _REPLICATE = Placement(kind="replicate")
@@ -187,7 +187,8 @@ class ClusterConfig(_Strict):
     def trainer_nics(self) -> list[str]:
         """Names of every trainer NIC, index = node * nics_per_node + nic."""
         t = self.trainer
-        return [f"tnode{n}/nic{j}" for n in range(t.nodes) for j in range(t.nics_per_node)]
+        return [str(NicId(node=f"tnode{n}", index=j))
+                for n in range(t.nodes) for j in range(t.nics_per_node)]
 
     def trainer_nic_index(self, rank: int) -> int:
         t = self.trainer
@@ -198,8 +199,10 @@ class ClusterConfig(_Strict):
         return node * t.nics_per_node + gpu_nic[gpu]
 
     def rank_info(self, rank: int) -> RankInfo:
-        nic = self.trainer_nics()[self.trainer_nic_index(rank)]
-        return RankInfo(rank=rank, node=nic.split("/")[0], nic=nic)
+        t = self.trainer
+        nic = NicId(node=f"tnode{rank // t.gpus_per_node}",
+                    index=self.trainer_nic_index(rank) % t.nics_per_node)
+        return RankInfo(rank=rank, node=nic.node, nic=str(nic))
 
     def rank_infos(self) -> tuple[RankInfo, ...]:
         return tuple(self.rank_info(r) for r in range(self.trainer_world))
@@ -265,7 +268,8 @@ class ClusterConfig(_Strict):
         """Names of every inference NIC, index = node * nics_per_node + nic."""
         i = self.inference
         nodes = i.replicas * i.nodes_per_replica
-        return [f"inode{n}/nic{j}" for n in range(nodes) for j in range(i.nics_per_node)]
+        return [str(NicId(node=f"inode{n}", index=j))
+                for n in range(nodes) for j in range(i.nics_per_node)]
 
     def replica_name(self, replica: int) -> str:
         return f"engine{replica}"
@@ -280,8 +284,9 @@ class ClusterConfig(_Strict):
             ep_size=i.expert_parallel,
         )
 
-    def engine_rank(self, replica: int, local: int) -> tuple[str, str, ShardSpec]:
-        """(node, nic, shard) of local rank ``local`` of replica ``replica``."""
+    def engine_nic(self, replica: int, local: int) -> NicId:
+        """The NIC of local rank ``local`` of replica ``replica`` (what an engine actor
+        passes to ``wt_attach_engine(nics=[...])``)."""
         i = self.inference
         if not (0 <= replica < i.replicas and 0 <= local < i.gpus_per_replica):
             raise ValueError(
@@ -291,8 +296,12 @@ class ClusterConfig(_Strict):
         node_in_replica, gpu = divmod(local, i.gpus_per_node)
         node = replica * i.nodes_per_replica + node_in_replica
         gpu_nic = i.gpu_nic or _default_gpu_nic(i.gpus_per_node, i.nics_per_node)
-        nic = f"inode{node}/nic{gpu_nic[gpu]}"
-        return f"inode{node}", nic, self.shard_of(local)
+        return NicId(node=f"inode{node}", index=gpu_nic[gpu])
+
+    def engine_rank(self, replica: int, local: int) -> tuple[str, str, ShardSpec]:
+        """(node, nic, shard) of local rank ``local`` of replica ``replica``."""
+        nic = self.engine_nic(replica, local)
+        return nic.node, str(nic), self.shard_of(local)
 
     # ------------------------------------------------------------------ bandwidth
 

@@ -27,6 +27,7 @@ from scheduling.match import layout_specs
 from weight_transfer.models import ModelConfig, trainer_param_specs
 from weight_transfer.shard_geometry import gc_paused
 from weight_transfer.types import (
+    EngineRankId,
     EngineRankMeta,
     EngineTensorMeta,
     MeshDesc,
@@ -118,7 +119,7 @@ def _engine_metas(cfg: ModelConfig, cluster: ClusterConfig, fp8: bool) -> list[E
             rows, length = layouts[shard]
             name = cluster.replica_name(replica)
             region = fake_region(
-                owner=f"{name}/tp{local}",
+                owner=str(EngineRankId(replica=name, rank=local)),
                 nic=nic,
                 node=node,
                 index=replica * inf.gpus_per_replica + local,

@@ -25,6 +25,7 @@ from weight_transfer.receipt import (
     check_str,
 )
 from weight_transfer.types import (
+    EngineRankId,
     EngineRankMeta,
     EngineTensorMeta,
     ParamMeta,
@@ -88,9 +89,9 @@ def _engines(rd: Reader, data: dict, regions: tuple) -> tuple[EngineRankMeta, ..
         e = EngineRankMeta(replica=rd.str(rep, f"{where}: replica"), rank=rank,
                            node=rd.str(node, f"{where}: node"), nic=rd.str(nic, f"{where}: nic"),
                            shard=shard, tensors=tuple(ts))
-        check_engine_meta(e, f"plan blob: {where} ({e.replica}/tp{rank})")
+        check_engine_meta(e, f"plan blob: {where} ({EngineRankId(replica=e.replica, rank=rank)})")
         if (e.replica, e.rank) in seen:
-            raise ValueError(f"plan blob: engine {e.replica}/tp{e.rank} is listed twice")
+            raise ValueError(f"plan blob: engine {e.id} is listed twice")
         seen.add((e.replica, e.rank))
         out.append(e)
     return tuple(out)

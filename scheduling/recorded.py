@@ -40,7 +40,7 @@ def has_recorded(engines: Sequence[EngineRankMeta]) -> bool:
     flags = {e.pieces is not None for e in engines}
     if len(flags) > 1:
         raise ValueError("some engine ranks bring a recorded layout and some do not: "
-                         + ", ".join(f"{e.replica}/tp{e.rank}" for e in engines
+                         + ", ".join(str(e.id) for e in engines
                                      if e.pieces is None))
     return flags == {True}
 

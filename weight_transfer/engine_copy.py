@@ -34,7 +34,7 @@ def copy_jobs(src: EngineRankMeta, dst: EngineRankMeta, nics: Mapping[str, Any],
     """(local NIC, (address, length) of a source region, destination region) per region;
     ValueError when the layouts differ."""
     if layout_key(src) != layout_key(dst):
-        raise ValueError(f"{owner} cannot fill {dst.replica}/tp{dst.rank}: different tensor "
+        raise ValueError(f"{owner} cannot fill {dst.id}: different tensor "
                          "layout (a new replica must have the TP layout of its peer)")
     return [(nics[s.nic], (s.addr, s.length), d)
             for s, d in zip(regions_of(src), regions_of(dst), strict=True)]

@@ -205,7 +205,7 @@ def check_engine_meta(meta: Any, where: str | None = None) -> EngineRankMeta:
                          f"{type(meta).__name__}")
     check_str(meta.replica, f"{where or 'engine metadata'}: replica")
     check_int(meta.rank, f"{where or meta.replica}: rank", hi=1 << 20)
-    where = where or f"{meta.replica}/tp{meta.rank}"
+    where = where or str(meta.id)
     check_str(meta.node, f"{where}: node", empty=True)
     check_str(meta.nic, f"{where}: nic")
     check_shard(meta.shard, where)

@@ -23,7 +23,7 @@ import torch
 
 from weight_transfer.integrity import ChecksumLog, IntegrityPolicy, checksum
 from weight_transfer.retry import RetryingWriter
-from weight_transfer.types import Piece, WriteTask
+from weight_transfer.types import EngineRankId, Piece, WriteTask
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class RunLog:
     piece_sums: dict[Piece, int] = field(default_factory=dict)  # one hash per piece and run
 
     def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
-        dest = f"{task.dst_replica}/tp{task.dst_rank}"
+        dest = str(EngineRankId(replica=task.dst_replica, rank=task.dst_rank))
         self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
         if policy.selects(task.task_id, self.version):
             value = self.piece_sums.get(task.piece)

@@ -10,6 +10,8 @@ How the pieces fit together::
     one record:    TensorSpec (name, shape, dtype, nbytes); ParamMeta and
                    EngineTensorMeta extend it, layouts list it
     trainer side:  ParamMeta (global shape, dtype, mesh, placements) x RankInfo
+    identities:    EngineRankId (replica, TP rank), NicId (node, index): str() is the
+                   name on the wire, so plans and peer keys stay strings
     engine side:   EngineRankMeta (replica, TP/EP shard, NIC) -> EngineTensorMeta
                    (local shape, dtype, region + offset where it lives)
     layout:        Piece = one contiguous destination byte range of one engine
@@ -179,6 +181,42 @@ class TrainerMeta:
     ranks: tuple[RankInfo, ...]
 
 
+# --------------------------------------------------------------------------- identities
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class EngineRankId:
+    """One engine rank: local TP rank ``rank`` of replica ``replica``. ``str()`` is the
+    name logs, JSON, region owners and NIC peer keys carry (``"engine0/tp1"``)."""
+
+    replica: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.replica}/tp{self.rank}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class NicId:
+    """One NIC: the ``index``-th of node ``node`` (``tnode<i>`` trainer side, ``inode<i>``
+    engine side). ``str()`` is the name plans and peer infos carry (``"inode0/nic1"``);
+    the cluster config hands these out (``ClusterConfig.engine_nic``), nobody types them."""
+
+    node: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.node}/nic{self.index}"
+
+    @classmethod
+    def parse(cls, name: str) -> NicId:
+        """The NIC a ``str()`` names; ValueError for any other string."""
+        node, sep, index = name.rpartition("/nic")
+        if not (sep and node and index.isdigit()):
+            raise ValueError(f"NIC name {name!r} is not '<node>/nic<index>'")
+        return cls(node=node, index=int(index))
+
+
 # --------------------------------------------------------------------------- engine side
 
 
@@ -217,6 +255,10 @@ class EngineRankMeta:
     # The layout recorded from the engine itself (vLLM: its own load_weights), source
     # names as in the engine's checkpoint; None: the planner uses our rule tables.
     pieces: tuple[Piece, ...] | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def id(self) -> EngineRankId:
+        return EngineRankId(replica=self.replica, rank=self.rank)
 
 
 # --------------------------------------------------------------------------- layout and plan

@@ -27,6 +27,7 @@ import actors.bench.baselines as B
 from actors.bench.pacing import bucket_layout
 from actors.demo.checks import byte_problems
 from actors.demo.verify import _engine_digests, _trainer_digests
+from weight_transfer.types import EngineRankId
 
 
 class DesignBench(ABC):
@@ -173,7 +174,8 @@ class ReferenceBench(DesignBench):
                 for x in self.trainers]
 
     def verify(self) -> list[str]:
-        got = {f"{name}/tp{r}": d for name, actors in self.fleet.replicas.items()
+        got = {str(EngineRankId(replica=name, rank=r)): d
+               for name, actors in self.fleet.replicas.items()
                for r, d in enumerate(self._get([a.__ray_call__.remote(_engine_digests)
                                                 for a in actors]))}
         return byte_problems(self.want, got)

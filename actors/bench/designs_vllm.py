@@ -39,6 +39,7 @@ from typing import Any
 import actors.bench.baselines as B
 import actors.bench.baselines_vllm as V
 from actors.bench.designs_fleet import DesignBench
+from weight_transfer.types import EngineRankId
 
 
 class VllmBench(DesignBench):
@@ -109,7 +110,7 @@ class VllmBench(DesignBench):
         for name, ranks in zip(self.fleet.replicas, self._each_worker(
                 oracle_check, str(self._checkpoint)), strict=True):
             for rank, (differences, _digests) in enumerate(ranks):
-                problems += [f"{name}/tp{rank}: {d}" for d in differences]
+                problems += [f"{EngineRankId(replica=name, rank=rank)}: {d}" for d in differences]
         return problems
 
     def close(self) -> None:

@@ -180,7 +180,7 @@ def measure(model: Path, cluster_path: Path, updates: int, layout: str = "fsdp")
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         targets = [stack.enter_context(RemoteTarget(
-            nbytes=e.tensors[0].region.length, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
+            nbytes=e.tensors[0].region.length, guard_bytes=0, owner=str(e.id),
             transport_opts={"nic": e.tensors[0].region.nic})) for e in layout_engines]
         pipes, procs = [], []
         for r in range(world):

@@ -22,7 +22,6 @@ The options are defined once, in :mod:`actors.cli.main`; this module has only ``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +41,7 @@ console = Console()
 def _measure(base, trainers, replicas, policy, first_version: int, updates: int) -> list:
     from actors import WeightTransferController
 
-    cfg = dataclasses.replace(base, integrity=policy)
+    cfg = base.replace(integrity=policy)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     try:
         ctl.setup()
@@ -63,7 +62,7 @@ def run(config: Path, model: Path | None, modes: str, fraction: float, updates: 
     policies = {m: {"mode": m, "fraction": fraction} if m == "sample" else {"mode": m}
                 for m in modes.split(",")}
     for p in policies.values():  # fail before any actor starts
-        dataclasses.replace(base, integrity=p)
+        base.replace(integrity=p)
     ray.init(address="local", num_cpus=run_cfg.ray.num_cpus, include_dashboard=False,
              log_to_driver=False)
     reports: dict[str, list] = {m: [] for m in policies}

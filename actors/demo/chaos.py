@@ -177,7 +177,7 @@ def _replace_trainers(ch: Chaos) -> None:
 
     for t in ch.ctl.trainers:  # the survivors' process group lost a member
         ray.kill(t)
-    ch.fleet.trainers = launch_trainers(ch.fleet.config)
+    ch.fleet.trainers = launch_trainers(ch.fleet.config, demo=ch.fleet.run.demo_actors)
     ch.ctl.setup(trainers=ch.fleet.trainers)
 
 
@@ -185,7 +185,8 @@ def _new_replica(ch: Chaos) -> None:
     from actors import launch_engines
 
     index = int(VICTIM.removeprefix("engine"))
-    (actors,) = launch_engines(ch.fleet.config, replicas=[index])
+    (actors,) = launch_engines(ch.fleet.config, replicas=[index],
+                               demo=ch.fleet.run.demo_actors)
     ch.ctl.add_replica(actors)
 
 

@@ -62,6 +62,7 @@ from actors.run_config import RunConfig, load_run_config
 from scheduling.cluster import load_cluster_config
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
+from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
@@ -131,7 +132,7 @@ class Fleet:
     def engine_keys(self) -> dict[str, Any]:
         """``{"<replica>/tp<rank>": ShardSpec}`` of every engine rank."""
         cluster = self.config.cluster
-        return {f"{name}/tp{local}": cluster.engine_rank(i, local)[2]
+        return {str(EngineRankId(replica=name, rank=local)): cluster.engine_rank(i, local)[2]
                 for i, (name, actors) in enumerate(self.replicas.items())
                 for local in range(len(actors))}
 
@@ -184,20 +185,14 @@ class Fleet:
 
 
 def transfer_config(run: RunConfig, **overrides: Any) -> Any:
-    """The controller's ``TransferConfig`` of a run config; ``overrides``: fields set
-    otherwise than the run config says (``wt chaos``: a short ``update_timeout_s``, capped
-    NICs)."""
+    """The controller's ``TransferConfig`` of a run config (its ``transfer:`` settings);
+    ``overrides``: fields set otherwise than the run config says (``wt chaos``: a short
+    ``update_timeout_s``, capped NICs)."""
     from actors import TransferConfig
 
-    fields = dict(
-        model=load_model_config(run.model_path), cluster=load_cluster_config(run.cluster_path),
-        fp8=run.fp8, seed=run.seed, lr=run.train.lr,
-        pause_during_update=run.transfer.pause_during_update,
-        setup_timeout_s=run.transfer.timeout_s, update_timeout_s=run.transfer.timeout_s,
-        transport=run.transfer.transport, transport_options=run.transfer.spec.options,
-        integrity=run.transfer.integrity, retry=run.transfer.retry,
-        audit_path=run.transfer.audit_path)
-    return TransferConfig(**(fields | overrides))
+    return TransferConfig.from_settings(
+        load_model_config(run.model_path), load_cluster_config(run.cluster_path),
+        settings=run.transfer, **({"fp8": run.fp8} | overrides))
 
 
 def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
@@ -209,12 +204,12 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config)
+    trainers = launch_trainers(config, demo=run.demo_actors)
     bars("start trainer ranks", 1, 1)
     engines = []
     for i in range(config.cluster.inference.replicas):
         bars("start engine replicas", i, config.cluster.inference.replicas)
-        engines += launch_engines(config, replicas=[i])
+        engines += launch_engines(config, replicas=[i], demo=run.demo_actors)
     bars("start engine replicas", len(engines), len(engines))
     ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
     ctl.progress = bars if progress is not None else None

@@ -3,7 +3,7 @@
 The library's part is five lines (marked ``# wt``): a config, the actors, the
 controller, ``setup()`` once, ``update(version)`` after every policy step::
 
-    cfg = TransferConfig.from_files(model_yaml, cluster_yaml, lr=...)          # wt
+    cfg = TransferConfig.from_files(model_yaml, cluster_yaml)                   # wt
     trainers, replicas = launch_trainers(cfg), launch_engines(cfg)              # wt
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
     ctl.setup()                                                                 # wt
@@ -118,17 +118,16 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     """The whole loop on a fresh set of actors; returns one record per iteration."""
     import tempfile
 
-    from actors import TransferConfig, WeightTransferController, launch_trainers
+    from actors import DemoActorConfig, TransferConfig, WeightTransferController, launch_trainers
 
     started = connect_ray(run, join_existing=True)
     trainers, replicas, owners, ctl = [], [], [], None
     workdir = Path(tempfile.mkdtemp(prefix="wt-rl-"))
     try:
         cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
-                                        seed=run.seed, lr=run.rl.lr,
-                                        transport=run.transfer.transport,
-                                        transport_options=run.transfer.spec.options)
-        trainers = launch_trainers(cfg)                                         # wt
+                                        **dict(run.transfer))
+        demo = DemoActorConfig(seed=run.seed, lr=run.rl.lr)  # the ready-made trainers'
+        trainers = launch_trainers(cfg, demo=demo)                              # wt
         replicas, owners = launch_replicas(cfg, run, trainers, workdir)         # wt
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
         ctl.setup()                                                             # wt

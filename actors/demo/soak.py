@@ -35,6 +35,7 @@ from actors.cli.progress import command_console, emit_json, json_to_stdout, prog
 from actors.demo.fleet import Fleet, fleet_session
 from actors.demo.verify import check_bytes
 from actors.run_config import load_run_config
+from weight_transfer.types import EngineRankId
 
 TOLERANCE: dict[str, float] = {"rss_abs_bytes": 32 << 20, "rss_rel": 0.05, "fds": 2,
                                "threads": 4, "store_keys": 0}
@@ -62,7 +63,8 @@ def measure(fleet: Fleet) -> dict[str, dict[str, int]]:
     """``{process label: stats}`` of every trainer, engine rank, the scheduler, the driver."""
     ctl = fleet.controller
     actors = {f"trainer{r}": t for r, t in enumerate(ctl.trainers)}
-    actors |= {f"{n}/tp{r}": a for n, ranks in ctl.replicas.items() for r, a in enumerate(ranks)}
+    actors |= {str(EngineRankId(replica=n, rank=r)): a for n, ranks in ctl.replicas.items()
+               for r, a in enumerate(ranks)}
     refs = {label: a.__ray_call__.remote(_actor_stats) for label, a in actors.items()}
     out = {label: ray.get(ref, timeout=60) for label, ref in refs.items()}
     out["scheduler"] = ray.get(ctl.scheduler.__ray_call__.remote(

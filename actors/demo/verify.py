@@ -28,6 +28,7 @@ from actors.demo.checks import (
     token_problems,
 )
 from weight_transfer.prepare import as_bytes
+from weight_transfer.types import EngineRankId
 
 if TYPE_CHECKING:
     from actors.demo.fleet import Fleet
@@ -95,7 +96,7 @@ def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
     want = first_answer(ray.get([t.__ray_call__.remote(_trainer_digests, fleet.engine_keys,
                                                  fleet.config.engine_fp8)
                            for t in fleet.trainers]))
-    got = {f"{name}/tp{r}": d for name, actors in fleet.replicas.items()
+    got = {str(EngineRankId(replica=name, rank=r)): d for name, actors in fleet.replicas.items()
            for r, d in enumerate(ray.get([a.__ray_call__.remote(_engine_digests)
                                           for a in actors]))}
     issues = byte_problems(want, got)

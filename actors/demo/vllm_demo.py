@@ -38,6 +38,7 @@ from actors.demo.checks import capped
 from actors.demo.fleet import Fleet, transfer_config
 from actors.demo.verify import check_changed
 from actors.run_config import RunConfig
+from weight_transfer.types import EngineRankId
 
 ORACLE = "vllm.load_weights"
 ENGINE_ENV = {
@@ -80,7 +81,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     workdir = Path(tempfile.mkdtemp(prefix="wt-demo-vllm-"))
     bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config)
+    trainers = launch_trainers(config, demo=run.demo_actors)
     bars("start trainer ranks", 1, 1)
     first = save_trainer_checkpoint(trainers, workdir / "v0")
     bars("start vLLM engines", 0, 1)
@@ -118,8 +119,9 @@ def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
         for name, owner in zip(fleet.replicas, fleet.owners, strict=True):
             ranks = ray.get(owner.collective_rpc.remote(oracle_check, (str(path),)))
             for rank, (differences, digests) in enumerate(ranks):
-                issues += [f"{name}/tp{rank}: {d}" for d in differences]
-                got[f"{name}/tp{rank}"] = digests
+                who = str(EngineRankId(replica=name, rank=rank))
+                issues += [f"{who}: {d}" for d in differences]
+                got[who] = digests
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
     checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()), oracle=ORACLE)

@@ -365,7 +365,7 @@ def start_engine_targets(
     region and entered on ``stack``; returns the targets and the engine metadata re-pointed
     at the targets' live regions, ready to plan against."""
     targets = [stack.enter_context(RemoteTarget(
-        nbytes=e.tensors[0].region.length, guard_bytes=0, owner=f"{e.replica}/tp{e.rank}",
+        nbytes=e.tensors[0].region.length, guard_bytes=0, owner=str(e.id),
         transport_opts={"nic": e.tensors[0].region.nic})) for e in layout]
     engines = [dataclasses.replace(e, tensors=tuple(
         dataclasses.replace(t, region=tg.region) for t in e.tensors))

@@ -13,11 +13,19 @@ import pytest
 import ray
 import torch
 
-from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors import (
+    DemoActorConfig,
+    TransferConfig,
+    WeightTransferController,
+    launch_engines,
+    launch_trainers,
+)
 from actors.testing.engine_bytes import engine_mismatches
 from actors.trainer_model import make_optimizer, sequence_loss
 from weight_transfer.engines.reference.hf_model import build_hf_model
 from weight_transfer.types import Placement
+
+DEMO = DemoActorConfig()  # what launch_trainers builds the trainers' model with
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -53,9 +61,9 @@ def test_one_step_over_four_ranks_equals_one_process(env):
                            generator=torch.Generator().manual_seed(3))
     ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
     got = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    initial = build_hf_model(cfg.model, seed=cfg.seed).state_dict()
-    ref = build_hf_model(cfg.model, seed=cfg.seed)
-    opt = make_optimizer(ref, lr=cfg.lr)
+    initial = build_hf_model(cfg.model, seed=DEMO.seed).state_dict()
+    ref = build_hf_model(cfg.model, seed=DEMO.seed)
+    opt = make_optimizer(ref, lr=DEMO.lr)
     ref.train()
     sequence_loss(ref(input_ids=tokens, use_cache=False).logits, tokens, prompt_len=0,
                   weights=None).backward()
@@ -63,7 +71,7 @@ def test_one_step_over_four_ranks_equals_one_process(env):
     want = ref.state_dict()
     assert set(got) == set(want)
     for name, w in want.items():
-        off = ((got[name].float() - w.float()).abs() > 0.5 * cfg.lr).float().mean().item()
+        off = ((got[name].float() - w.float()).abs() > 0.5 * DEMO.lr).float().mean().item()
         moved = (got[name] != initial[name]).float().mean().item()
         # AdamW's first step moves each weight by about lr * sign(grad): the sharded step
         # must agree with the one-process step except where a gradient is ~0 (sign noise).

@@ -12,7 +12,6 @@ simnic implements.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -75,10 +74,9 @@ def test_wt_demo_over_mooncake_is_byte_exact_and_generates_the_trainers_tokens(
 
 
 def test_add_replica_over_mooncake_and_no_fault_injection(local_ray):
-    cfg = dataclasses.replace(
-        TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                  CONFIGS / "clusters" / "local_cpu.yaml"),
-        transport="mooncake", transport_options={"protocol": "tcp"})
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                    CONFIGS / "clusters" / "local_cpu.yaml",
+                                    transport="mooncake", transport_options={"protocol": "tcp"})
     trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     summary = ctl.setup()

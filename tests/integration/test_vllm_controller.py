@@ -38,8 +38,7 @@ def env(tmp_path_factory):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "vllm_cpu.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)
-    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__},
-                       "model": cfg.model.model_copy(update={"torch_dtype": "float32"})})
+    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
     _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     trainers = launch_trainers(cfg)

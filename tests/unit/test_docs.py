@@ -31,9 +31,10 @@ CONFIG_MODELS = (
     "actors.run_config.TrainConfig",
     "actors.run_config.VerifyConfig",
     "actors.run_config.RayConfig",
-    "actors.run_config.TransferConfig",
     "actors.run_config.RlConfig",
+    "actors.config.TransferSettings",
     "actors.config.TransferConfig",
+    "actors.config.DemoActorConfig",
 )
 
 
@@ -70,7 +71,11 @@ def _fields(qualname: str) -> list[str]:
     cls = getattr(importlib.import_module(module), name)
     if dataclasses.is_dataclass(cls):
         return [f.name for f in dataclasses.fields(cls)]
-    return [f.alias or n for n, f in cls.model_fields.items()]
+    # A model deriving from another documented one lists its own fields (the section of
+    # the base describes the rest).
+    inherited = {n for base in cls.__mro__[1:] if f"{base.__module__}.{base.__qualname__}"
+                 in CONFIG_MODELS for n in getattr(base, "model_fields", {})}
+    return [f.alias or n for n, f in cls.model_fields.items() if n not in inherited]
 
 
 def _sections(text: str) -> dict[str, str]:

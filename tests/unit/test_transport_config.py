@@ -8,14 +8,15 @@ direct calls instead of Ray).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from actors.config import TransferConfig
+from actors.config import TransferConfig, TransferSettings
 from actors.connections import Connector
 from actors.run_config import parse_run_config
+from scheduling.cluster import load_cluster_config
+from weight_transfer.models import load_model_config
 from weight_transfer.transport import fault_injection, make_transport
 from weight_transfer.transport.handshake import HostId, reaches, unreachable_links
 from weight_transfer.transport.mooncake import MooncakeOptions
@@ -41,7 +42,7 @@ def cfg() -> TransferConfig:
 def test_the_default_is_simnic_with_default_options(cfg):
     assert cfg.transport == "simnic"
     assert cfg.transport_spec == DEFAULT_TRANSPORT
-    capped = dataclasses.replace(cfg, nic_gbps=2.0)
+    capped = cfg.replace(nic_gbps=2.0)
     assert capped.transport_spec.options.bandwidth_gbps == 2.0  # nic_gbps: the simnic cap
 
 
@@ -56,9 +57,9 @@ def test_the_default_is_simnic_with_default_options(cfg):
     ],
 )
 def test_options_are_typed_per_transport(cfg, transport, options, want):
-    new = dataclasses.replace(cfg, transport=transport, transport_options=options)
+    new = cfg.replace(transport=transport, transport_options=options)
     assert new.transport_spec.kind == transport and new.transport_spec.options == want
-    assert dataclasses.replace(new) == new  # replace() takes the typed options back
+    assert new.replace() == new  # replace() takes the typed options back
 
 
 @pytest.mark.parametrize(
@@ -99,7 +100,7 @@ def test_options_are_typed_per_transport(cfg, transport, options, want):
 )
 def test_bad_transport_config_names_the_field(cfg, changes, field, words):
     with pytest.raises(ValueError) as err:
-        dataclasses.replace(cfg, **changes)
+        cfg.replace(**changes)
     assert str(err.value).startswith(field), str(err.value)
     assert words in str(err.value)
     assert "trainer and engine NIC" in str(err.value)  # the actors concerned
@@ -111,29 +112,62 @@ def test_bad_transport_config_names_the_field(cfg, changes, field, words):
 @pytest.mark.parametrize(
     ("transfer", "field", "words"),
     [
-        ({"transport": "pigeon"}, "transfer.transport",
-         "unknown transport 'pigeon'; known: ['mooncake', 'rdma', 'simnic']"),
-        ({"simnic": {"bandwidth_gbps": "fast"}}, "transfer.simnic.bandwidth_gbps",
-         "valid number"),
-        ({"mooncake": {"bogus": 1}}, "transfer.mooncake.bogus", "Extra inputs are not permitted"),
-        ({"rdma": {"port": 1.5}}, "transfer.rdma.port", "valid integer"),
-        ({"transport_options": {}}, "transfer.transport_options", "Extra inputs"),
+        ({"transport": "pigeon"}, "transfer",
+         "transfer.transport: unknown transport 'pigeon' (used by every trainer and "
+         "engine NIC); known: ['mooncake', 'rdma', 'simnic']"),
+        ({"transport_options": {"bandwidth_gbps": "fast"}}, "transfer",
+         "transfer.transport_options.bandwidth_gbps: Input should be a valid number"),
+        ({"transport": "mooncake", "transport_options": {"bogus": 1}}, "transfer",
+         "transfer.transport_options: unknown option(s) ['bogus'] for transport "
+         "'mooncake'"),
+        ({"transport": "rdma", "transport_options": {"port": 1.5}}, "transfer",
+         "transfer.transport_options.port: Input should be a valid integer"),
+        ({"watermark_bytes": 0}, "transfer.watermark_bytes", "greater than 0"),
+        ({"metric": "ray"}, "transfer.metric", "Extra inputs"),
+        # The run file's names of earlier versions: an error naming the field that replaced it.
+        ({"timeout_s": 300}, "transfer",
+         "transfer.timeout_s was renamed: use transfer.setup_timeout_s and update_timeout_s"),
+        ({"simnic": {"latency_us": 1}}, "transfer",
+         "transfer.simnic was renamed: use transfer.transport_options"),
     ],
 )
 def test_bad_transport_in_a_run_yaml_names_the_file_and_field(transfer, field, words):
     with pytest.raises(ValueError, match=r"runs/bad\.yaml") as err:
         parse_run_config({"model": TINY, "transfer": transfer}, source="runs/bad.yaml")
-    assert f"field {field}:" in str(err.value) and words in str(err.value)
+    assert f"field {field}:" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_every_library_setting_is_settable_from_a_run_yaml():
+    transfer = {"barrier_timeout_s": 7.0, "watermark_bytes": 1 << 20, "metrics": "null",
+                "setup_timeout_s": 11.0, "update_timeout_s": 13.0, "nic_gbps": 2.0,
+                "integrity": "full", "retry": {"attempts": 2}, "audit_path": "audit.jsonl",
+                "pause_during_update": False, "transport_options": {"latency_us": 5}}
+    run = parse_run_config({"model": TINY, "transfer": transfer}, source="x.yaml")
+    cfg = TransferConfig.from_settings(load_model_config(run.model_path),
+                                       load_cluster_config(run.cluster_path),
+                                       settings=run.transfer)
+    assert set(TransferSettings.model_fields) <= set(TransferConfig.model_fields)
+    assert cfg.settings() == run.transfer
+    assert (cfg.barrier_timeout_s, cfg.watermark_bytes, cfg.metrics, cfg.setup_timeout_s,
+            cfg.update_timeout_s, cfg.pause_during_update) == (7.0, 1 << 20, "null", 11.0,
+                                                               13.0, False)
+    assert cfg.integrity.mode == "full" and cfg.retry.attempts == 2
+    assert cfg.audit_path == Path("audit.jsonl")
+    assert cfg.transport_spec.options == SimNicOptions(bandwidth_gbps=2.0, latency_us=5.0)
+    assert not {"seed", "lr", "actor_cpus"} & set(TransferConfig.model_fields)  # demo actors'
 
 
 def test_the_run_yaml_chooses_the_transport_and_the_command_line_overrides_it():
-    run = parse_run_config({"model": TINY, "transfer": {"mooncake": {"hostname": "10.0.0.9"}}},
+    run = parse_run_config({"model": TINY, "transfer": {"transport": "mooncake",
+                                                        "transport_options": {
+                                                            "hostname": "10.0.0.9"}}},
                            source="x.yaml")
-    assert run.transfer.spec == DEFAULT_TRANSPORT  # only the chosen transport's section applies
-    moon = run.with_overrides(transport="mooncake")
-    assert moon.transfer.spec.kind == "mooncake"
-    assert moon.transfer.spec.options.hostname == "10.0.0.9"
-    with pytest.raises(ValueError, match=r"<command line>.*field transfer.transport"):
+    assert run.transfer.transport_spec.options.hostname == "10.0.0.9"
+    same = run.with_overrides(transport="mooncake")  # the file's own options stay
+    assert same.transfer.transport_spec == run.transfer.transport_spec
+    sim = run.with_overrides(transport="simnic")  # another transport: its own defaults
+    assert sim.transfer.transport_spec == DEFAULT_TRANSPORT
+    with pytest.raises(ValueError, match=r"<command line>.*field transfer:.*'carrier'"):
         run.with_overrides(transport="carrier")
 
 
@@ -144,7 +178,8 @@ def test_wt_demo_refuses_an_unknown_transport_before_starting_anything():
 
     result = CliRunner().invoke(app, ["demo", "--transport", "pigeon"])
     assert result.exit_code == 2
-    assert "field transfer.transport" in " ".join(result.output.split())
+    assert "field transfer: Value error, transfer.transport: unknown transport 'pigeon'" in (
+        " ".join(result.output.split()))
 
 
 # ------------------------------------------------------------------------ registry and faults

@@ -44,7 +44,7 @@ from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_re
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
 from weight_transfer.transport.handshake import answer_requests, connect_peers
-from weight_transfer.types import EngineRankMeta, EngineTensorMeta, ShardSpec
+from weight_transfer.types import EngineRankId, EngineRankMeta, EngineTensorMeta, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
 
     @property
     def owner(self) -> str:
-        return f"{self.meta.replica if self.meta else '?'}/tp{self.shard.tp_rank}"
+        return str(EngineRankId(replica=self.meta.replica if self.meta else "?",
+                                rank=self.shard.tp_rank))
 
     # ------------------------------------------------------------------ operations
 
@@ -116,7 +117,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         layout = record_load(self.model, checkpoint=checkpoint, device=self.device)
         exposed = exposed_shapes(layout)
         self._spec, self.replica = req.transport, req.replica
-        owner = f"{req.replica}/tp{self.shard.tp_rank}"
+        owner = str(EngineRankId(replica=req.replica, rank=self.shard.tp_rank))
         buffers = self._buffers(layout, exposed)
         nics = req.nics[self.shard.tp_rank]
         tensors = []
