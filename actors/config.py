@@ -53,6 +53,7 @@ from pydantic import (
     ConfigDict,
     PositiveFloat,
     PositiveInt,
+    SerializeAsAny,
     field_validator,
     model_validator,
 )
@@ -131,7 +132,8 @@ class TransferSettings(_Frozen):
     nic_gbps: PositiveFloat | None = None  # cap every simulated NIC (GB/s); None: memcpy speed
     metrics: str = "auto"  # metrics backend: auto (ray inside Ray), ray, prometheus, null
     transport: str = "simnic"  # the data plane of every trainer and engine NIC
-    transport_options: TransportOptions | None = None  # checked, then typed (never None)
+    # Checked, then typed (never None); serialized as the backend's own model, not the base.
+    transport_options: SerializeAsAny[TransportOptions] | None = None
     # Checksums of written ranges, compared after every update (weight_transfer.integrity).
     integrity: IntegrityPolicy = DEFAULT_INTEGRITY
     # Transient WRITE errors (link down) retried under this policy (weight_transfer.retry).
