@@ -31,10 +31,11 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.types import PeerInfo, RegionDesc
 
 
-class TransportError(RuntimeError):
+class TransportError(WeightTransferError, RuntimeError):
     """A write or a connection failed; the message names the peer and region."""
 
 
