@@ -51,9 +51,7 @@ class FaultKind(enum.StrEnum):
     FAILED = "failed"  # the call raised
     REFUSED = "refused"  # the rank ignored a stale command and said so
     TIMEOUT = "timeout"  # a trainer rank did not finish within the update's deadline
-    ABORTED = "aborted"  # a trainer rank stopped because another rank failed first
-    REVOKED = "revoked"  # the target NIC refused the write (rkey, bounds, region revoked)
-    LINK = "link"  # the peer is unreachable (link down, closed, not connected)
+    ABORTED = "aborted"  # a trainer rank stopped waiting because another rank failed first
     INTEGRITY = "integrity"  # bytes landed that do not hash as their source's
 
     @property

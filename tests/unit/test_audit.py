@@ -90,28 +90,24 @@ def test_integrity_result_summary():
 
 
 def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_path):
-    from actors.audit import audited_update
+    from actors.controller_state import ControllerState
+    from actors.controller_update import UpdateOutcome, check_version
+    from weight_transfer.errors import UpdateError
 
-    class Controller:
-        def __init__(self):
-            self.audit, self.replicas, self._attempted = AuditLog(tmp_path / "a.jsonl"), \
-                {"engine0": [], "engine1": []}, None
-
-        @audited_update
-        def update(self, version, *, recorded=False):
-            if version < 0:
-                raise ValueError("version must be positive")  # refused: not an update
-            self._attempted = version
-            err = TimeoutError("pause before version 3: engine0/tp1 did not answer")
-            if recorded:
-                err.audited = True
-            raise err
-
-    ctl = Controller()
-    for version, kw in ((-1, {}), (3, {}), (4, {"recorded": True})):
-        with pytest.raises((ValueError, TimeoutError)):
-            ctl.update(version, **kw)
-    (line,) = read_audit(tmp_path / "a.jsonl")
+    log = AuditLog(tmp_path / "a.jsonl")
+    state = ControllerState(trainers=[], connector=None, summary=object(), attempted=2)
+    with pytest.raises(ValueError, match="must be greater than 2"):
+        check_version(state, 2)  # refused: not an update, so the controller records nothing
+    err = TimeoutError("pause before version 3: engine0/tp1 did not answer")
+    crashed = UpdateOutcome(version=3, replicas=("engine0", "engine1"), error=err, crashed=True)
+    log.record(crashed.audit(started_at=1.0, finished_at=2.0))
+    failed = UpdateError("update to version 4 failed on replicas ['engine1']", version=4,
+                         ranks={}, torn=["engine1"])
+    log.record(UpdateOutcome(version=4, replicas=("engine0", "engine1"), error=failed)
+               .audit(started_at=3.0, finished_at=4.0))
+    line, line4 = read_audit(tmp_path / "a.jsonl")
     assert line["version"] == 3 and line["outcome"] == "failed" and line["pairs"] == []
     assert line["error"] == "TimeoutError: pause before version 3: engine0/tp1 did not answer"
-    assert line["replicas"] == ["engine0", "engine1"]
+    assert line["replicas"] == ["engine0", "engine1"] and line["torn"] == []
+    assert line4["version"] == 4 and line4["outcome"] == "failed"
+    assert line4["error"] == str(failed) and line4["torn"] == ["engine1"]
