@@ -130,14 +130,6 @@ class AuditLog:
             log.error("audit log %s: could not append a %s record: %s", self.path,
                       record.get("kind"), err)
 
-    def record_update(self, **fields: Any) -> None:
-        """``record(UpdateAudit(**fields))``, sequences accepted for the tuple fields."""
-        self.record(UpdateAudit(**_tuples(fields, "reports", "torn", "replicas")))
-
-    def record_resync(self, **fields: Any) -> None:
-        """``record(ResyncAudit(**fields))``."""
-        self.record(ResyncAudit(**fields))
-
 
 class NoAudit:
     """The audit log of a configuration that names none: records nothing."""
@@ -149,20 +141,3 @@ class NoAudit:
 def open_audit(path: str | os.PathLike | None) -> AuditLog | NoAudit:
     """The audit log at ``path``, or one that records nothing (``path`` None)."""
     return NoAudit() if path is None else AuditLog(path)
-
-
-def _tuples(fields: dict[str, Any], *names: str) -> dict[str, Any]:
-    return {k: tuple(v) if k in names else v for k, v in fields.items()}
-
-
-def read_audit(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of an audit log, in order (ValueError naming a line that is not JSON)."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{i}: not a JSON line: {err}") from None
-    return out
-

@@ -161,27 +161,13 @@ class UpdateSteps:
         transfer_done = time.perf_counter()
         if after_transfer is not None:
             after_transfer(version)
-        torn = set(faults)  # a replica that did not pause may have served while written
-        for rank in errors:
-            torn.update(st.summary.replicas_by_rank.get(rank, names))
-        for rep in reports.values():
-            torn.update(rep.failed_replicas)
-        # Integrity (actors.integrity_check): after the writes, before any resume.
-        check = verify_update(
-            policy=self.config.integrity, reports=list(reports.values()),
-            replicas={n: st.replicas[n] for n in names if n not in torn},
-            metas=st.engine_metas, call=ledger.call, get=ledger.get,
-            timeout_s=max(0.0, deadline - timeout * RESUME_SHARE - time.monotonic()))
-        _merge(faults, check_faults(check))  # ranks that did not answer the check
-        torn.update(check.torn)
-        _merge(faults, self._finish(version, [n for n in names if n not in torn], deadline))
-        torn.update(faults)
+        torn, check = self._check_and_resume(version, names, faults, reports, errors, deadline)
         done = UpdateOutcome(version=version, replicas=tuple(names),
                              reports=tuple(reports.values()), integrity=check)
         if errors or torn:
-            _merge(faults, hold(st, self.calls, sorted(torn), faults))
-            record_failure(self.metrics, errors, reports, sorted(torn), st.versions)
-            err = self._fail(version, reports, errors, faults, sorted(torn), check, auto_resync)
+            _merge(faults, hold(st, self.calls, torn, faults))
+            record_failure(self.metrics, errors, reports, torn, st.versions)
+            err = self._fail(version, reports, errors, faults, torn, check, auto_resync)
             return dataclasses.replace(done, error=err)
         nbytes, calls = ledger.since(snap)
         end = time.perf_counter()
@@ -197,6 +183,31 @@ class UpdateSteps:
         if trace and not isinstance(trace, bool):
             write_chrome_trace(trace, [report.trace])
         return dataclasses.replace(done, report=report)
+
+    def _check_and_resume(self, version: int, names: list[str],
+                          faults: dict[str, list[RankFault]], reports: dict[int, RankReport],
+                          errors: dict[int, TrainerFault], deadline: float
+                          ) -> tuple[list[str], IntegrityResult]:
+        """After the writes: the integrity check, then the resume of every replica that got
+        all its bytes; the torn replicas (sorted) and the check. ``faults`` gains the
+        ranks that did not answer the check or the resume."""
+        st = self.state
+        torn = set(faults)  # a replica that did not pause may have served while written
+        for rank in errors:
+            torn.update(st.summary.replicas_by_rank.get(rank, names))
+        for rep in reports.values():
+            torn.update(rep.failed_replicas)
+        check = verify_update(
+            policy=self.config.integrity, reports=list(reports.values()),
+            replicas={n: st.replicas[n] for n in names if n not in torn},
+            metas=st.engine_metas, call=self.calls.call, get=self.calls.ledger.get,
+            timeout_s=max(0.0, deadline - self.config.update_timeout_s * RESUME_SHARE
+                          - time.monotonic()))
+        _merge(faults, check_faults(check))  # ranks that did not answer the check
+        torn.update(check.torn)
+        _merge(faults, self._finish(version, [n for n in names if n not in torn], deadline))
+        torn.update(faults)
+        return sorted(torn), check
 
     def _trace(self, version: int, clock: UpdateClock, reports: list[RankReport]):
         cluster = self.config.cluster

@@ -37,13 +37,6 @@ import ray
 from actors.faults import fault_kind_of
 from weight_transfer.errors import FaultKind
 
-FAULT_KINDS: dict[FaultKind, str] = {
-    FaultKind.DEAD: "the actor died",
-    FaultKind.UNRESPONSIVE: "no answer before the deadline",
-    FaultKind.FAILED: "the call raised",
-    FaultKind.REFUSED: "the rank refused a stale command",
-}
-
 _last_epoch = 0
 
 
@@ -66,7 +59,7 @@ class RankFault:
 
     replica: str
     rank: int
-    kind: FaultKind  # a key of FAULT_KINDS
+    kind: FaultKind  # DEAD, UNRESPONSIVE, FAILED or REFUSED (from fan_out)
     method: str
     error: str
 

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from actors.audit import AuditLog, read_audit
+from actors.audit import AuditLog, ResyncAudit, UpdateAudit, read_audit
 from actors.integrity_check import IntegrityResult, Mismatch
 from actors.reports import RankReport
 from weight_transfer.executor import TransferReport
@@ -27,12 +27,12 @@ def test_update_and_resync_records_carry_the_reported_fields(tmp_path):
     check = IntegrityResult(mode="sample", ranges=3, bytes=60, seconds=0.01, mismatches=(
         Mismatch(replica="engine1", rank=0, tensor="w", tensor_offset=8, length=16, task=5,
                  expected=1, actual=2),))
-    log.record_update(version=4, started_at=100.0, finished_at=101.5, reports=reports,
-                      outcome="failed", torn=["engine1"], integrity=check,
-                      replicas=["engine0", "engine1"], error="boom")
-    log.record_resync(version=4, source="engine0", target="engine1", started_at=102.0,
-                      finished_at=102.25, pairs={("engine0/tp0", "engine1/tp0"): 70},
-                      outcome="ok")
+    log.record(UpdateAudit(version=4, started_at=100.0, finished_at=101.5, reports=reports,
+                           outcome="failed", torn=("engine1",), integrity=check,
+                           replicas=("engine0", "engine1"), error="boom"))
+    log.record(ResyncAudit(version=4, source="engine0", target="engine1", started_at=102.0,
+                           finished_at=102.25, pairs={("engine0/tp0", "engine1/tp0"): 70},
+                           outcome="ok"))
     up, rs = read_audit(log.path)
     assert up["kind"] == "update" and up["version"] == 4 and up["seconds"] == 1.5
     assert up["pairs"] == [{"src": "trainer0", "dst": "engine0/tp1", "bytes": 10},
@@ -51,8 +51,8 @@ def test_update_and_resync_records_carry_the_reported_fields(tmp_path):
 def _writer(path, who, n):
     log = AuditLog(path)
     for i in range(n):
-        log.record_resync(version=i, source=who, target="x" * 5000, started_at=0.0,
-                          finished_at=1.0, pairs={}, outcome="ok")
+        log.record(ResyncAudit(version=i, source=who, target="x" * 5000, started_at=0.0,
+                               finished_at=1.0, pairs={}, outcome="ok"))
 
 
 def test_lines_of_concurrent_writers_never_interleave(tmp_path):
