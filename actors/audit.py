@@ -141,3 +141,15 @@ class NoAudit:
 def open_audit(path: str | os.PathLike | None) -> AuditLog | NoAudit:
     """The audit log at ``path``, or one that records nothing (``path`` None)."""
     return NoAudit() if path is None else AuditLog(path)
+
+
+def read_audit(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of an audit log, in order (ValueError naming a line that is not JSON)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{i}: not a JSON line: {err}") from None
+    return out
