@@ -4,12 +4,12 @@ The controller records every update, successful or not, and every re-sync of a
 replica from a peer, when the configuration names a file
 (``TransferConfig.audit_path``; None: no log)::
 
-    audit = AuditLog("runs/audit.jsonl")
-    audit.record_update(version=7, started_at=t0, finished_at=t1, reports=rank_reports,
-                        integrity=result, outcome="ok", torn=[], replicas=["engine0"])
-    audit.record_resync(version=7, source="engine0", target="engine1", started_at=t0,
-                        finished_at=t1, pairs={("engine0/tp0", "engine1/tp0"): 4096},
-                        outcome="ok")
+    audit = open_audit("runs/audit.jsonl")     # None: NoAudit, which records nothing
+    audit.record(UpdateAudit(version=7, started_at=t0, finished_at=t1, reports=rank_reports,
+                             integrity=result, outcome="ok", replicas=("engine0",)))
+    audit.record(ResyncAudit(version=7, source="engine0", target="engine1", started_at=t0,
+                             finished_at=t1, pairs={("engine0/tp0", "engine1/tp0"): 4096},
+                             outcome="ok"))
     read_audit("runs/audit.jsonl")       # the records, as dicts, in order
 
 Every line: ``kind`` (update or resync), ``version``, ``started_at`` and
@@ -22,19 +22,17 @@ or ``failed``), ``torn`` (replicas left torn), ``error`` (the message, or null).
 Append-safe: each record is one ``write`` of a whole line to a file opened
 with ``O_APPEND`` (so lines of several writers never interleave), then
 ``fsync``; a failure to write the log is logged, never raised into an update.
-:func:`audited_update` (on ``WeightTransferController.update``) records the
-failures that end an update before it can record them itself (a pause that
-failed, say).
+The controller calls ``record`` once per update and once per re-sync, where the
+outcome is known (also for an update that failed before any rank reported).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +46,66 @@ def update_pairs(reports: Iterable[Any]) -> list[dict[str, Any]]:
             for dst, n in sorted(r.transfer.dest_bytes.items())]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateAudit:
+    """One update's line (``reports``: the trainers' RankReports that came back)."""
+
+    version: int
+    started_at: float
+    finished_at: float
+    outcome: str  # "ok" or "failed"
+    reports: tuple[Any, ...] = ()
+    torn: tuple[str, ...] = ()
+    integrity: Any = None  # actors.integrity_check.IntegrityResult, or None: no check ran
+    replicas: tuple[str, ...] = ()
+    error: str | None = None
+    retries: int | None = None  # None: summed from the reports
+
+    def as_record(self) -> dict[str, Any]:
+        pairs = update_pairs(self.reports)
+        retries = (sum(r.transfer.retries for r in self.reports) if self.retries is None
+                   else self.retries)
+        return {
+            "kind": "update", "version": self.version, "started_at": self.started_at,
+            "finished_at": self.finished_at, "seconds": self.finished_at - self.started_at,
+            "bytes": sum(p["bytes"] for p in pairs), "pairs": pairs,
+            "integrity": None if self.integrity is None else self.integrity.as_dict(),
+            "outcome": self.outcome, "torn": sorted(self.torn), "replicas": list(self.replicas),
+            "retries": retries, "error": self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResyncAudit:
+    """One re-sync of replica ``target`` from peer ``source`` (``pairs``: bytes per
+    (source rank, target rank), e.g. ``("engine0/tp0", "engine1/tp0")``)."""
+
+    version: int | None
+    source: str
+    target: str
+    started_at: float
+    finished_at: float
+    outcome: str  # "ok" or "failed"
+    pairs: Mapping[tuple[str, str], int] = field(default_factory=dict, hash=False)
+    integrity: Any = None
+    error: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        rows = [{"src": s, "dst": d, "bytes": int(n)} for (s, d), n in sorted(self.pairs.items())]
+        return {
+            "kind": "resync", "version": self.version, "source": self.source,
+            "target": self.target, "started_at": self.started_at,
+            "finished_at": self.finished_at, "seconds": self.finished_at - self.started_at,
+            "bytes": sum(r["bytes"] for r in rows), "pairs": rows,
+            "integrity": None if self.integrity is None else self.integrity.as_dict(),
+            "outcome": self.outcome, "torn": [] if self.outcome == "ok" else [self.target],
+            "error": self.error,
+        }
+
+
+AuditEntry = UpdateAudit | ResyncAudit
+
+
 class AuditLog:
     """Appends records to ``path`` (see the module docstring)."""
 
@@ -57,7 +115,9 @@ class AuditLog:
             raise ValueError(f"audit_path {str(self.path)!r} is a directory, not a file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def _append(self, record: Mapping[str, Any]) -> None:
+    def record(self, entry: AuditEntry) -> None:
+        """Append ``entry`` as one JSON line (a failure to write is logged, not raised)."""
+        record = entry.as_record()
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -70,60 +130,17 @@ class AuditLog:
             log.error("audit log %s: could not append a %s record: %s", self.path,
                       record.get("kind"), err)
 
-    def record_update(self, *, version: int, started_at: float, finished_at: float,
-                      reports: Sequence[Any], outcome: str, torn: Sequence[str] = (),
-                      integrity: Any = None, replicas: Sequence[str] = (),
-                      error: str | None = None, retries: int | None = None) -> None:
-        """One update (``reports``: the trainers' RankReports that came back)."""
-        pairs = update_pairs(reports)
-        self._append({
-            "kind": "update", "version": version, "started_at": started_at,
-            "finished_at": finished_at, "seconds": finished_at - started_at,
-            "bytes": sum(p["bytes"] for p in pairs), "pairs": pairs,
-            "integrity": None if integrity is None else integrity.as_dict(),
-            "outcome": outcome, "torn": sorted(torn), "replicas": list(replicas),
-            "retries": sum(r.transfer.retries for r in reports) if retries is None else retries,
-            "error": error,
-        })
 
-    def record_resync(self, *, version: int | None, source: str, target: str,
-                      started_at: float, finished_at: float,
-                      pairs: Mapping[tuple[str, str], int], outcome: str,
-                      integrity: Any = None, error: str | None = None) -> None:
-        """One re-sync of replica ``target`` from peer ``source`` (``pairs``: bytes per
-        (source rank, target rank), e.g. ``("engine0/tp0", "engine1/tp0")``)."""
-        rows = [{"src": s, "dst": d, "bytes": int(n)} for (s, d), n in sorted(pairs.items())]
-        self._append({
-            "kind": "resync", "version": version, "source": source, "target": target,
-            "started_at": started_at, "finished_at": finished_at,
-            "seconds": finished_at - started_at, "bytes": sum(r["bytes"] for r in rows),
-            "pairs": rows, "integrity": None if integrity is None else integrity.as_dict(),
-            "outcome": outcome, "torn": [] if outcome == "ok" else [target], "error": error,
-        })
+class NoAudit:
+    """The audit log of a configuration that names none: records nothing."""
+
+    def record(self, entry: AuditEntry) -> None:
+        return None
 
 
-def audited_update(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorates a controller's ``update(version, ...)``: an exception that the update did
-    not record itself (a pause that failed, a timeout before any report) still leaves a
-    ``failed`` line, when the controller has an ``audit`` log and got as far as attempting
-    ``version`` (``_attempted``; a refused version number is not an update)."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, version: int, *args: Any, **kwargs: Any) -> Any:
-        started = time.time()
-        try:
-            return method(self, version, *args, **kwargs)
-        except Exception as err:
-            audit = getattr(self, "audit", None)
-            if (audit is not None and not getattr(err, "audited", False)
-                    and getattr(self, "_attempted", None) == version):
-                audit.record_update(version=version, started_at=started, finished_at=time.time(),
-                                    reports=[], outcome="failed", torn=getattr(err, "torn", []),
-                                    replicas=list(getattr(self, "replicas", ())),
-                                    error=f"{type(err).__name__}: {err}")
-            raise
-
-    return wrapper
+def open_audit(path: str | os.PathLike | None) -> AuditLog | NoAudit:
+    """The audit log at ``path``, or one that records nothing (``path`` None)."""
+    return NoAudit() if path is None else AuditLog(path)
 
 
 def read_audit(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -136,8 +153,3 @@ def read_audit(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{i}: not a JSON line: {err}") from None
     return out
-
-
-def now() -> float:
-    """Wall-clock time as the audit records it (Unix seconds)."""
-    return time.time()

@@ -11,7 +11,7 @@ infos, round 2 sends each side the other side's, to the trainers together with
 their plan. Only ``InfoRequest``, ``PeerInfo`` and ``Connection`` records cross
 Ray::
 
-    conn = Connector(spec, call=ledger.call, gather=controller._gather)
+    conn = Connector(spec, call=ledger.call, gather=calls.gather)
     metas = conn.gather_engines(engine_actors, label="engine actor")   # and their hosts
     conn.check_engines(trainer_ranks, metas)     # ValueError naming actors and hosts
     links = plan_links(rank_infos, summary.replicas_by_rank, engines_by_replica)

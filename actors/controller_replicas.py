@@ -2,9 +2,11 @@
 
 ::
 
-    ctl.add_replica(actors)       # a new replica, filled from a peer, then planned in
-    ctl.remove_replica("engine1") # out of the plan and the bookkeeping, its NICs closed
-    ctl.resync("engine1")         # a torn replica re-filled from a peer; serves again
+    ops = ReplicaOps(state, calls, config, metrics=metrics, audit=audit)
+    ops.add(actors)               # a new replica, filled from a peer, then planned in
+    ops.remove("engine1")         # out of the plan and the bookkeeping, its NICs closed
+    ops.resync("engine1")         # a torn replica re-filled from a peer; serves again
+    hold(state, calls, ["engine1"], faults)   # torn: version None, kept paused
 
 A peer copy moves the newest version some replica holds completely from that
 replica's engine ranks straight into the other's registered memory
@@ -14,139 +16,192 @@ then resumes it with the version under the same deadline
 (``config.update_timeout_s``); a replica that cannot be held, filled or
 resumed stays torn and paused, and the error names its ranks. Where
 ``config.integrity`` is on, every region of the filled replica must hash as
-its source's (:func:`actors.integrity_check.verify_copy`) before it serves.
-Every re-sync appends one line to the audit log (``config.audit_path``).
+its source's (:func:`actors.integrity_check.verify_copy`) before it serves
+(:class:`~weight_transfer.errors.IntegrityError` otherwise). Every re-sync
+appends one line to the audit log (``config.audit_path``), where its outcome
+is known.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
+from actors.audit import AuditLog, NoAudit, ResyncAudit
+from actors.config import TransferConfig
 from actors.connections import copy_links, engine_endpoints
-from actors.engine_control import describe_faults, fan_out, next_epoch, wall_deadline
+from actors.controller_calls import ControlCalls
+from actors.controller_setup import group_replicas, replan
+from actors.controller_state import ControllerState
+from actors.engine_control import (
+    RankFault,
+    cause_of,
+    describe_faults,
+    fan_out,
+    next_epoch,
+    wall_deadline,
+)
+from actors.faults import fault_kind_of
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
 from actors.telemetry import replica_versions
+from weight_transfer.errors import FaultKind, IntegrityError
+from weight_transfer.metrics import TransferMetrics
 from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 
-CLOSE_WAIT_S = 5.0  # how long remove_replica waits for the removed ranks to close their NICs
+CLOSE_WAIT_S = 5.0  # how long remove waits for the removed ranks to close their NICs
+HOLD_WAIT_S = 5.0  # how long holding torn replicas waits for ranks that answer
 
 
-def _flat(engine_actors: Sequence[Any]) -> list[Any]:
+def flat_actors(engine_actors: Sequence[Any]) -> list[Any]:
+    """A list of replicas (lists of actors) or of actors, as one list of actors."""
     out = []
     for e in engine_actors:
         out.extend(e if isinstance(e, list | tuple) else [e])
     return out
 
 
+def hold(state: ControllerState, calls: ControlCalls, torn: Sequence[str],
+         faults: Mapping[str, Sequence[RankFault]]) -> dict[str, list[RankFault]]:
+    """Version None and paused for every rank of ``torn``: an epoch-fenced pause, queued
+    for ranks that did not answer (not waited for), waited for the others. Returns the
+    ranks found dead on the way."""
+    if not torn:
+        return {}
+    epoch, refs, labels, dead = next_epoch(), [], [], {}
+    for name in torn:
+        state.versions[name] = None
+        silent = {f.rank for f in faults.get(name, ()) if f.kind.silent}
+        for rank, actor in enumerate(state.replicas[name]):
+            ref = calls.call(actor.wt_pause, HOLD_WAIT_S, epoch=epoch)
+            if rank not in silent:
+                refs.append(ref)
+                labels.append((name, rank))
+    state.paused.update(torn)
+    pending = ray.wait(refs, num_returns=len(refs), timeout=HOLD_WAIT_S)[1] if refs else []
+    for ref, (name, rank) in zip(refs, labels, strict=True):
+        if ref in pending:
+            log.error("could not hold %s/tp%d: no answer within %g s", name, rank, HOLD_WAIT_S)
+            continue
+        try:
+            calls.ledger.get(ref)
+        except ray.exceptions.RayError as err:
+            log.error("could not hold %s/tp%d: %s", name, rank, cause_of(err))
+            if fault_kind_of(err) is FaultKind.DEAD:
+                dead.setdefault(name, []).append(RankFault(
+                    replica=name, rank=rank, kind=FaultKind.DEAD, method="wt_pause",
+                    error=cause_of(err)))
+    return dead
+
+
 class ReplicaOps:
-    """Replica membership and peer copies of the controller (mixed into it)."""
+    """Replica membership and peer copies over the controller's state (module docstring)."""
 
-    def _source_of(self, version: int, *, besides: str) -> str | None:
-        return next((n for n, v in self._versions.items() if v == version and n != besides),
-                    None)
+    def __init__(self, state: ControllerState, calls: ControlCalls, config: TransferConfig,
+                 *, metrics: TransferMetrics, audit: AuditLog | NoAudit) -> None:
+        self.state, self.calls, self.config = state, calls, config
+        self.metrics, self.audit = metrics, audit
 
-    def _copy_replica(self, source: str, target: str, *, version: int, timeout: float
-                      ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
+    def _copy(self, source: str, target: str, *, version: int, timeout: float
+              ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
         """Peer copy of every rank of ``source`` into ``target`` (connected first): bytes
         per (source rank, target rank), and the check of the filled regions against their
-        sources where ``config.integrity`` is on (RuntimeError naming a mismatch)."""
-        src, dst = self._engine_metas[source], self._engine_metas[target]
-        self._connector.connect(copy_links(src, dst), phase=f"connect {source} to {target}")
-        refs = [self.ledger.call(self.replicas[source][r].wt_copy_to, dst[r])
+        sources where ``config.integrity`` is on (IntegrityError naming a mismatch)."""
+        st = self.state
+        src, dst = st.engine_metas[source], st.engine_metas[target]
+        st.connector.connect(copy_links(src, dst), phase=f"connect {source} to {target}")
+        refs = [self.calls.call(st.replicas[source][r].wt_copy_to, dst[r])
                 for r in range(len(dst))]
         labels = [(str(EngineRankId(replica=source, rank=r)),
                    str(EngineRankId(replica=target, rank=r))) for r in range(len(refs))]
-        done = self._gather(refs, [f"{a} -> {b}" for a, b in labels],
-                            phase=f"copy version {version} from {source} to {target}",
-                            timeout=timeout)
+        done = self.calls.gather(refs, [f"{a} -> {b}" for a, b in labels],
+                                 phase=f"copy version {version} from {source} to {target}",
+                                 timeout=timeout)
         check = self._check_copy(source, target, timeout)
         return dict(zip(labels, done, strict=True)), check
 
     def _check_copy(self, source: str, target: str, timeout: float) -> IntegrityResult | None:
         if not self.config.integrity.enabled:
             return None
-        check = verify_copy(source=self.replicas[source], target=self.replicas[target],
-                            source_metas=self._engine_metas[source],
-                            target_metas=self._engine_metas[target], call=self.ledger.call,
-                            get=self.ledger.get, timeout_s=timeout)
+        st = self.state
+        check = verify_copy(source=st.replicas[source], target=st.replicas[target],
+                            source_metas=st.engine_metas[source],
+                            target_metas=st.engine_metas[target], call=self.calls.call,
+                            get=self.calls.ledger.get, timeout_s=timeout)
         if not check.ok:
-            raise RuntimeError(f"copy from {source} to {target}: {check.message()}")
+            raise IntegrityError(f"copy from {source} to {target}: {check.message()}",
+                                 replicas=check.torn)
         return check
 
-    def add_replica(self, engine_actors: Sequence[Any]) -> str:
+    def add(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""
-        self._check_ready("add_replica()")
-        current = self._newest()
+        st, calls = self.state, self.calls
+        st.check_ready("add_replica()")
+        current = st.newest()
         if current is None:
             raise RuntimeError("add_replica(): no version was transferred yet; run update() first")
-        source = self._source_of(current, besides="")
-        actors = _flat(engine_actors)
-        metas = self._connector.gather_engines(actors, label="new engine actor")
-        groups = list(self._group_replicas(actors, metas))
+        source = st.source_of(current, besides="")
+        actors = flat_actors(engine_actors)
+        metas = st.connector.gather_engines(actors, label="new engine actor")
+        groups = list(group_replicas(actors, metas))
         if len(groups) != 1:
             raise ValueError(f"add_replica() takes the actors of one replica, got "
                              f"{[g[0] for g in groups]}")
         name, actors, metas = groups[0]
-        src = self._engine_metas[source]
+        src = st.engine_metas[source]
         if [layout_key(m) for m in metas] != [layout_key(m) for m in src]:
             raise ValueError(f"replica {name} does not have the TP layout of {source}")
-        if name in self.replicas:
+        if name in st.replicas:
             raise ValueError(f"replica {name} is already part of this controller")
-        self._connector.check_engines([m.rank for m in self._trainer_metas], metas, sources=src)
-        self._add_replica_entry(name, actors, metas)
+        st.connector.check_engines([m.rank for m in st.trainer_metas], metas, sources=src)
+        st.add_replica_entry(name, actors, metas)
+        timeout = self.config.setup_timeout_s
         try:
-            self._each_engine("wt_pause", self.config.setup_timeout_s, next_epoch(),
-                              replicas=[name], phase=f"hold {name} until filled")
-            self._copy_replica(source, name, version=current,
-                               timeout=self.config.setup_timeout_s)
-            self._replan()
+            calls.each_engine(st.replicas, "wt_pause", timeout, next_epoch(), names=[name],
+                              phase=f"hold {name} until filled")
+            self._copy(source, name, version=current, timeout=timeout)
+            replan(st, calls, self.config)
         except Exception:
-            self._forget_replica(name)
+            st.forget_replica(name)
             raise
-        self._each_engine("wt_resume", current, next_epoch(), replicas=[name],
+        calls.each_engine(st.replicas, "wt_resume", current, next_epoch(), names=[name],
                           phase=f"resume {name}")
-        self._versions[name] = current
+        st.versions[name] = current
         log.info("replica %s filled with version %d from %s", name, current, source)
         return name
 
-    def remove_replica(self, name: str) -> None:
-        """Drop replica ``name``: out of the plan (the trainers get a new one), out of
-        :meth:`weights_version`, its ranks' NICs closed (best effort: a dead rank has none)."""
-        self._check_ready("remove_replica()")
-        if name not in self.replicas:
+    def remove(self, name: str) -> None:
+        """Drop replica ``name``: out of the plan (the trainers get a new one), out of the
+        versions, its ranks' NICs closed (best effort: a dead rank has none)."""
+        st = self.state
+        st.check_ready("remove_replica()")
+        if name not in st.replicas:
             raise ValueError(f"remove_replica(): no replica {name!r}; replicas: "
-                             f"{sorted(self.replicas)}")
-        if len(self.replicas) == 1:
+                             f"{sorted(st.replicas)}")
+        if len(st.replicas) == 1:
             raise ValueError(f"remove_replica(): {name} is the last replica; a plan needs one")
-        actors = self.replicas[name]
-        gone = [(ep.owner, ep.nic) for m in self._engine_metas[name] for ep in engine_endpoints(m)]
-        self._forget_replica(name)
-        self._replan()
-        refs = [self.ledger.call(a.wt_close) for a in actors]
+        actors = st.replicas[name]
+        gone = [(ep.owner, ep.nic) for m in st.engine_metas[name] for ep in engine_endpoints(m)]
+        st.forget_replica(name)
+        replan(st, self.calls, self.config)
+        refs = [self.calls.call(a.wt_close) for a in actors]
         # The trainers close their connections to the removed NICs too (else open until then).
-        refs += [self.ledger.call(t.wt_disconnect, gone) for t in self.trainers]
+        refs += [self.calls.call(t.wt_disconnect, gone) for t in st.trainers]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_WAIT_S)
         for rank, ref in enumerate(refs):
             try:
                 if ref not in pending:
-                    self.ledger.get(ref)
+                    self.calls.ledger.get(ref)
             except ray.exceptions.RayError as exc:
                 log.info("removed replica %s: call %d (close its NICs, or a trainer's "
                          "disconnect) failed: %s", name, rank, type(exc).__name__)
-        log.info("replica %s removed; replicas now %s", name, list(self.replicas))
-
-    def _forget_replica(self, name: str) -> None:
-        self._drop_replica_entry(name)
-        self._versions.pop(name, None)
-        self._paused.discard(name)
+        log.info("replica %s removed; replicas now %s", name, list(st.replicas))
 
     def resync(self, name: str) -> int:
         """Re-fill torn replica ``name`` from a peer holding the newest version (no trainer
@@ -155,63 +210,61 @@ class ReplicaOps:
         RuntimeError when no other replica holds a complete version or a rank of
         ``name`` or of the peer fails; TimeoutError past ``config.update_timeout_s``.
         """
-        self._check_ready("resync()")
-        if name not in self.replicas:
-            raise ValueError(f"resync(): no replica {name!r}; replicas: {sorted(self.replicas)}")
-        version = self._newest()
+        st = self.state
+        st.check_ready("resync()")
+        if name not in st.replicas:
+            raise ValueError(f"resync(): no replica {name!r}; replicas: {sorted(st.replicas)}")
+        version = st.newest()
         if version is None:
             raise RuntimeError(f"resync({name}): no replica holds a complete version yet")
-        if self._versions.get(name) == version and name not in self._paused:
+        if st.versions.get(name) == version and name not in st.paused:
             return version
-        source = self._source_of(version, besides=name)
+        source = st.source_of(version, besides=name)
         if source is None:
             raise RuntimeError(f"resync({name}): no other replica holds version {version}")
         started = time.time()
+        pairs: dict[tuple[str, str], int] = {}
+        check: IntegrityResult | None = None
+        error: Exception | None = None
         try:
-            return self._resync_from(name, source, version, started)
+            pairs, check = self._resync_from(name, source, version)
         except Exception as err:
-            self._audit_resync(name=name, source=source, version=version, started=started,
-                               pairs={}, check=None, error=err)
-            raise
+            error = err
+        self.audit.record(ResyncAudit(
+            version=version, source=source, target=name, started_at=started,
+            finished_at=time.time(), pairs=pairs, integrity=check,
+            outcome="ok" if error is None else "failed",
+            error=None if error is None else f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        return version
 
-    def _resync_from(self, name: str, source: str, version: int, started: float) -> int:
-        deadline = time.monotonic() + self.config.update_timeout_s
-        self._versions[name] = None
-        self._paused.add(name)
-        faults = fan_out(self.ledger, self.replicas, [name], "wt_pause",
-                         self.config.update_timeout_s, epoch=next_epoch(), until=deadline)
+    def _resync_from(self, name: str, source: str, version: int
+                     ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
+        st, calls, timeout = self.state, self.calls, self.config.update_timeout_s
+        deadline = time.monotonic() + timeout
+        st.versions[name] = None
+        st.paused.add(name)
+        faults = fan_out(calls.ledger, st.replicas, [name], "wt_pause", timeout,
+                         epoch=next_epoch(), until=deadline)
         if faults:
             raise RuntimeError(f"resync({name}): could not hold it: "
                                f"{describe_faults(faults)[name]}")
         try:
-            pairs, check = self._copy_replica(source, name, version=version,
-                                       timeout=max(0.0, deadline - time.monotonic()))
+            pairs, check = self._copy(source, name, version=version,
+                                      timeout=max(0.0, deadline - time.monotonic()))
         except (RuntimeError, TimeoutError):
-            self._hold([name], {})
+            hold(st, calls, [name], {})
             raise
-        faults = fan_out(self.ledger, self.replicas, [name], "wt_resume", version,
+        faults = fan_out(calls.ledger, st.replicas, [name], "wt_resume", version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         if faults:
-            self._hold([name], faults)
+            hold(st, calls, [name], faults)
             raise RuntimeError(f"resync({name}): filled with version {version} but not resumed:"
                                f" {describe_faults(faults)[name]}")
-        self._versions[name] = version
-        self._paused.discard(name)
+        st.versions[name] = version
+        st.paused.discard(name)
         replica_versions(self.metrics, {name: version})
         log.info("replica %s re-synced to version %d from %s (%d B)", name, version, source,
                  sum(pairs.values()))
-        self._audit_resync(name=name, source=source, version=version, started=started,
-                           pairs=pairs, check=check, error=None)
-        return version
-
-    def _audit_resync(self, *, name: str, source: str, version: int, started: float,
-                      pairs: dict[tuple[str, str], int], check: IntegrityResult | None,
-                      error: Exception | None) -> None:
-        """One JSON line per re-sync in the audit log, if the configuration names one."""
-        if self.audit is None:
-            return
-        self.audit.record_resync(
-            version=version, source=source, target=name, started_at=started,
-            finished_at=time.time(), pairs=pairs, outcome="ok" if error is None else "failed",
-            integrity=check,
-            error=None if error is None else f"{type(error).__name__}: {error}")
+        return pairs, check

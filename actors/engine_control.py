@@ -10,7 +10,8 @@ costs its own replica and never the others::
                      until=time.monotonic() + 10, epoch=next_epoch())
     faults    # {"engine1": [RankFault(replica="engine1", rank=1, kind="dead", ...)]}
 
-Fault kinds (:data:`FAULT_KINDS`): ``dead`` (the actor died: Ray will not run
+Fault kinds (:class:`~weight_transfer.errors.FaultKind`, read from the exception's type
+by :func:`actors.faults.fault_kind_of`): ``dead`` (the actor died: Ray will not run
 it again; the controller drops the replica from the plan), ``unresponsive``
 (no answer before the deadline: a stopped or hung process), ``failed`` (the
 method raised) and ``refused`` (the rank ignored a stale command and said so).
@@ -33,14 +34,9 @@ from typing import Any
 
 import ray
 
+from actors.faults import fault_kind_of
+from weight_transfer.errors import FaultKind
 from weight_transfer.types import EngineRankId
-
-FAULT_KINDS: dict[str, str] = {
-    "dead": "the actor died",
-    "unresponsive": "no answer before the deadline",
-    "failed": "the call raised",
-    "refused": "the rank refused a stale command",
-}
 
 _last_epoch = 0
 
@@ -64,9 +60,12 @@ class RankFault:
 
     replica: str
     rank: int
-    kind: str  # a key of FAULT_KINDS
+    kind: FaultKind  # DEAD, UNRESPONSIVE, FAILED or REFUSED (from fan_out)
     method: str
     error: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FaultKind(self.kind))  # ValueError: not a kind
 
     @property
     def label(self) -> str:
@@ -83,14 +82,6 @@ def cause_of(err: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {text}"
-
-
-def _fault_of(err: ray.exceptions.RayError) -> str:
-    if isinstance(err, ray.exceptions.ActorUnavailableError):
-        return "unresponsive"
-    if isinstance(err, ray.exceptions.RayActorError):
-        return "dead"
-    return "failed"
 
 
 def fan_out(ledger: Any, replicas: Mapping[str, Sequence[Any]], names: Sequence[str],
@@ -113,15 +104,15 @@ def fan_out(ledger: Any, replicas: Mapping[str, Sequence[Any]], names: Sequence[
     for ref, (name, rank) in refs.items():
         kind, error = None, ""
         if ref in pending:
-            kind, error = "unresponsive", f"no answer within {wait_s:.3g} s"
+            kind, error = FaultKind.UNRESPONSIVE, f"no answer within {wait_s:.3g} s"
         else:
             try:
                 result = ledger.get(ref)
             except ray.exceptions.RayError as err:
-                kind, error = _fault_of(err), cause_of(err)
+                kind, error = fault_kind_of(err), cause_of(err)
             else:
                 if result is False:
-                    kind, error = "refused", "the rank ignored the command as stale"
+                    kind, error = FaultKind.REFUSED, "the rank ignored the command as stale"
         if kind is not None:
             faults.setdefault(name, []).append(
                 RankFault(replica=name, rank=rank, kind=kind, method=method, error=error))
@@ -135,9 +126,9 @@ def describe_faults(faults: Mapping[str, Sequence[RankFault]]) -> dict[str, str]
 
 def dead_replicas(faults: Mapping[str, Sequence[RankFault]]) -> list[str]:
     """Replicas with a rank whose actor died (they never come back: drop them)."""
-    return sorted(name for name, fs in faults.items() if any(f.kind == "dead" for f in fs))
+    return sorted(name for name, fs in faults.items() if any(f.kind is FaultKind.DEAD for f in fs))
 
 
 def responsive(faults: Mapping[str, Sequence[RankFault]], name: str) -> bool:
     """Every rank of ``name`` answered (it may have failed, but it runs)."""
-    return all(f.kind in ("failed", "refused") for f in faults.get(name, ()))
+    return all(not f.kind.silent for f in faults.get(name, ()))

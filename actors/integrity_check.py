@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 import ray
 
+from actors.faults import fault_kind_of
 from actors.inference import regions_of
+from weight_transfer.errors import FaultKind
 from weight_transfer.integrity import (
     ADDR,
     ALGORITHM,
@@ -50,8 +52,9 @@ from weight_transfer.types import EngineRankId, EngineRankMeta
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mismatch:
-    """One range whose engine bytes do not hash as the trainer's did (or that could not
-    be checked: ``actual`` None and ``error`` says why)."""
+    """One range whose engine bytes do not hash as the trainer's did (``fault``
+    INTEGRITY), or that could not be checked (``actual`` None, ``error`` says why and
+    ``fault`` what happened to the rank: UNRESPONSIVE, DEAD, FAILED)."""
 
     replica: str
     rank: int
@@ -62,6 +65,7 @@ class Mismatch:
     expected: int
     actual: int | None
     error: str = ""
+    fault: FaultKind = FaultKind.INTEGRITY
 
     def describe(self) -> str:
         rank = EngineRankId(replica=self.replica, rank=self.rank)
@@ -111,12 +115,13 @@ def _tensor_at(meta: EngineRankMeta | None, addr: int, offset: int) -> tuple[str
 
 
 def _mismatch(replica: str, rank: int, meta: EngineRankMeta | None, row: np.ndarray,
-              actual: int | None, error: str = "") -> Mismatch:
+              actual: int | None, error: str = "",
+              fault: FaultKind = FaultKind.INTEGRITY) -> Mismatch:
     task, addr, offset, length, expected = (int(v) for v in row[[TASK, ADDR, OFFSET, LENGTH,
                                                                   CHECKSUM]])
     tensor, at = _tensor_at(meta, addr, offset)
     return Mismatch(replica=replica, rank=rank, tensor=tensor, tensor_offset=at, length=length,
-                    task=task, expected=expected, actual=actual, error=error)
+                    task=task, expected=expected, actual=actual, error=error, fault=fault)
 
 
 def _ray_pending(refs: list, timeout_s: float) -> list:
@@ -124,17 +129,19 @@ def _ray_pending(refs: list, timeout_s: float) -> list:
 
 
 def _answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
-             pending: Callable[[list, float], list]) -> list[tuple[np.ndarray | None, str]]:
-    """Each ref's checksums, or None and why (late, failed)."""
+             pending: Callable[[list, float], list]
+             ) -> list[tuple[np.ndarray | None, str, FaultKind]]:
+    """Each ref's checksums, or None, why (late, failed) and the rank's fault kind."""
     late, out = pending(refs, timeout_s), []
     for ref in refs:
         if ref in late:
-            out.append((None, f"did not answer within {timeout_s:g} s"))
+            out.append((None, f"did not answer within {timeout_s:g} s", FaultKind.UNRESPONSIVE))
             continue
         try:
-            out.append((np.asarray(get(ref), dtype=np.uint64), ""))
+            out.append((np.asarray(get(ref), dtype=np.uint64), "", FaultKind.INTEGRITY))
         except (ray.exceptions.RayError, ValueError) as err:
-            out.append((None, f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+            out.append((None, f"{type(err).__name__}: {str(err).splitlines()[0]}",
+                        fault_kind_of(err)))
     return out
 
 
@@ -157,12 +164,13 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
     refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
             for rep, rank in keys]
     found: list[Mismatch] = []
-    for (rep, rank), (got, why) in zip(keys, _answers(refs, get, timeout_s, pending),
-                                       strict=True):
+    for (rep, rank), (got, why, fault) in zip(keys, _answers(refs, get, timeout_s, pending),
+                                              strict=True):
         want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
         if got is None or len(got) != len(want):
             found.append(_mismatch(rep, rank, meta, want[0], None,
-                                   why or f"answered {len(got)} checksums for {len(want)}"))
+                                   why or f"answered {len(got)} checksums for {len(want)}",
+                                   FaultKind.FAILED if got is not None else fault))
             continue
         for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
             found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
@@ -199,7 +207,7 @@ def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
     answers = _answers(refs, get, timeout_s, pending)
     found, nbytes = [], 0
     for k, (dst, regions) in enumerate(jobs):
-        (want, why_src), (got, why_dst) = answers[2 * k], answers[2 * k + 1]
+        (want, why_src, _), (got, why_dst, fault_dst) = answers[2 * k], answers[2 * k + 1]
         for i, region in enumerate(regions):
             nbytes += region.length
             tensor, _ = _tensor_at(dst, region.addr, 0)
@@ -207,7 +215,8 @@ def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
                                       tensor_offset=0, length=region.length, task=-1)
             if want is None or got is None:
                 found.append(whole(expected=0, actual=None, error=f"source: {why_src}"
-                                   if want is None else why_dst))
+                                   if want is None else why_dst,
+                                   fault=FaultKind.FAILED if want is None else fault_dst))
             elif got[i] != want[i]:
                 found.append(whole(expected=int(want[i]), actual=int(got[i])))
     return IntegrityResult(mode="copy", ranges=sum(len(r) for _, r in jobs), bytes=nbytes,

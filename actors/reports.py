@@ -26,7 +26,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the executor imports torch; this module stays light to import
+from weight_transfer.errors import FaultKind
+
+if TYPE_CHECKING:  # the executor imports torch, the check Ray; this module stays light
+    from actors.integrity_check import IntegrityResult
     from weight_transfer.executor import TransferReport
     from weight_transfer.trace import RankTrace, UpdateTrace
 
@@ -41,6 +44,17 @@ class WriteFailure:
     owner: str
     count: int
     nbytes: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerFault:
+    """One trainer rank that did not report on an update: ``kind`` FAILED (it raised:
+    ``error`` is the remote error's first line), TIMEOUT (it did not finish in time) or
+    ABORTED (the controller stopped waiting when another rank failed)."""
+
+    rank: int
+    kind: FaultKind
     error: str
 
 
@@ -129,8 +143,9 @@ class UpdateReport:
     busy time per stage and ``stages_summed`` the sum over ranks;
     ``control_bytes`` the pickled size of every Ray call argument and result
     the update exchanged (the object store's share of the update);
-    ``integrity`` what the checksum check compared (``IntegrityResult.as_dict``:
-    mode, ranges, bytes, seconds, ok); ``retries`` the WRITEs retried.
+    ``integrity`` what the checksum check compared (an
+    :class:`~actors.integrity_check.IntegrityResult`: mode, ranges, bytes,
+    seconds, ok; ``as_dict()`` gives it as JSON); ``retries`` the WRITEs retried.
     """
 
     version: int
@@ -146,7 +161,7 @@ class UpdateReport:
     replicas: tuple[str, ...] = ()
     per_rank: tuple[RankReport, ...] = ()
     trace: UpdateTrace | None = field(default=None, hash=False, repr=False)  # update(trace=)
-    integrity: dict[str, Any] | None = field(default=None, hash=False)  # the checksum check
+    integrity: IntegrityResult | None = field(default=None, hash=False)  # the checksum check
 
     @property
     def gb_per_s(self) -> float:
@@ -200,7 +215,7 @@ class UpdateReport:
             "control_calls": self.control_calls,
             "replicas": list(self.replicas),
             "retries": self.retries,
-            "integrity": self.integrity,
+            "integrity": None if self.integrity is None else self.integrity.as_dict(),
             "per_rank": [
                 {"rank": r.rank, "seconds": r.transfer.seconds,
                  "bytes": r.transfer.bytes_written, "writes": r.transfer.writes,

@@ -4,11 +4,12 @@ The controller calls these after an update (plain functions over its reports,
 so they are tested without Ray)::
 
     record_success(metrics, report, versions)      # update seconds, bytes, replica versions
-    record_failure(metrics, errors, torn, versions)  # failures by kind, replica versions
+    record_failure(metrics, errors, reports, torn, versions)  # failures by kind, versions
     trace = update_trace(version=7, clock=times, reports=..., summary=..., config=cfg)
 
-Failure kinds the controller counts (one per trainer rank or replica): ``timeout``
-(a rank did not finish in time), ``rank_error`` (a rank raised), ``writes_failed``
+Failure kinds the controller counts (one per trainer rank or replica), from each
+trainer rank's :class:`~actors.reports.TrainerFault` kind (:data:`RANK_FAILURES`):
+``timeout`` (a rank did not finish in time), ``rank_error`` (a rank raised), ``writes_failed``
 (a rank reported WRITEs that did not land), ``torn_replica`` (a replica left
 without a complete version). The trainer ranks count each failed WRITE by its
 error class (``PeerUnreachableError``, ``RemoteAccessError``) in their own process.
@@ -24,11 +25,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from actors.messages import PlanSummary
-from actors.reports import RankReport, UpdateReport
+from actors.reports import RankReport, TrainerFault, UpdateReport
+from weight_transfer.errors import FaultKind
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import UpdateTrace, nic_bound_seconds
 
 ProgressHook = Callable[[str, int, int], None]
+
+# A trainer rank's fault kind -> the failure it counts as (None: a consequence, counted
+# where it started).
+RANK_FAILURES: dict[FaultKind, str | None] = {
+    FaultKind.TIMEOUT: "timeout",
+    FaultKind.ABORTED: None,
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,15 +66,14 @@ def record_success(metrics: TransferMetrics, report: UpdateReport,
     replica_versions(metrics, versions)
 
 
-def failure_kinds(errors: Mapping[int, str], reports: Mapping[int, RankReport],
+def failure_kinds(errors: Mapping[int, TrainerFault], reports: Mapping[int, RankReport],
                   torn: Sequence[str]) -> dict[str, int]:
     """``{kind: count}`` of one failed update (see the module docstring)."""
     kinds: dict[str, int] = {}
-    for msg in errors.values():
-        if msg.startswith("did not finish: another rank failed"):
-            continue  # a consequence, counted where it started
-        kind = "timeout" if msg.startswith("did not finish within") else "rank_error"
-        kinds[kind] = kinds.get(kind, 0) + 1
+    for fault in errors.values():
+        kind = RANK_FAILURES.get(fault.kind, "rank_error")
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0) + 1
     failed = sum(1 for rep in reports.values() if rep.failures)
     if failed:
         kinds["writes_failed"] = failed
@@ -74,7 +82,7 @@ def failure_kinds(errors: Mapping[int, str], reports: Mapping[int, RankReport],
     return kinds
 
 
-def record_failure(metrics: TransferMetrics, errors: Mapping[int, str],
+def record_failure(metrics: TransferMetrics, errors: Mapping[int, TrainerFault],
                    reports: Mapping[int, RankReport], torn: Sequence[str],
                    versions: Mapping[str, int | None]) -> None:
     for kind, count in failure_kinds(errors, reports, torn).items():

@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from scheduling.cluster import ClusterConfig, cluster_from_dict
+from weight_transfer.errors import WeightTransferError
 
 NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = (0x0300, 0x0302)  # VGA compatible, 3D controller (class >> 8)
@@ -47,7 +48,7 @@ _PCI_ADDR = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _RATE = re.compile(r"^\s*([0-9.]+)\s*Gb/sec")
 
 
-class NoHardwareError(RuntimeError):
+class NoHardwareError(WeightTransferError, RuntimeError):
     """The sysfs tree shows no NVIDIA GPU or no RDMA device."""
 
 

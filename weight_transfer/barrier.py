@@ -19,7 +19,8 @@ crossing, in order:
    seen every arrival key, so nothing is deleted under a waiter, and the store
    holds no key of a finished crossing: it does not grow with the updates.
 
-On timeout a :class:`TimeoutError` lists the missing ranks. A crossing that
+On timeout a :class:`~weight_transfer.errors.BarrierTimeoutError` (a
+:class:`TimeoutError`) lists the missing ranks. A crossing that
 timed out leaves its keys behind (its tag is never used again: versions only
 grow); that is one failed update's worth of keys, not a leak per update.
 """
@@ -32,6 +33,8 @@ import logging
 import time
 from collections.abc import Iterable
 from typing import Any
+
+from weight_transfer.errors import BarrierTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +78,10 @@ class StoreBarrier:
                 log.debug("rank %d: barrier %s/%s complete after a late wake-up (%s)",
                           self.rank, self.name, tag, exc)
             else:
-                raise TimeoutError(
+                raise BarrierTimeoutError(
                     f"barrier {self.name}/{tag}: ranks {missing} of {list(self.ranks)} did not "
-                    f"arrive within {self.timeout_s:g} s (rank {self.rank} waited {waited:.1f} s)"
+                    f"arrive within {self.timeout_s:g} s (rank {self.rank} waited {waited:.1f} s)",
+                    barrier=f"{self.name}/{tag}", missing=missing, timeout_s=self.timeout_s,
                 ) from exc
         self._leave(tag, keys)
         waited = time.monotonic() - start

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.watermark import ByteWatermark
 
 
@@ -59,7 +60,7 @@ class PipelineItem:
     result: Any = field(default=None, init=False)
 
 
-class PipelineError(RuntimeError):
+class PipelineError(WeightTransferError, RuntimeError):
     """A stage failed for one item; ``__cause__`` is the original error."""
 
 

@@ -7,7 +7,7 @@ warm-up update and ``--updates`` timed ones, and the modes take turns
 ``--rounds`` times so that drift of a shared machine spreads over all of them.
 Reported per mode: the median update seconds (what ``ctl.update`` took:
 pause, trainers' writes with their hashing, the engines' check, resume), the
-median seconds of the check itself (``UpdateReport.integrity["seconds"]``:
+median seconds of the check itself (``UpdateReport.integrity.seconds``:
 engines hashing the ranges and the comparison), the trainers' hashing (the
 slowest rank's ``hash_seconds``, inside its write stage), ranges and bytes
 checked per update, and the overhead against ``off``. On a shared machine the
@@ -93,12 +93,12 @@ def _rows(reports: dict[str, list]) -> list[dict]:
             "mode": mode, "updates": len(reps), "update_s": median,
             "update_s_all": [r.seconds for r in reps],
             "write_stage_s": statistics.median(r.stages.get("write", 0.0) for r in reps),
-            "check_s": statistics.median(r.integrity["seconds"] for r in reps),
+            "check_s": statistics.median(r.integrity.seconds for r in reps),
             "trainer_hash_s": statistics.median(max(x.transfer.hash_seconds for x in r.per_rank)
                                                 for r in reps),
-            "ranges": statistics.median(r.integrity["ranges"] for r in reps),
-            "bytes_checked": statistics.median(r.integrity["bytes"] for r in reps),
-            "bytes": reps[0].bytes, "ok": all(r.integrity["ok"] for r in reps),
+            "ranges": statistics.median(r.integrity.ranges for r in reps),
+            "bytes_checked": statistics.median(r.integrity.bytes for r in reps),
+            "bytes": reps[0].bytes, "ok": all(r.integrity.ok for r in reps),
             "overhead": None if off is None else median / off - 1.0,
         })
     return rows

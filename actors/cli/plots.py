@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.timeline import Timeline
 
 COLOURS = {"h2d": "#8c8c8c", "prepare": "#4c72b0", "write": "#dd8452", "nic": "#55a868",
@@ -24,7 +25,7 @@ LABELS = {"h2d": "h2d (to device)", "prepare": "prepare (gather, cut, quantize)"
           "barrier": "barrier (waiting for other ranks)"}
 
 
-class MissingExtraError(RuntimeError):
+class MissingExtraError(WeightTransferError, RuntimeError):
     """matplotlib is not installed."""
 
 

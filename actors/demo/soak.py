@@ -69,7 +69,7 @@ def measure(fleet: Fleet) -> dict[str, dict[str, int]]:
     out = {label: ray.get(ref, timeout=60) for label, ref in refs.items()}
     out["scheduler"] = ray.get(ctl.scheduler.__ray_call__.remote(
         lambda self: process_stats()), timeout=60)
-    out["controller"] = process_stats() | {"store_keys": ctl._store.num_keys()}
+    out["controller"] = process_stats() | {"store_keys": ctl.state.store.num_keys()}
     return out
 
 

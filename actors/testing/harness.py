@@ -44,13 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from weight_transfer import host_memory
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.types import EngineRankMeta, PeerInfo, RegionDesc
 
 GUARD_BYTE = 0xA5
 _READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())
 
 
-class RemoteTargetError(RuntimeError):
+class RemoteTargetError(WeightTransferError, RuntimeError):
     """The target process failed, exited, or cannot take the command now."""
 
 

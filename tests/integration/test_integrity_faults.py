@@ -86,9 +86,9 @@ def test_full_mode_checks_every_written_range(env):
     _cfg, trainers, _replicas, ctl, outcomes = env
     train(trainers, 1)
     report = update(ctl, outcomes, 1)
-    assert report.integrity["ok"] and report.integrity["mode"] == "full"
-    assert report.integrity["ranges"] == ctl.summary.num_tasks
-    assert report.integrity["bytes"] == report.bytes == ctl.summary.bytes_total
+    assert report.integrity.ok and report.integrity.mode == "full"
+    assert report.integrity.ranges == ctl.summary.num_tasks
+    assert report.integrity.bytes == report.bytes == ctl.summary.bytes_total
     assert ctl.weights_version() == {"engine0": 1, "engine1": 1}
 
 
@@ -123,7 +123,7 @@ def test_the_next_update_heals_the_torn_replica(env):
     cfg, trainers, replicas, ctl, outcomes = env
     train(trainers, 3)
     report = update(ctl, outcomes, 3)
-    assert report.integrity["ok"]
+    assert report.integrity.ok
     assert ctl.weights_version() == {"engine0": 3, "engine1": 3}
     assert stale(cfg, trainers, replicas[1]) == []
     assert not any(ray.get([a.wt_paused.remote() for rep in replicas for a in rep]))
@@ -160,7 +160,7 @@ def test_a_link_flap_is_retried_and_the_update_succeeds(env):
     report = update(ctl, outcomes, 5)
     assert report.retries > 0
     assert report.per_rank[0].transfer.retries == report.retries  # only rank 0 flapped
-    assert report.bytes == ctl.summary.bytes_total and report.integrity["ok"]
+    assert report.bytes == ctl.summary.bytes_total and report.integrity.ok
     assert ctl.weights_version() == {"engine0": 5, "engine1": 5}
     assert stale(cfg, trainers, replicas[0]) == stale(cfg, trainers, replicas[1]) == []
 
@@ -202,7 +202,7 @@ def test_every_update_left_an_audit_line_matching_its_outcome(env):
             continue
         assert rec["outcome"] == "ok" and rec["torn"] == [] and rec["error"] is None
         assert rec["bytes"] == out.bytes and rec["retries"] == out.retries
-        assert rec["integrity"]["ranges"] == out.integrity["ranges"]
+        assert rec["integrity"]["ranges"] == out.integrity.ranges
         by_src = {}
         for p in rec["pairs"]:
             by_src[p["src"]] = by_src.get(p["src"], 0) + p["bytes"]

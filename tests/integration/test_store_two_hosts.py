@@ -106,14 +106,14 @@ def test_the_controller_s_barrier_store_is_reached_from_trainers_on_the_other_ho
     assert len(set(nodes)) == 1 and driver_node not in nodes  # every rank on 127.0.0.3
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
-    assert ctl._store_host == IPS[0]  # the driver's node, not loopback 127.0.0.1
-    base = ctl._store.num_keys()
+    assert ctl.state.store_host == IPS[0]  # the driver's node, not loopback 127.0.0.1
+    base = ctl.state.store.num_keys()
     tokens = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1))
     for version in (1, 2, 3):
         ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
         report = ctl.update(version)
         assert report.bytes > 0
-    assert ctl._store.num_keys() == base  # the barrier keys of 3 updates are gone
+    assert ctl.state.store.num_keys() == base  # the barrier keys of 3 updates are gone
     state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
     for actor in replicas[1]:
         meta = ray.get(actor.wt_engine_meta.remote())

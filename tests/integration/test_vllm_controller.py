@@ -78,8 +78,8 @@ def test_controller_updates_a_vllm_replica(env):
         report = ctl.update(version)
         assert report.version == version
         # the controller's integrity check (on by default) hashed ranges in vLLM's workers
-        assert report.integrity["mode"] == "sample" and report.integrity["ranges"] > 0
-        assert report.integrity["mismatches"] == []
+        assert report.integrity.mode == "sample" and report.integrity.ranges > 0
+        assert report.integrity.mismatches == ()
         assert ctl.weights_version() == {"engine0": version}
         assert ray.get(owners[0].vllm_version.remote()) == str(version)
         model, path = _trainer_checkpoint(cfg, trainers, root, version)

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from actors.audit import AuditLog, read_audit
+from actors.audit import AuditLog, ResyncAudit, UpdateAudit, read_audit
 from actors.integrity_check import IntegrityResult, Mismatch
 from actors.reports import RankReport
 from weight_transfer.executor import TransferReport
@@ -27,12 +27,12 @@ def test_update_and_resync_records_carry_the_reported_fields(tmp_path):
     check = IntegrityResult(mode="sample", ranges=3, bytes=60, seconds=0.01, mismatches=(
         Mismatch(replica="engine1", rank=0, tensor="w", tensor_offset=8, length=16, task=5,
                  expected=1, actual=2),))
-    log.record_update(version=4, started_at=100.0, finished_at=101.5, reports=reports,
-                      outcome="failed", torn=["engine1"], integrity=check,
-                      replicas=["engine0", "engine1"], error="boom")
-    log.record_resync(version=4, source="engine0", target="engine1", started_at=102.0,
-                      finished_at=102.25, pairs={("engine0/tp0", "engine1/tp0"): 70},
-                      outcome="ok")
+    log.record(UpdateAudit(version=4, started_at=100.0, finished_at=101.5, reports=reports,
+                           outcome="failed", torn=("engine1",), integrity=check,
+                           replicas=("engine0", "engine1"), error="boom"))
+    log.record(ResyncAudit(version=4, source="engine0", target="engine1", started_at=102.0,
+                           finished_at=102.25, pairs={("engine0/tp0", "engine1/tp0"): 70},
+                           outcome="ok"))
     up, rs = read_audit(log.path)
     assert up["kind"] == "update" and up["version"] == 4 and up["seconds"] == 1.5
     assert up["pairs"] == [{"src": "trainer0", "dst": "engine0/tp1", "bytes": 10},
@@ -51,8 +51,8 @@ def test_update_and_resync_records_carry_the_reported_fields(tmp_path):
 def _writer(path, who, n):
     log = AuditLog(path)
     for i in range(n):
-        log.record_resync(version=i, source=who, target="x" * 5000, started_at=0.0,
-                          finished_at=1.0, pairs={}, outcome="ok")
+        log.record(ResyncAudit(version=i, source=who, target="x" * 5000, started_at=0.0,
+                               finished_at=1.0, pairs={}, outcome="ok"))
 
 
 def test_lines_of_concurrent_writers_never_interleave(tmp_path):
@@ -90,28 +90,24 @@ def test_integrity_result_summary():
 
 
 def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_path):
-    from actors.audit import audited_update
+    from actors.controller_state import ControllerState
+    from actors.controller_update import UpdateOutcome, check_version
+    from weight_transfer.errors import UpdateError
 
-    class Controller:
-        def __init__(self):
-            self.audit, self.replicas, self._attempted = AuditLog(tmp_path / "a.jsonl"), \
-                {"engine0": [], "engine1": []}, None
-
-        @audited_update
-        def update(self, version, *, recorded=False):
-            if version < 0:
-                raise ValueError("version must be positive")  # refused: not an update
-            self._attempted = version
-            err = TimeoutError("pause before version 3: engine0/tp1 did not answer")
-            if recorded:
-                err.audited = True
-            raise err
-
-    ctl = Controller()
-    for version, kw in ((-1, {}), (3, {}), (4, {"recorded": True})):
-        with pytest.raises((ValueError, TimeoutError)):
-            ctl.update(version, **kw)
-    (line,) = read_audit(tmp_path / "a.jsonl")
+    log = AuditLog(tmp_path / "a.jsonl")
+    state = ControllerState(trainers=[], connector=None, summary=object(), attempted=2)
+    with pytest.raises(ValueError, match="must be greater than 2"):
+        check_version(state, 2)  # refused: not an update, so the controller records nothing
+    err = TimeoutError("pause before version 3: engine0/tp1 did not answer")
+    crashed = UpdateOutcome(version=3, replicas=("engine0", "engine1"), error=err, crashed=True)
+    log.record(crashed.audit(started_at=1.0, finished_at=2.0))
+    failed = UpdateError("update to version 4 failed on replicas ['engine1']", version=4,
+                         ranks={}, torn=["engine1"])
+    log.record(UpdateOutcome(version=4, replicas=("engine0", "engine1"), error=failed)
+               .audit(started_at=3.0, finished_at=4.0))
+    line, line4 = read_audit(tmp_path / "a.jsonl")
     assert line["version"] == 3 and line["outcome"] == "failed" and line["pairs"] == []
     assert line["error"] == "TimeoutError: pause before version 3: engine0/tp1 did not answer"
-    assert line["replicas"] == ["engine0", "engine1"]
+    assert line["replicas"] == ["engine0", "engine1"] and line["torn"] == []
+    assert line4["version"] == 4 and line4["outcome"] == "failed"
+    assert line4["error"] == str(failed) and line4["torn"] == ["engine1"]

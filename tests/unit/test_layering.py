@@ -117,9 +117,10 @@ def test_the_sources_are_found_and_parsed():
                  "actors.cli.main"):
         assert name in modules, name
     graph = import_graph()
-    assert {"ray", "actors.schedule_actor", "weight_transfer.types"} <= {
+    assert {"ray", "actors.controller_setup", "weight_transfer.errors"} <= {
         i.target for i in all_imports() if i.importer == "actors.controller"}
-    assert {"actors.schedule_actor", "weight_transfer.types"} <= graph["actors.controller"]
+    assert {"actors.controller_setup", "weight_transfer.errors"} <= graph["actors.controller"]
+    assert {"actors.schedule_actor", "weight_transfer.types"} <= graph["actors.controller_setup"]
     assert "ray" not in graph["actors.controller"]  # third-party names are no graph nodes
 
 

@@ -16,8 +16,15 @@ import prometheus_client
 import pytest
 from test_executor import Setup
 
-from actors.reports import RankReport, UpdateReport, WriteFailure, rank_report_of
+from actors.reports import (
+    RankReport,
+    TrainerFault,
+    UpdateReport,
+    WriteFailure,
+    rank_report_of,
+)
 from actors.telemetry import failure_kinds, record_failure, record_success
+from weight_transfer.errors import FaultKind
 from weight_transfer.metrics import (
     METRICS,
     backend_names,
@@ -73,7 +80,8 @@ def test_a_real_transfer_shows_up_in_the_prometheus_exposition(registry):
     report = UpdateReport.combine(version=1, seconds=0.25,
                                   per_rank=[rank_report_of(rep)], replicas=("engine0",))
     record_success(metrics, report, {"engine0": 1, "engine1": 1})
-    record_failure(metrics, {0: "did not finish within 5 s"}, {}, ["engine1"],
+    record_failure(metrics, {0: _fault(0, FaultKind.TIMEOUT, "did not finish within 5 s")},
+                   {}, ["engine1"],
                    {"engine0": 1, "engine1": None})
     text = prometheus_client.generate_latest(registry).decode()
     assert sample(text, "wt_update_seconds_count") == 1
@@ -98,14 +106,19 @@ def _report(rank: int, failures=()) -> RankReport:
     return RankReport(transfer=t, failures=tuple(failures))
 
 
+def _fault(rank: int, kind: FaultKind, error: str) -> TrainerFault:
+    return TrainerFault(rank=rank, kind=kind, error=error)
+
+
 FAIL = WriteFailure(replica="engine0", owner="engine0/tp0", count=2, nbytes=8,
                     error="PeerUnreachableError: link down")
 
 
 @pytest.mark.parametrize("errors,reports,torn,want", [
     ({}, {}, [], {}),
-    ({1: "did not finish within 120 s"}, {}, [], {"timeout": 1}),
-    ({0: "RuntimeError: boom", 1: "did not finish: another rank failed"}, {}, ["e0"],
+    ({1: _fault(1, FaultKind.TIMEOUT, "did not finish within 120 s")}, {}, [], {"timeout": 1}),
+    ({0: _fault(0, FaultKind.FAILED, "RuntimeError: boom"),
+      1: _fault(1, FaultKind.ABORTED, "did not finish: another rank failed")}, {}, ["e0"],
      {"rank_error": 1, "torn_replica": 1}),
     ({}, {0: _report(0, [FAIL]), 1: _report(1)}, ["engine0"],
      {"writes_failed": 1, "torn_replica": 1}),

@@ -60,6 +60,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.transport.buffers import SourceBuffer, source_buffer, target_buffer
 from weight_transfer.types import PeerInfo, RegionDesc
 
@@ -71,7 +72,7 @@ __all__ = [  # the buffer helpers are re-exported: every backend takes them from
 ]
 
 
-class TransportError(RuntimeError):
+class TransportError(WeightTransferError, RuntimeError):
     """A write or a connection failed; the message names the peer and region."""
 
 

@@ -26,6 +26,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.transport.rdma_plan import dmabuf_range
 
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
@@ -33,7 +34,7 @@ CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 LIBCUDA_NAMES = ("libcuda.so.1", "libcuda.so")
 
 
-class CudaDmaBufError(RuntimeError):
+class CudaDmaBufError(WeightTransferError, RuntimeError):
     """GPU memory cannot be exported as a dma-buf (no driver, no support, bad range)."""
 
 

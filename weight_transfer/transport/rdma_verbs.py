@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from weight_transfer.errors import WeightTransferError
 from weight_transfer.transport.rdma_plan import Chunk
 from weight_transfer.transport.rdma_window import Completion
 from weight_transfer.transport.rdma_wire import MTU_ENUM, QpConnectAttrs
@@ -36,7 +37,7 @@ IBV_LINK_LAYER_ETHERNET = 2
 IBV_PORT_ACTIVE = 4
 
 
-class RdmaUnavailableError(RuntimeError):
+class RdmaUnavailableError(WeightTransferError, RuntimeError):
     """RDMA cannot be used here: pyverbs missing, no device, or the port is not usable."""
 
 

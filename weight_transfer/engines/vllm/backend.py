@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +101,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
             value = handler(self, read_request(init_info.mailbox, init_info.seq))
         except Exception as exc:  # the driver raises it, naming this rank
             log.exception("%s: %s failed", self.owner, init_info.op)
-            value = Failure(kind=type(exc).__name__, message=str(exc),
-                            trace=traceback.format_exc())
+            value = Failure.of(exc)
         write_reply(init_info.mailbox, init_info.seq, self.shard.tp_rank, value)
 
     def _setup(self, req) -> EngineRankMeta:

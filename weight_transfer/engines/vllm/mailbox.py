@@ -25,6 +25,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,35 @@ class SetupRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Failure:
-    """A worker's exception, carried back as text (type name, message, traceback)."""
+    """A worker's exception, carried back pickled (``error``: empty if it does not
+    pickle), with its type name, message and traceback as text."""
 
     kind: str
     message: str
     trace: str = field(default="", compare=False)
+    error: bytes = field(default=b"", compare=False, repr=False)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        """The failure of ``exc``, raised in a worker (call it in the ``except`` block)."""
+        try:
+            error = pickle.dumps(exc)
+        except Exception:  # an exception holding something that does not pickle
+            error = b""
+        return cls(kind=type(exc).__name__, message=str(exc), trace=traceback.format_exc(),
+                   error=error)
+
+    def exception(self, where: str) -> BaseException:
+        """The worker's exception itself (its type and fields), noted with ``where`` and
+        the worker's traceback; a RuntimeError naming it where it did not pickle."""
+        try:
+            err = pickle.loads(self.error) if self.error else None
+        except Exception:  # its class is not importable here
+            err = None
+        if not isinstance(err, BaseException):
+            err = RuntimeError(f"{where}: {self.kind}: {self.message}")
+        err.add_note(f"{where}, in the vLLM worker:\n{self.trace}")
+        return err
 
 
 class Mailbox:
@@ -72,7 +97,8 @@ class Mailbox:
         return {"op": op, "mailbox": str(self.path), "seq": self._seq, "rank": rank}
 
     def replies(self, info: dict[str, Any], ranks) -> list[Any]:
-        """Each rank's reply to ``info``; a worker's failure is raised here as RuntimeError."""
+        """Each rank's reply to ``info``; a worker's failure is raised here (the exception the
+        worker raised, see :meth:`Failure.exception`)."""
         out = []
         for r in ranks:
             path = self.path / f"{info['seq']}.rank{r}.rep"
@@ -83,9 +109,7 @@ class Mailbox:
                 value = pickle.load(f)
             path.unlink()
             if isinstance(value, Failure):
-                error = ValueError if value.kind == "ValueError" else RuntimeError
-                raise error(f"vLLM worker rank {r}, {info['op']}: {value.kind}: "
-                            f"{value.message}\n{value.trace}")
+                raise value.exception(f"vLLM worker rank {r}, {info['op']}")
             out.append(value)
         (self.path / f"{info['seq']}.req").unlink(missing_ok=True)
         return out
