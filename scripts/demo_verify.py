@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import torch
@@ -27,10 +27,8 @@ from scripts.demo_checks import (
     tensor_digests,
     token_problems,
 )
+from scripts.demo_fleet import Fleet
 from weight_transfer.prepare import as_bytes
-
-if TYPE_CHECKING:
-    from scripts.demo import Fleet
 
 log = logging.getLogger(__name__)
 
