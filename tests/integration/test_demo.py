@@ -16,9 +16,8 @@ import subprocess
 import sys
 
 import pytest
-import ray
 
-from scripts.demo import LOCAL_NODE_IP, run_job
+from scripts.demo import run_job
 from scripts.demo_checks import STAGES
 from scripts.run_config import ROOT, load_run_config
 from weight_transfer.engine_layout import engine_tensor_specs
@@ -35,11 +34,8 @@ UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", 
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
+def local_ray(ray_job):  # a Ray job of its own on the shared cluster (on LOCAL_NODE_IP)
     yield
-    ray.shutdown()
 
 
 def _run(tmp_path, local_ray, trace_path=None, **changes):
