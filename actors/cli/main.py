@@ -40,10 +40,17 @@ def demo(
     engine: str | None = typer.Option(
         None, help="reference (our decoder) or vllm (a real vLLM, the `vllm` extra) "
         "[default: from --config]."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show vLLM's own INFO logs (--engine vllm) "
+        "[default: WARNING and above]."),
 ) -> None:
     """Trainers -> inference replicas over simnic (or --transport), every update verified."""
     from actors.demo.fleet import run_cli
 
+    if verbose:  # read by actors.demo.vllm_demo, here and in the engines' processes
+        from actors.demo.vllm_demo import set_vllm_log_level, vllm_log_level
+
+        set_vllm_log_level(vllm_log_level(verbose=True))
     if config is None:
         config = Path("configs/runs/demo_vllm.yaml" if engine == "vllm"
                       else "configs/runs/demo.yaml")

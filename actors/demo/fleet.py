@@ -37,10 +37,8 @@ import contextlib
 import importlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +55,12 @@ from actors.cli.progress import (
     progress_bar,
 )
 from actors.demo.checks import UpdateCheck, render_table, summary, write_json
+from actors.demo.fleet_handle import Fleet
 from actors.demo.verify import check_bytes, corrupt_one_byte, first_answer, verify
 from actors.run_config import RunConfig, load_run_config
 from scheduling.cluster import load_cluster_config
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
-from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
@@ -112,76 +110,6 @@ def _local_cluster_running() -> bool:
     from ray._private.services import find_bootstrap_address
 
     return find_bootstrap_address(None) is not None
-
-
-@dataclass(slots=True)
-class Fleet:
-    """The running job: actors, the controller and what the checks need to know."""
-
-    run: RunConfig
-    config: Any  # actors.TransferConfig
-    trainers: list[Any]
-    replicas: dict[str, list[Any]]
-    controller: Any
-    setup_seconds: float
-    engine: str = "reference"
-    owners: list[Any] = field(default_factory=list)  # actors owning the engines (vLLM)
-    workdir: Path | None = None  # checkpoints of the trainers' weights (vLLM), removed at close
-
-    @property
-    def engine_keys(self) -> dict[str, Any]:
-        """``{"<replica>/tp<rank>": ShardSpec}`` of every engine rank."""
-        cluster = self.config.cluster
-        return {str(EngineRankId(replica=name, rank=local)): cluster.engine_rank(i, local)[2]
-                for i, (name, actors) in enumerate(self.replicas.items())
-                for local in range(len(actors))}
-
-    def describe(self) -> str:
-        cfg, summary = self.config, self.controller.summary
-        return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
-                f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
-                f" over {cfg.transport_spec.describe()}"
-                f" ({self.engine_kind} engines); plan: {summary.num_tasks} "
-                f"writes, {summary.bytes_total / 1e6:.2f} MB, {summary.num_groups} mesh group(s);"
-                f" set up in {self.setup_seconds:.1f} s")
-
-    @property
-    def engine_kind(self) -> str:
-        dtype = "fp8" if self.config.engine_fp8 else "bf16"
-        return dtype if self.engine == "reference" else f"{self.engine}, float32"
-
-    def info(self) -> dict[str, Any]:
-        cfg, summary = self.config, self.controller.summary
-        return {"run": self.run.name, "engine": self.engine, "model": cfg.model.name,
-                "cluster": cfg.cluster.name, "fp8": cfg.engine_fp8,
-                "setup_seconds": self.setup_seconds,
-                "plan": {"bytes": summary.bytes_total, "tasks": summary.num_tasks,
-                         "mesh_groups": summary.num_groups}}
-
-    def close(self) -> None:
-        """Drop the controller, the actors and their placement groups."""
-        self.controller.shutdown()
-        actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
-        groups = {}
-        for actor in actors:
-            try:
-                pg = ray.get(actor.__ray_call__.remote(_placement_group), timeout=30)
-            except (ray.exceptions.RayError, TimeoutError) as exc:  # dead: nothing to ask
-                log.warning("closing the demo: an actor did not answer: %s", exc)
-                continue
-            if pg is not None:
-                groups[pg.id] = pg
-        for owner in self.owners:  # stop the engines' own processes first
-            try:
-                ray.get(owner.shutdown.remote(), timeout=60)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                log.warning("closing the demo: an engine did not shut down: %s", exc)
-        for actor in [*actors, *self.owners]:
-            ray.kill(actor)
-        for pg in groups.values():
-            ray.util.remove_placement_group(pg)
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def transfer_config(run: RunConfig, **overrides: Any) -> Any:
@@ -238,10 +166,6 @@ def fleet_session(run: RunConfig, fleet: Fleet | None = None,
             own.close()
         if started:
             ray.shutdown()
-
-
-def _placement_group(actor: Any) -> Any:
-    return ray.util.get_current_placement_group()
 
 
 # ------------------------------------------------------------------------ one cycle

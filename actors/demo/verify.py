@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import torch
@@ -27,11 +27,9 @@ from actors.demo.checks import (
     tensor_digests,
     token_problems,
 )
+from actors.demo.fleet_handle import Fleet
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import EngineRankId
-
-if TYPE_CHECKING:
-    from actors.demo.fleet import Fleet
 
 log = logging.getLogger(__name__)
 

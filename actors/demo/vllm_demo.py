@@ -19,12 +19,17 @@ may break near-ties differently). After each update:
 
 The worker-side check travels as a callable through ``collective_rpc``, which
 vLLM allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: set for the
-demo's own engine processes. FP8 engines with vLLM need a GPU
+demo's own engine processes. vLLM's own logs stay at WARNING and above
+(``VLLM_LOGGING_LEVEL``, read when a process imports vLLM: this one and the
+engines'); ``wt demo --verbose`` shows its INFO lines, and a
+``VLLM_LOGGING_LEVEL`` set in the environment wins over both. FP8 engines with vLLM need a GPU
 (``tests/integration/test_vllm_fp8.py``); the demo refuses them on CPU.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import tempfile
 import time
@@ -45,6 +50,27 @@ ENGINE_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the oracle runs as a callable
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # Ray forwards actors' stdout to ours (--json -)
 }
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
+QUIET_LEVEL = "WARNING"  # vLLM's INFO lines outnumber the demo's own about ten to one
+VERBOSE_LEVEL = "INFO"
+
+
+def vllm_log_level(verbose: bool = False) -> str:
+    """vLLM's log level for the demo: ``VLLM_LOGGING_LEVEL`` where set, else WARNING
+    (INFO with ``verbose``)."""
+    return os.environ.get(LOG_LEVEL_ENV) or (VERBOSE_LEVEL if verbose else QUIET_LEVEL)
+
+
+def engine_env(level: str) -> dict[str, str]:
+    """The environment of the engines' processes, vLLM logging at ``level``."""
+    return {**ENGINE_ENV, LOG_LEVEL_ENV: level}
+
+
+def set_vllm_log_level(level: str) -> None:
+    """vLLM logs at ``level`` in this process: before vLLM is imported (it reads the
+    variable then) and after (its logger)."""
+    os.environ[LOG_LEVEL_ENV] = level
+    logging.getLogger("vllm").setLevel(level)
 
 
 def _save_checkpoint(trainer: Any, path: str) -> bool:
@@ -66,12 +92,14 @@ def save_trainer_checkpoint(trainers: list[Any], path: Path) -> Path:
 
 def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     """Trainers, one vLLM engine per replica (from the trainers' initial weights) and the
-    controller after ``setup()``."""
+    controller after ``setup()``; vLLM logs at :func:`vllm_log_level`."""
     from actors import WeightTransferController, launch_trainers
     from actors.cli.progress import PhaseBars
     from actors.testing.vllm_oracle import vllm_missing
     from actors.vllm_engine import launch_vllm_engines
 
+    level = vllm_log_level()
+    set_vllm_log_level(level)  # before vllm_missing() imports vLLM here
     if (why := vllm_missing()) is not None:
         raise RuntimeError(f"--engine vllm: {why} (install the `vllm` extra)")
     config = transfer_config(run)
@@ -85,7 +113,8 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     bars("start trainer ranks", 1, 1)
     first = save_trainer_checkpoint(trainers, workdir / "v0")
     bars("start vLLM engines", 0, 1)
-    replicas, owners = launch_vllm_engines(config, str(first), dtype="float32", env=ENGINE_ENV)
+    replicas, owners = launch_vllm_engines(config, str(first), dtype="float32",
+                                          env=engine_env(level))
     bars("start vLLM engines", 1, 1)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=config)
     ctl.progress = bars if progress is not None else None

@@ -31,8 +31,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999], [12, 600, 3, 77, 5, 
 
 
 @pytest.fixture(scope="module")
-def env():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+def env(ray_job):  # a Ray job of its own on the shared cluster
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)
@@ -40,7 +39,6 @@ def env():
     replicas = launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     yield cfg, trainers, replicas, ctl
-    ray.shutdown()
 
 
 def train(trainers, step: int) -> float:

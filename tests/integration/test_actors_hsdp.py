@@ -29,15 +29,11 @@ HSDP = (Placement(kind="replicate"), Placement(kind="shard", dim=0))
 
 
 @pytest.fixture(scope="module", params=["tiny_moe"])  # its dense params are HSDP too
-def env(request):
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+def env(request, ray_job):  # a Ray job of its own on the shared cluster
     cfg = TransferConfig.from_files(CONFIGS / "models" / f"{request.param}.yaml",
                                     CONFIGS / "clusters" / "local_cpu_hsdp.yaml",
                                     update_timeout_s=240, barrier_timeout_s=120)
-    try:
-        yield cfg, launch_trainers(cfg), launch_engines(cfg)
-    finally:
-        ray.shutdown()
+    yield cfg, launch_trainers(cfg), launch_engines(cfg)
 
 
 def test_dense_parameters_live_on_the_hsdp_mesh(env):

@@ -33,13 +33,11 @@ PROMPTS = [[1, 5, 9, 200, 33], [400, 2, 2, 81, 16]]
 
 
 @pytest.fixture(scope="module")
-def env():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+def env(ray_job):  # a Ray job of its own on the shared cluster
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_moe.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml")
     trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
     yield cfg, trainers, replicas
-    ray.shutdown()
 
 
 def test_stacked_experts_live_on_the_cluster_expert_mesh(env):

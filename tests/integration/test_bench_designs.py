@@ -19,7 +19,7 @@ from actors.run_config import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_every_design_verified_on_tiny_llama(tmp_path, monkeypatch):
+def test_every_design_verified_on_tiny_llama(tmp_path, monkeypatch, ray_job):  # shared Ray
     monkeypatch.setattr(bench_designs, "RDT_PROBE_TIMEOUT_S", 5.0)  # its outcome, not its wait
     out = tmp_path / "designs.json"
     rc = run(config=ROOT / "configs/runs/demo.yaml", model=ROOT / "configs/models/tiny_llama.yaml",

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-import ray
+from typer.testing import CliRunner
 
+from actors.cli.main import app
 from actors.demo.checks import STAGES
-from actors.demo.fleet import LOCAL_NODE_IP, run_job
+from actors.demo.fleet import run_job
 from actors.run_config import ROOT, load_run_config
 from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.models import load_model_config
@@ -35,11 +33,8 @@ UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", 
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
+def local_ray(ray_job):  # a Ray job of its own on the shared cluster (on LOCAL_NODE_IP)
     yield
-    ray.shutdown()
 
 
 def _run(tmp_path, local_ray, trace_path=None, **changes):
@@ -108,14 +103,15 @@ def test_moe_run_moves_the_stacked_experts_and_generates_the_trainers_tokens(tmp
     assert u["bytes"] == doc["plan"]["bytes"] > 0
 
 
-def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path):
+def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path, local_ray,
+                                                                      monkeypatch):
+    # `wt demo` itself (its typer command, in this process: it joins the module's Ray)
     out = tmp_path / "bad.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli.main", "demo", "--updates", "2",
-         "--corrupt-version", "1", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    monkeypatch.chdir(ROOT)  # the command's default --config is relative
+    proc = CliRunner().invoke(app, ["demo", "--updates", "2", "--corrupt-version", "1",
+                                    "--json", str(out)], env={"COLUMNS": "160"})
+    assert not isinstance(proc.exception, Exception), proc.output  # an exit, not a crash
+    assert proc.exit_code == 1, proc.output
     doc = json.loads(out.read_text())
     assert doc["verified"] is False
     first, second = doc["updates"]
@@ -123,4 +119,4 @@ def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path):
     assert first["problems"] == ["engine0/tp0: tensor model.layers.0.self_attn.qkv_proj.weight "
                                  "bytes differ from the reference layout"]
     assert second["verified"] is True  # the next update rewrites every byte
-    assert "verification FAILED" in proc.stdout and "NO" in proc.stdout
+    assert "verification FAILED" in proc.output and "NO" in proc.output

@@ -21,7 +21,7 @@ import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.demo import fleet as demo
-from actors.demo.fleet import LOCAL_NODE_IP, run_cli
+from actors.demo.fleet import run_cli
 from actors.testing.engine_bytes import engine_mismatches
 from weight_transfer.transport.mooncake import load_engine_class
 
@@ -37,11 +37,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
+def local_ray(ray_job):  # a Ray job of its own on the shared cluster (on LOCAL_NODE_IP)
     yield
-    ray.shutdown()
 
 
 def test_wt_demo_over_mooncake_is_byte_exact_and_generates_the_trainers_tokens(

@@ -3,13 +3,16 @@ replica (TP=1, owned by a Ray actor) of the tiny Qwen3-MoE (a dense MLP layer, M
 untied head), two updates. The run's own checks compare every byte our backend registered
 with vLLM's own load_weights of the trainers' weights and vLLM's greedy tokens with the
 trainers' model; this test asserts the JSON says so, with the reference demo's keys plus
-``"engine": "vllm"`` and ``"oracle": "vllm.load_weights"``. One engine start.
+``"engine": "vllm"`` and ``"oracle": "vllm.load_weights"``, and that vLLM's own logs
+stayed at WARNING and above (no INFO or DEBUG line of vLLM's format; ``--verbose`` shows
+them). One engine start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,12 +25,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TOP_KEYS = {"run", "engine", "model", "cluster", "fp8", "setup_seconds", "total_seconds",
             "plan", "verified", "updates"}
+# vLLM's log format: "(EngineCore pid=1) INFO 12-01 22:10:11 [core.py:93] ..."
+VLLM_CHATTY_LINE = re.compile(r"\b(INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")
 UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", "checks",
                "problems", "report"}
 
 
 def test_wt_demo_with_vllm_verifies_every_update_against_vllms_load_weights():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VLLM_LOGGING_LEVEL")}
     proc = subprocess.run(
         [sys.executable, "-m", "actors.cli.main", "demo", "--engine", "vllm", "--json", "-",
          "--model", "configs/models/tiny_moe.yaml",
@@ -35,6 +40,9 @@ def test_wt_demo_with_vllm_verifies_every_update_against_vllms_load_weights():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     doc = json.loads(proc.stdout)
+    chatty = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if VLLM_CHATTY_LINE.search(line)]
+    assert not chatty, f"{len(chatty)} INFO/DEBUG lines of vLLM's, e.g.:\n" + "\n".join(chatty[:5])
     assert set(doc) == TOP_KEYS
     assert (doc["engine"], doc["model"], doc["cluster"], doc["fp8"]) == (
         "vllm", "tiny-qwen3-moe", "vllm_cpu_tp1", False)

@@ -39,8 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def env():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+def env(ray_job):  # a Ray job of its own on the shared cluster
     cfg = TransferConfig.from_files(
         CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
         update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
@@ -50,7 +49,6 @@ def env():
     ctl.setup()
     state = {"cfg": cfg, "ctl": ctl, "version": 0}
     yield state
-    ray.shutdown()
 
 
 def next_version(env) -> int:

@@ -35,13 +35,12 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, ray_job):  # a Ray job of its own on the shared cluster
     tmp = tmp_path_factory.mktemp("integrity")
     data = yaml.safe_load((CONFIGS / "clusters" / "local_cpu.yaml").read_text())
     data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
     cluster = tmp / "two_trainers.yaml"
     cluster.write_text(yaml.safe_dump(data))
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     cfg = TransferConfig.from_files(
         CONFIGS / "models" / "tiny_llama.yaml", cluster, update_timeout_s=120,
         integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl",
@@ -52,7 +51,6 @@ def env(tmp_path_factory):
     outcomes = []  # (version, UpdateReport or UpdateError), for the audit test
     yield cfg, trainers, replicas, ctl, outcomes
     ctl.shutdown()
-    ray.shutdown()
 
 
 def train(trainers, step):

@@ -25,10 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+def ray_local(ray_job):  # a Ray job of its own on the shared cluster
     yield
-    ray.shutdown()
 
 
 def small_cluster(tmp_path: Path) -> Path:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import ray
 from rich.console import Console
 
-from actors.demo.fleet import LOCAL_NODE_IP
 from actors.demo.rl_loop import advantages_of, run_rl, toy_reward
 from actors.run_config import RlConfig, load_run_config
 
@@ -22,16 +20,11 @@ def test_reward_and_advantages():
     assert advantages_of([1.0, 0.0, 0.5]) == [0.5, -0.5, 0.0]
 
 
-def test_two_iterations_advance_the_replicas_version():
+def test_two_iterations_advance_the_replicas_version(ray_job):  # on the shared cluster
     run = load_run_config("configs/runs/rl_loop.yaml")
     run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 2})
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _node_ip_address=LOCAL_NODE_IP, logging_level="WARNING")
-    try:
-        console = Console(record=True, width=160)
-        history = run_rl(run, console)
-    finally:
-        ray.shutdown()
+    console = Console(record=True, width=160)
+    history = run_rl(run, console)
     assert [h["iteration"] for h in history] == [1, 2]
     for h in history:
         assert h["weights_version"] == {"engine0": h["iteration"], "engine1": h["iteration"]}

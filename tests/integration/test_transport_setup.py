@@ -63,10 +63,8 @@ class SmallEngine(InferenceMixin):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def local_ray(ray_job):  # a Ray job of its own on the shared cluster
     yield
-    ray.shutdown()
 
 
 def test_simnic_to_an_engine_on_another_host_fails_at_setup_naming_them(local_ray):

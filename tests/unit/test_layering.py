@@ -9,8 +9,10 @@ functions included) into an import graph between project modules:
 - the test scaffolding (``actors.testing``) is imported only by itself and by the
   harnesses that verify what they run (``actors.bench``, ``actors.demo``), never by
   the library;
-- no import cycle between project modules (imports under ``if TYPE_CHECKING:``
-  do not run, so they count for the layers but not for cycles).
+- no import cycle between project modules: every import counts, those under
+  ``if TYPE_CHECKING:`` and those inside functions too (a typing-only cycle is
+  still two modules that know each other; the shared type belongs in a module
+  both import, as ``weight_transfer.arch.shape`` and ``actors.demo.fleet_handle``).
 
 A subprocess then imports ``scheduling`` and every submodule and checks that
 neither torch nor ray was loaded on the way.
@@ -214,7 +216,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in project_modules()}
     for i in all_imports():
         target = project_target(i.target)
-        if i.runtime and target is not None and target != i.importer:
+        if target is not None and target != i.importer:  # TYPE_CHECKING imports count
             graph[i.importer].add(target)
     return graph
 
@@ -223,6 +225,18 @@ def test_strongly_connected_finds_cycles_and_only_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
     assert strongly_connected(graph) == [["a", "b", "c"], ["e"]]
     assert one_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_imports_under_type_checking_and_in_functions_are_edges(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n    from weight_transfer.models import ModelConfig\n"
+                      "def f():\n    import scheduling.plan\n")
+    found = {(i.target, i.runtime) for i in imports_of("probe", source)}
+    assert ("weight_transfer.models", False) in found
+    assert ("scheduling.plan", True) in found
+    graph = import_graph()  # the project's own type-only imports are edges as well
+    assert "weight_transfer.arch.shape" in graph["weight_transfer.arch.base"]
 
 
 def test_no_import_cycles_between_project_modules():

@@ -17,7 +17,7 @@ Everything here is pure Python: the transformers config class is a name that
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weight_transfer.arch.common import (
     DENSE_MLP,
@@ -35,9 +35,7 @@ from weight_transfer.arch.common import (
     router_specs,
     specs,
 )
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
+from weight_transfer.arch.shape import ModelShape
 
 
 class Architecture:
@@ -58,38 +56,38 @@ class Architecture:
         return f"<architecture {self.name}>"
 
     # ---------------------------------------------------------------- config
-    def check(self, cfg: ModelConfig) -> list[str]:
+    def check(self, cfg: ModelShape) -> list[str]:
         """``"field: problem"`` lines beyond the missing required fields (none by default)."""
         return []
 
-    def is_moe_layer(self, cfg: ModelConfig, layer: int) -> bool:
+    def is_moe_layer(self, cfg: ModelShape, layer: int) -> bool:
         return False
 
-    def qkv_bias(self, cfg: ModelConfig) -> bool:
+    def qkv_bias(self, cfg: ModelShape) -> bool:
         return bool(cfg.attention_bias)
 
-    def o_bias(self, cfg: ModelConfig) -> bool:
+    def o_bias(self, cfg: ModelShape) -> bool:
         return bool(cfg.attention_bias)
 
-    def has_router_bias(self, cfg: ModelConfig) -> bool:
+    def has_router_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def norm_topk(self, cfg: ModelConfig) -> bool:
+    def norm_topk(self, cfg: ModelShape) -> bool:
         """Whether the top-k routing weights are renormalized to sum to 1."""
         return bool(cfg.norm_topk_prob)
 
     # ---------------------------------------------------------------- trainer parameters
-    def attention_params(self, cfg: ModelConfig) -> Params:
+    def attention_params(self, cfg: ModelShape) -> Params:
         return gqa_params(
             cfg, qkv_bias=self.qkv_bias(cfg), o_bias=self.o_bias(cfg), qk_norm=self.qk_norm
         )
 
-    def moe_params(self, cfg: ModelConfig, layer: int, naming: str) -> list[TrainerParamSpec]:
+    def moe_params(self, cfg: ModelShape, layer: int, naming: str) -> list[TrainerParamSpec]:
         return router_specs(cfg, layer, self.moe_keys, naming) + expert_specs(
             cfg, layer, self.moe_keys, naming
         )
 
-    def layer_params(self, cfg: ModelConfig, layer: int, naming: str) -> list[TrainerParamSpec]:
+    def layer_params(self, cfg: ModelShape, layer: int, naming: str) -> list[TrainerParamSpec]:
         """Trainer parameters of decoder layer ``layer`` in module order, full names."""
         p, h, dt = f"model.layers.{layer}.", cfg.hidden_size, cfg.torch_dtype
         out = specs(p, self.attention_params(cfg), dt, layer)
@@ -101,20 +99,20 @@ class Architecture:
         return out + specs(p, norms, dt, layer)
 
     # ---------------------------------------------------------------- engine rules
-    def attention_rules(self, cfg: ModelConfig) -> tuple[Rule, ...]:
+    def attention_rules(self, cfg: ModelShape) -> tuple[Rule, ...]:
         return gqa_rules(qkv_bias=self.qkv_bias(cfg), o_bias=self.o_bias(cfg),
                          qk_norm=self.qk_norm)
 
-    def moe_rules(self, cfg: ModelConfig) -> tuple[Rule, ...]:
+    def moe_rules(self, cfg: ModelShape) -> tuple[Rule, ...]:
         return router_rules(self.moe_keys) + expert_rules(self.moe_keys)
 
-    def layer_rules(self, cfg: ModelConfig, layer: int) -> tuple[Rule, ...]:
+    def layer_rules(self, cfg: ModelShape, layer: int) -> tuple[Rule, ...]:
         """The rule table of decoder layer ``layer``: attention, MLP or MoE, norms."""
         mlp = self.moe_rules(cfg) if self.is_moe_layer(cfg, layer) else DENSE_MLP
         return self.attention_rules(cfg) + mlp + LAYER_NORMS
 
     # ---------------------------------------------------------------- trainer model builder
-    def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+    def hf_fields(self, cfg: ModelShape) -> dict[str, Any]:
         """transformers config fields beyond the ones every architecture shares
         (sizes, heads, vocab, activation, norm eps, RoPE, tied embeddings)."""
         return {"head_dim": cfg.head_size, "attention_bias": bool(cfg.attention_bias)}

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from weight_transfer.arch.shape import ModelShape
 from weight_transfer.types import TensorSpec
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
 
 Shape = tuple[int, ...]
 Params = list[tuple[str, Shape]]  # (name suffix, global shape), in module order
@@ -180,7 +177,7 @@ def expert_rules(keys: MoeKeys) -> tuple[Rule, ...]:
 # --------------------------------------------------------------------------- parameter lists
 
 
-def gqa_params(cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> Params:
+def gqa_params(cfg: ModelShape, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> Params:
     """q/k/v/o projections in module order (each weight followed by its bias)."""
     h, hd = cfg.hidden_size, cfg.head_size
     q, kv = cfg.num_attention_heads * hd, cfg.kv_heads * hd
@@ -213,7 +210,7 @@ def specs(prefix: str, params: Params, dtype: str, layer: int | None) -> list[Tr
 
 
 def router_specs(
-    cfg: ModelConfig, layer: int, keys: MoeKeys, naming: str
+    cfg: ModelShape, layer: int, keys: MoeKeys, naming: str
 ) -> list[TrainerParamSpec]:
     block = keys.stacked_block if naming == "stacked" else keys.block
     name = f"model.layers.{layer}.{block}.gate.weight"
@@ -222,7 +219,7 @@ def router_specs(
 
 
 def expert_specs(
-    cfg: ModelConfig, layer: int, keys: MoeKeys, naming: str
+    cfg: ModelShape, layer: int, keys: MoeKeys, naming: str
 ) -> list[TrainerParamSpec]:
     """Routed experts: three 2-D tensors per expert (per_expert, the checkpoint's names)
     or transformers 5's two 3-D parameters (stacked; gate rows first in gate_up_proj)."""

@@ -19,8 +19,6 @@ reference loader and checked byte for byte, not generated with.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from weight_transfer.arch.base import Architecture
 from weight_transfer.arch.common import (
     Params,
@@ -36,9 +34,7 @@ from weight_transfer.arch.common import (
     same,
     specs,
 )
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
+from weight_transfer.arch.shape import ModelShape
 
 MLA_Q_LORA = (
     Rule(
@@ -85,20 +81,20 @@ class DeepseekV3(Architecture):
     )
     experts_field = "n_routed_experts"
 
-    def is_moe_layer(self, cfg: ModelConfig, layer: int) -> bool:
+    def is_moe_layer(self, cfg: ModelShape, layer: int) -> bool:
         return layer >= cfg.first_k_dense_replace and layer % cfg.moe_layer_freq == 0
 
-    def qkv_bias(self, cfg: ModelConfig) -> bool:
+    def qkv_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def o_bias(self, cfg: ModelConfig) -> bool:
+    def o_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def has_router_bias(self, cfg: ModelConfig) -> bool:
+    def has_router_bias(self, cfg: ModelShape) -> bool:
         return cfg.topk_method in (None, "noaux_tc")
 
     # ---------------------------------------------------------------- trainer parameters
-    def attention_params(self, cfg: ModelConfig) -> Params:
+    def attention_params(self, cfg: ModelShape) -> Params:
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         kvl, rope = cfg.kv_lora_rank or 0, cfg.qk_rope_head_dim or 0
         nope, v = cfg.qk_nope_head_dim or 0, cfg.v_head_dim or 0
@@ -119,7 +115,7 @@ class DeepseekV3(Architecture):
             ("self_attn.o_proj.weight", (h, nh * v)),
         ]
 
-    def moe_params(self, cfg: ModelConfig, layer: int, naming: str) -> list[TrainerParamSpec]:
+    def moe_params(self, cfg: ModelShape, layer: int, naming: str) -> list[TrainerParamSpec]:
         out = router_specs(cfg, layer, self.moe_keys, naming)
         p = f"model.layers.{layer}.mlp."
         if self.has_router_bias(cfg):
@@ -133,10 +129,10 @@ class DeepseekV3(Architecture):
         return out
 
     # ---------------------------------------------------------------- engine rules
-    def attention_rules(self, cfg: ModelConfig) -> tuple[Rule, ...]:
+    def attention_rules(self, cfg: ModelShape) -> tuple[Rule, ...]:
         return (MLA_Q_LORA if cfg.q_lora_rank else MLA_Q_FULL) + MLA_KV
 
-    def moe_rules(self, cfg: ModelConfig) -> tuple[Rule, ...]:
+    def moe_rules(self, cfg: ModelShape) -> tuple[Rule, ...]:
         bias = ROUTER_BIAS if self.has_router_bias(cfg) else ()
         shared = SHARED_EXPERTS if cfg.n_shared_experts else ()
         return router_rules(self.moe_keys) + bias + expert_rules(self.moe_keys) + shared

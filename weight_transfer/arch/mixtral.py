@@ -19,13 +19,11 @@ conversion mapping) and vLLM's ``models/mixtral.py``:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weight_transfer.arch.base import Architecture
 from weight_transfer.arch.common import MoeKeys
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
+from weight_transfer.arch.shape import ModelShape
 
 
 class Mixtral(Architecture):
@@ -43,24 +41,24 @@ class Mixtral(Architecture):
         stacked_block="mlp",
     )
 
-    def check(self, cfg: ModelConfig) -> list[str]:
+    def check(self, cfg: ModelShape) -> list[str]:
         if cfg.attention_bias:
             return ["attention_bias: mixtral has no attention biases"]
         return []
 
-    def is_moe_layer(self, cfg: ModelConfig, layer: int) -> bool:
+    def is_moe_layer(self, cfg: ModelShape, layer: int) -> bool:
         return True
 
-    def qkv_bias(self, cfg: ModelConfig) -> bool:
+    def qkv_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def o_bias(self, cfg: ModelConfig) -> bool:
+    def o_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def norm_topk(self, cfg: ModelConfig) -> bool:
+    def norm_topk(self, cfg: ModelShape) -> bool:
         return True
 
-    def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+    def hf_fields(self, cfg: ModelShape) -> dict[str, Any]:
         return {
             "head_dim": cfg.head_size,
             "num_local_experts": cfg.num_local_experts,

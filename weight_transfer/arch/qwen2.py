@@ -6,25 +6,23 @@ num_attention_heads``, so a config that says otherwise cannot be built.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weight_transfer.arch.base import Architecture
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
+from weight_transfer.arch.shape import ModelShape
 
 
 class Qwen2(Architecture):
     name = "qwen2"
     hf_config_class = "Qwen2Config"
 
-    def qkv_bias(self, cfg: ModelConfig) -> bool:
+    def qkv_bias(self, cfg: ModelShape) -> bool:
         return True
 
-    def o_bias(self, cfg: ModelConfig) -> bool:
+    def o_bias(self, cfg: ModelShape) -> bool:
         return False
 
-    def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+    def hf_fields(self, cfg: ModelShape) -> dict[str, Any]:
         if cfg.head_size * cfg.num_attention_heads != cfg.hidden_size:
             raise ValueError(
                 f"{cfg.name or 'qwen2'}: head_dim {cfg.head_size} x {cfg.num_attention_heads} "

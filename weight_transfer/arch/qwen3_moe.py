@@ -10,12 +10,10 @@ Routing: softmax, top ``num_experts_per_tok``, renormalized if ``norm_topk_prob`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weight_transfer.arch.qwen3 import Qwen3
-
-if TYPE_CHECKING:
-    from weight_transfer.models import ModelConfig
+from weight_transfer.arch.shape import ModelShape
 
 _HF_MOE_FIELDS = (
     "num_experts",
@@ -31,10 +29,10 @@ class Qwen3Moe(Qwen3):
     required_fields = ("num_experts", "moe_intermediate_size")
     experts_field = "num_experts"
 
-    def is_moe_layer(self, cfg: ModelConfig, layer: int) -> bool:
+    def is_moe_layer(self, cfg: ModelShape, layer: int) -> bool:
         return layer not in cfg.mlp_only_layers and (layer + 1) % cfg.decoder_sparse_step == 0
 
-    def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+    def hf_fields(self, cfg: ModelShape) -> dict[str, Any]:
         if cfg.num_experts_per_tok is None:
             raise ValueError(f"{cfg.name or 'qwen3_moe'}: num_experts_per_tok is required")
         return {

@@ -1,0 +1,107 @@
+"""One local Ray cluster for the integration modules that need no Ray of their own.
+
+Starting and stopping a local Ray instance costs about 6 s on the 2-core machines;
+connecting a new driver to a running cluster about half a second. So the modules
+whose fixtures used ``ray.init(address="local", ...)`` with nothing special take
+:func:`ray_job` instead: the module gets a Ray driver of its own (a Ray job) on one
+session-wide cluster of :data:`CLUSTER_CPUS` logical CPUs on loopback. When the
+module's driver disconnects, Ray ends its job and with it every actor and
+placement group the module created, so each module still starts on an idle
+cluster (:func:`ray_job` waits for every CPU to be free again, and fails naming
+what is held if they are not).
+
+Modules that need a Ray of their own keep it: a ``ray.cluster_utils.Cluster`` of
+several nodes (multinode, two hosts), a ``ray start`` cluster (job submit), Ray's
+metrics agent on a known port (observability), and a ``wt`` command run as a
+subprocess. :func:`pytest_collection_modifyitems` runs the modules on the shared
+cluster first and the cluster stops after the last of them
+(:func:`pytest_runtest_teardown`), before any of those others starts: no two Ray
+clusters run at once, and ``ray.init()``/``address="auto"`` of a later test cannot
+find the shared one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from actors.demo.fleet import LOCAL_NODE_IP
+
+CLUSTER_CPUS = 16  # the most any module asked its local instance for
+OBJECT_STORE_BYTES = 4 << 30  # ray.cluster_utils defaults to 150 MiB; local Ray to ~30% RAM
+IDLE_TIMEOUT_S = 60.0
+SHARED = "ray_job"  # the fixture that marks a test as running on the shared cluster
+
+
+class SharedCluster:
+    """The session's Ray cluster, started on first use and stopped by :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._cluster: Any = None
+
+    @property
+    def address(self) -> str:
+        if self._cluster is None:
+            from ray.cluster_utils import Cluster
+
+            self._cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": CLUSTER_CPUS, "node_ip_address": LOCAL_NODE_IP,
+                "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES})
+        return self._cluster.address
+
+    def stop(self) -> None:
+        if self._cluster is not None:
+            if ray.is_initialized():
+                ray.shutdown()
+            self._cluster.shutdown()
+            self._cluster = None
+
+
+_SHARED = SharedCluster()
+
+
+@pytest.fixture(scope="session")
+def shared_ray_cluster() -> SharedCluster:
+    return _SHARED
+
+
+def _wait_idle(timeout_s: float) -> None:
+    """Every CPU of the cluster free: the previous module's job has been cleaned up."""
+    deadline = time.monotonic() + timeout_s
+    total = ray.cluster_resources().get("CPU", 0.0)
+    while (free := ray.available_resources().get("CPU", 0.0)) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"shared Ray cluster: {total - free:g} of {total:g} CPUs still held "
+                f"{timeout_s:g} s after the previous module's job ended")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_job(shared_ray_cluster: SharedCluster) -> Iterator[None]:
+    """This module's own Ray driver on the shared cluster; its actors die with it."""
+    ray.init(address=shared_ray_cluster.address, _node_ip_address=LOCAL_NODE_IP,
+             log_to_driver=False, logging_level="WARNING")
+    try:
+        _wait_idle(IDLE_TIMEOUT_S)
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.hookimpl(trylast=True)  # after tests/conftest.py marked and `-m` deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests on the shared cluster first (the order of modules and tests kept otherwise)."""
+    items.sort(key=lambda item: SHARED not in getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the module's fixtures (its ray_job) are torn down first
+    if SHARED in getattr(item, "fixturenames", ()) and (
+            nextitem is None or SHARED not in getattr(nextitem, "fixturenames", ())):
+        _SHARED.stop()
