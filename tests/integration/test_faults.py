@@ -152,7 +152,8 @@ def test_remove_replica_and_bad_names(env):
     with pytest.raises(ValueError, match="no replica 'engine9'"):
         ctl.remove_replica("engine9")
     actors = ctl.replicas["engine1"]
-    gone = [(ep.owner, ep.nic) for m in ctl._engine_metas["engine1"] for ep in engine_endpoints(m)]
+    gone = [(ep.owner, ep.nic) for m in ctl.state.engine_metas["engine1"]
+            for ep in engine_endpoints(m)]
     ctl.remove_replica("engine1")
     # The trainers closed their connections to its NICs: none is left to disconnect.
     assert [ray.get(t.wt_disconnect.remote(gone)) for t in ctl.trainers] == \
