@@ -39,10 +39,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weight_transfer.engines.vllm import checkpoint as ckpt
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
+from weight_transfer.recording import checkpoint as ckpt
 from weight_transfer.transport.handshake import answer_requests, connect_peers
 from weight_transfer.types import EngineRankMeta, EngineTensorMeta, ShardSpec
 
