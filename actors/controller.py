@@ -77,6 +77,7 @@ from actors.metrics_ray import actor_metrics
 from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
 from actors.telemetry import ProgressHook
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.transport.handshake import Connection
 from weight_transfer.types import EngineRankMeta, RankInfo
 
@@ -158,8 +159,9 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
             self.progress(phase, len(refs) - len(pending), len(refs))
         return pending
 
-    def _each_engine(self, method: str, *args: Any, replicas: Sequence[str], phase: str,
+    def _each_engine(self, method: Any, *args: Any, replicas: Sequence[str], phase: str,
                      timeout: float | None = None) -> list:
+        method = method_name(method)  # an EngineRank member
         refs, labels = [], []
         for name in replicas:
             for rank, actor in enumerate(self.replicas[name]):
@@ -228,7 +230,7 @@ class WeightTransferController(UpdateSteps, ReplicaOps):
         does not answer keeps its last metadata (it stays torn until it answers)."""
         until = time.monotonic() + self.config.update_timeout_s
         names = list(self.replicas)
-        faults = fan_out(self.ledger, self.replicas, names, "wt_engine_meta",
+        faults = fan_out(self.ledger, self.replicas, names, EngineRank.wt_engine_meta,
                          self.config.transport_spec, until=until)
         for name in dead_replicas(faults):
             log.error("setup: replica %s dropped: %s", name, describe_faults(faults)[name])

@@ -32,6 +32,7 @@ from actors.engine_control import describe_faults, fan_out, next_epoch, wall_dea
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
 from actors.telemetry import replica_versions
+from weight_transfer.engines.rank import EngineRank
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ReplicaOps:
         self._connector.check_engines([m.rank for m in self._trainer_metas], metas, sources=src)
         self._add_replica_entry(name, actors, metas)
         try:
-            self._each_engine("wt_pause", self.config.setup_timeout_s, next_epoch(),
+            self._each_engine(EngineRank.wt_pause, self.config.setup_timeout_s, next_epoch(),
                               replicas=[name], phase=f"hold {name} until filled")
             self._copy_replica(source, name, version=current,
                                timeout=self.config.setup_timeout_s)
@@ -109,7 +110,7 @@ class ReplicaOps:
         except Exception:
             self._forget_replica(name)
             raise
-        self._each_engine("wt_resume", current, next_epoch(), replicas=[name],
+        self._each_engine(EngineRank.wt_resume, current, next_epoch(), replicas=[name],
                           phase=f"resume {name}")
         self._versions[name] = current
         log.info("replica %s filled with version %d from %s", name, current, source)
@@ -173,7 +174,7 @@ class ReplicaOps:
         deadline = time.monotonic() + self.config.update_timeout_s
         self._versions[name] = None
         self._paused.add(name)
-        faults = fan_out(self.ledger, self.replicas, [name], "wt_pause",
+        faults = fan_out(self.ledger, self.replicas, [name], EngineRank.wt_pause,
                          self.config.update_timeout_s, epoch=next_epoch(), until=deadline)
         if faults:
             raise RuntimeError(f"resync({name}): could not hold it: "
@@ -184,7 +185,7 @@ class ReplicaOps:
         except (RuntimeError, TimeoutError):
             self._hold([name], {})
             raise
-        faults = fan_out(self.ledger, self.replicas, [name], "wt_resume", version,
+        faults = fan_out(self.ledger, self.replicas, [name], EngineRank.wt_resume, version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         if faults:
             self._hold([name], faults)

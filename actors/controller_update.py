@@ -50,6 +50,7 @@ from actors.engine_control import (
 from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.trace import write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
         kind = ("unresponsive" if m.error.startswith("did not answer") else
                 "dead" if "ActorDiedError" in m.error else "failed")
         out.setdefault(m.replica, []).append(RankFault(
-            replica=m.replica, rank=m.rank, kind=kind, method="wt_checksum", error=m.error))
+            replica=m.replica, rank=m.rank, kind=kind,
+            method=method_name(EngineRank.wt_checksum), error=m.error))
     return out
 
 
@@ -136,7 +138,7 @@ class UpdateSteps:
         faults: dict[str, list[RankFault]] = {}
         if self.pause_during_update:
             pause = [n for n in names if n not in self._paused]
-            _merge(faults, fan_out(self.ledger, self.replicas, pause, "wt_pause",
+            _merge(faults, fan_out(self.ledger, self.replicas, pause, EngineRank.wt_pause,
                                    timeout * PAUSE_SHARE, epoch=next_epoch(),
                                    until=deadline - timeout * (1 - PAUSE_SHARE)))
             self._paused.update(names)
@@ -221,12 +223,12 @@ class UpdateSteps:
         """Resume replicas that got every byte of ``version``; the faults of those that did
         not resume (they are torn)."""
         resume = [n for n in good if n in self._paused]
-        faults = fan_out(self.ledger, self.replicas, resume, "wt_resume", version,
+        faults = fan_out(self.ledger, self.replicas, resume, EngineRank.wt_resume, version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         self._paused.difference_update(n for n in resume if n not in faults)
         running = [n for n in good if n not in resume]
-        _merge(faults, fan_out(self.ledger, self.replicas, running, "wt_set_version", version,
-                               epoch=next_epoch(), until=deadline))
+        _merge(faults, fan_out(self.ledger, self.replicas, running, EngineRank.wt_set_version,
+                               version, epoch=next_epoch(), until=deadline))
         for n in good:
             if n not in faults:
                 self._versions[n] = version
@@ -262,8 +264,8 @@ class UpdateSteps:
                 log.error("could not hold %s/tp%d: %s", name, rank, cause_of(err))
                 if isinstance(err, ray.exceptions.ActorDiedError):
                     dead.setdefault(name, []).append(RankFault(
-                        replica=name, rank=rank, kind="dead", method="wt_pause",
-                        error=cause_of(err)))
+                        replica=name, rank=rank, kind="dead",
+                        method=method_name(EngineRank.wt_pause), error=cause_of(err)))
         return dead
 
     def _fail(self, version: int, reports: dict[int, RankReport], errors: dict[int, str],
