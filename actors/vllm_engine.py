@@ -10,6 +10,8 @@ owner, naming its rank. The controller is used unchanged::
 
     replicas = launch_vllm_engines(cfg, model_path)    # [[VllmRank, ...] per replica]
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    replicas.owners                                    # the VllmEngine actor of each replica
+    replicas.close()                                   # vLLM shut down, every actor killed
 
 Pause is idempotent over a replica's ranks (the first one stops the engine at a
 step boundary); the replica resumes - ``finish_weight_update(version)``, a
@@ -31,6 +33,7 @@ import ray
 
 from actors.config import TransferConfig
 from actors.connections import this_host
+from actors.handles import Launched
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -216,14 +219,20 @@ VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
                         replicas: list[int] | None = None, env: dict[str, str] | None = None
-                        ) -> tuple[list[list[Any]], list[Any]]:
-    """(rank facades per replica, owners): one vLLM engine per replica of the cluster."""
+                        ) -> Launched:
+    """One vLLM engine per replica of the cluster: a handle that is the list of replicas
+    (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
+    first by ``close()``; all closed when an engine fails to start)."""
     reps = list(range(config.cluster.inference.replicas)) if replicas is None else replicas
     # env reaches the owner's process before it imports vLLM (its logging reads it then)
     opts = {"num_cpus": 0, **({"runtime_env": {"env_vars": dict(env)}} if env else {})}
     owners = [VllmEngine.options(**opts).remote(config, r, str(model_path), dtype=dtype, env=env)
               for r in reps]
-    ray.get([o.startup_seconds.remote() for o in owners])
+    try:
+        ray.get([o.startup_seconds.remote() for o in owners])
+    except BaseException:
+        Launched([], owners=owners, what="vLLM engines").close()
+        raise
     tp = config.cluster.inference.gpus_per_replica
     facades = [[VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
-    return facades, owners
+    return Launched(facades, owners=owners, what="vLLM engines")
