@@ -34,7 +34,6 @@ terminal; logs and ``--json -`` get none.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import shutil
@@ -51,7 +50,7 @@ from rich.progress import Progress
 
 from scheduling.cluster import load_cluster_config
 from scripts.demo_checks import UpdateCheck, render_table, summary, write_json
-from scripts.demo_verify import check_bytes, corrupt_one_byte, first_answer, verify
+from scripts.demo_verify import check_bytes, first_answer, verify
 from scripts.progress import (
     PhaseBars,
     command_console,
@@ -60,6 +59,7 @@ from scripts.progress import (
     progress_bar,
 )
 from scripts.run_config import RunConfig, load_run_config
+from weight_transfer.engines.registry import engine_spec
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
 
@@ -67,15 +67,13 @@ log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
 # interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
 LOCAL_NODE_IP = "127.0.0.2"
-# Per engine, the module holding its ``start_fleet(run, progress)`` and
-# ``check_bytes(fleet, checks, problems, previous)`` (the reference engine's from
-# :mod:`scripts.demo_verify`); imported on use.
-ENGINE_MODULES = {"reference": __name__, "vllm": "scripts.demo_vllm"}
 
 
 def engine_impl(engine: str, name: str) -> Callable:
-    """The demo's ``name`` function for ``engine`` (see ``ENGINE_MODULES``)."""
-    return getattr(importlib.import_module(ENGINE_MODULES[engine]), name)
+    """The demo's hook ``name`` (``start_fleet(run, progress)``, ``check_bytes(fleet, checks,
+    problems, previous)`` ...) of ``engine``, from the engine registry
+    (:func:`weight_transfer.engines.registry.engine_spec`); imported on use."""
+    return engine_spec(engine).tool(name)
 
 
 # ------------------------------------------------------------------------ Ray and actors
@@ -115,7 +113,11 @@ def _local_cluster_running() -> bool:
 
 @dataclass(slots=True)
 class Fleet:
-    """The running job: actors, the controller and what the checks need to know."""
+    """The running job: actors, the controller and what the checks need to know.
+
+    ``handles``: the launch handles (:class:`actors.handles.Launched`) of every actor the
+    job started; :meth:`close` closes them (actors, engine processes, placement groups).
+    """
 
     run: RunConfig
     config: Any  # actors.TransferConfig
@@ -126,6 +128,12 @@ class Fleet:
     engine: str = "reference"
     owners: list[Any] = field(default_factory=list)  # actors owning the engines (vLLM)
     workdir: Path | None = None  # checkpoints of the trainers' weights (vLLM), removed at close
+    handles: list[Any] = field(default_factory=list)
+
+    def adopt(self, handle: Any) -> Any:
+        """Own ``handle`` (closed with the fleet); returns it."""
+        self.handles.append(handle)
+        return handle
 
     @property
     def engine_keys(self) -> dict[str, Any]:
@@ -147,7 +155,7 @@ class Fleet:
     @property
     def engine_kind(self) -> str:
         dtype = "fp8" if self.config.engine_fp8 else "bf16"
-        return dtype if self.engine == "reference" else f"{self.engine}, float32"
+        return engine_spec(self.engine).kind or dtype
 
     def info(self) -> dict[str, Any]:
         cfg, summary = self.config, self.controller.summary
@@ -158,27 +166,11 @@ class Fleet:
                          "mesh_groups": summary.num_groups}}
 
     def close(self) -> None:
-        """Drop the controller, the actors and their placement groups."""
+        """Drop the controller, then every launch handle: the engines' own processes, the
+        actors and their placement groups."""
         self.controller.shutdown()
-        actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
-        groups = {}
-        for actor in actors:
-            try:
-                pg = ray.get(actor.__ray_call__.remote(_placement_group), timeout=30)
-            except (ray.exceptions.RayError, TimeoutError) as exc:  # dead: nothing to ask
-                log.warning("closing the demo: an actor did not answer: %s", exc)
-                continue
-            if pg is not None:
-                groups[pg.id] = pg
-        for owner in self.owners:  # stop the engines' own processes first
-            try:
-                ray.get(owner.shutdown.remote(), timeout=60)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                log.warning("closing the demo: an engine did not shut down: %s", exc)
-        for actor in [*actors, *self.owners]:
-            ray.kill(actor)
-        for pg in groups.values():
-            ray.util.remove_placement_group(pg)
+        for handle in reversed(self.handles):
+            handle.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -200,29 +192,52 @@ def transfer_config(run: RunConfig, **overrides: Any) -> Any:
     return TransferConfig(**(fields | overrides))
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
+def start_fleet(run: RunConfig, progress: Progress | None = None, *,
+                actor_classes: dict[str, Any] | None = None, **overrides: Any) -> Fleet:
     """Actors as the cluster config places them, and the controller after setup()
-    (``overrides``: see :func:`transfer_config`)."""
-    from actors import WeightTransferController, launch_engines, launch_trainers
+    (``overrides``: see :func:`transfer_config`; ``actor_classes``: ``{"trainer": cls,
+    "engine": cls}`` instead of the ready-made actors, e.g. :mod:`testkit.hooks`' classes
+    with fault injection).
+
+    Every actor started is owned by a launch handle; on an error they are closed."""
+    from actors import WeightTransferController, launch_trainers
+    from actors.handles import Launched
 
     config = transfer_config(run, **overrides)
+    classes = actor_classes or {}
+    launch_engines = engine_spec("reference").launcher()
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
-    bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config)
-    bars("start trainer ranks", 1, 1)
-    engines = []
-    for i in range(config.cluster.inference.replicas):
-        bars("start engine replicas", i, config.cluster.inference.replicas)
-        engines += launch_engines(config, replicas=[i])
-    bars("start engine replicas", len(engines), len(engines))
-    ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
-    ctl.progress = bars if progress is not None else None
-    ctl.setup()
+    handles: list[Launched] = []
+    try:
+        bars("start trainer ranks", 0, 1)
+        trainers = _launch(handles, launch_trainers, config, classes.get("trainer"))
+        bars("start trainer ranks", 1, 1)
+        n = config.cluster.inference.replicas
+        for i in range(n):
+            bars("start engine replicas", i, n)
+            _launch(handles, launch_engines, config, classes.get("engine"), replicas=[i])
+        bars("start engine replicas", n, n)
+        engines = [r for h in handles[1:] for r in h]
+        ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
+        ctl.progress = bars if progress is not None else None
+        ctl.setup()
+    except BaseException:
+        for h in reversed(handles):
+            h.close()
+        raise
     ctl.progress = None
     names = [config.cluster.replica_name(i) for i in range(len(engines))]
-    return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
-                 strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
+    return Fleet(run=run, config=config, trainers=list(trainers),
+                 replicas=dict(zip(names, engines, strict=True)), controller=ctl,
+                 setup_seconds=time.perf_counter() - start, handles=handles)
+
+
+def _launch(handles: list, launch: Callable, config: Any, actor_cls: Any, **kw: Any) -> Any:
+    """``launch(config, ...)`` with ``actor_cls`` if given; its handle joins ``handles``."""
+    handle = launch(config, **kw, **({"actor_cls": actor_cls} if actor_cls else {}))
+    handles.append(handle)
+    return handle
 
 
 @contextlib.contextmanager
@@ -243,10 +258,6 @@ def fleet_session(run: RunConfig, fleet: Fleet | None = None,
             own.close()
         if started:
             ray.shutdown()
-
-
-def _placement_group(actor: Any) -> Any:
-    return ray.util.get_current_placement_group()
 
 
 # ------------------------------------------------------------------------ one cycle
@@ -343,16 +354,20 @@ def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
                                  json_path=json_path, transport=transport, engine=engine)
-        if corrupt_version is not None and run.engine != "reference":
-            raise ValueError("--corrupt-version works with the reference engine only")
+        if corrupt_version is not None and not engine_spec(run.engine).has_tool(
+                "corrupt_one_byte"):
+            raise ValueError(f"--corrupt-version: the {run.engine} engine cannot flip a byte "
+                             "(works with the reference engine)")
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
     hook = None
     if corrupt_version is not None:
+        corrupt = engine_spec(run.engine).tool("corrupt_one_byte")
+
         def hook(fleet: Fleet, version: int) -> None:
             if version == corrupt_version:
-                corrupt_one_byte(fleet, version)
+                corrupt(fleet, version)
     return run_job(run, console=console, after_update=hook, trace_path=trace_path)
 
 

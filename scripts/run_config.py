@@ -153,8 +153,9 @@ class RunConfig(_Section):
     model: Path
     cluster: Path = Path("configs/clusters/local_cpu.yaml")
     fp8: bool = False
-    # The inference engine: our reference decoder, or a real vLLM (the `vllm` extra).
-    engine: Literal["reference", "vllm"] = "reference"
+    # The inference engine, a name of the engine registry: our reference decoder, a real
+    # vLLM (the `vllm` extra), or one registered by the user.
+    engine: str = "reference"
     updates: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
     train: TrainConfig = TrainConfig()
@@ -163,6 +164,13 @@ class RunConfig(_Section):
     transfer: TransferConfig = TransferConfig()
     rl: RlConfig = RlConfig()
     json_path: Path | None = Field(default=None, alias="json")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        from weight_transfer.engines.registry import engine_spec
+
+        return engine_spec(value).name  # ValueError listing the registered engines
 
     @property
     def model_path(self) -> Path:

@@ -103,8 +103,8 @@ register_engine(
     tools={"start_fleet": "scripts.demo:start_fleet",
            "check_bytes": "scripts.demo_verify:check_bytes",
            "bench": "scripts.bench_designs_fleet:ReferenceBench",
-           "launch_replicas": "scripts.demo:launch_replicas",
-           "sample_rollouts": "scripts.demo:sample_rollouts",
+           "launch_replicas": "scripts.rl_loop:launch_reference_replicas",
+           "sample_rollouts": "scripts.rl_loop:reference_rollouts",
            "corrupt_one_byte": "scripts.demo_verify:corrupt_one_byte"})
 register_engine(
     "vllm", "actors.vllm_engine", "launch_vllm_engines",
