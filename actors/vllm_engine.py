@@ -218,8 +218,8 @@ VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
-                        replicas: list[int] | None = None, env: dict[str, str] | None = None
-                        ) -> Launched:
+                        replicas: list[int] | None = None, env: dict[str, str] | None = None,
+                        rank_cls: Any = None) -> Launched:
     """One vLLM engine per replica of the cluster: a handle that is the list of replicas
     (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
     first by ``close()``; all closed when an engine fails to start)."""
@@ -234,5 +234,6 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
         Launched([], owners=owners, what="vLLM engines").close()
         raise
     tp = config.cluster.inference.gpus_per_replica
-    facades = [[VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
+    rank_cls = rank_cls or VllmRank  # tests: testkit.hooks.FaultyVllmRank
+    facades = [[rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
     return Launched(facades, owners=owners, what="vLLM engines")

@@ -30,6 +30,7 @@ from actors import (
     launch_trainers,
 )
 from reference.loader import load_engine_shard
+from testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -44,8 +45,9 @@ def env():
         CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
         update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
         nic_gbps=0.01)  # about 0.2-0.5 s of writes per update: long enough to hit one
-    trainers = launch_trainers(cfg)
-    ctl = WeightTransferController(trainers=trainers, engines=launch_engines(cfg), config=cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # fault hooks: testkit
+    ctl = WeightTransferController(trainers=trainers, config=cfg,
+                                   engines=launch_engines(cfg, actor_cls=FaultyInferenceActor))
     ctl.setup()
     state = {"cfg": cfg, "ctl": ctl, "version": 0}
     yield state
@@ -111,7 +113,7 @@ def train(ctl, step: int) -> None:
 def bring_back(env, index: int) -> None:
     """A new replica ``index`` filled from a peer (add_replica), then one healthy update."""
     ctl = env["ctl"]
-    (new,) = launch_engines(env["cfg"], replicas=[index])
+    (new,) = launch_engines(env["cfg"], replicas=[index], actor_cls=FaultyInferenceActor)
     ctl.add_replica(new)
     healthy_update(env)
 
@@ -241,7 +243,7 @@ def test_trainer_killed_mid_update_then_replaced(env):
     assert all(serving(ctl, n) == [(True, None)] * 2 for n in ctl.replicas)
     for t in old:  # the survivors' gloo group lost a member: replace every rank
         ray.kill(t)
-    ctl.setup(trainers=launch_trainers(cfg))
+    ctl.setup(trainers=launch_trainers(cfg, actor_cls=FaultyTrainerActor))
     train(ctl, 5)
     healthy_update(env)
 
