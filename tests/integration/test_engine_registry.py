@@ -13,6 +13,7 @@ weights.
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ENGINE = "dict_engine"
+# The engine's actor class lives here, in a test module the Ray workers cannot import.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
