@@ -14,7 +14,8 @@ weight_transfer/ (neither of which imports Ray).
 Modules: trainer (TrainerMixin, TrainerActor), inference (InferenceMixin,
 InferenceActor), schedule_actor (ScheduleActor), controller
 (WeightTransferController), launch (placement and group formation), reports
-(UpdateReport), config (TransferConfig), messages (what crosses Ray at setup).
+(UpdateReport), config (TransferConfig), messages (what crosses Ray at setup),
+handles (Launched: what a launch helper started, owned and closed by its caller).
 
 The package imports its submodules lazily, on first access of a public name:
 ``import actors.reports`` (plain data) does not import Ray; ``from actors import
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "InferenceActor": "actors.inference",
     "InferenceMixin": "actors.inference",
     "InferenceWorker": "actors.inference",
+    "Launched": "actors.handles",
     "PlanSummary": "actors.messages",
     "RankReport": "actors.reports",
     "ScheduleActor": "actors.schedule_actor",
