@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_spec
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.retry import RetryPolicy, parse_retry
 from weight_transfer.transport.options import (
@@ -155,7 +156,7 @@ class RunConfig(_Section):
     fp8: bool = False
     # The inference engine, a name of the engine registry: our reference decoder, a real
     # vLLM (the `vllm` extra), or one registered by the user.
-    engine: str = "reference"
+    engine: str = DEFAULT_ENGINE
     updates: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
     train: TrainConfig = TrainConfig()
@@ -168,8 +169,6 @@ class RunConfig(_Section):
     @field_validator("engine")
     @classmethod
     def _engine(cls, value: str) -> str:
-        from weight_transfer.engines.registry import engine_spec
-
         return engine_spec(value).name  # ValueError listing the registered engines
 
     @property

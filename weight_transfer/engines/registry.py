@@ -61,6 +61,7 @@ class EngineSpec:
 
 
 _REGISTRY: dict[str, EngineSpec] = {}
+DEFAULT_ENGINE = "reference"  # a run config's engine when it names none
 
 
 def register_engine(name: str, module: str, launch: str, *,
