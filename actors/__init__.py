@@ -19,6 +19,8 @@ their launch helpers and settings (``TrainerActor``, ``InferenceActor``,
 ``launch_trainers``, ``launch_engines``, ``DemoActorConfig``). Everything else
 lives in its module: trainer, inference, schedule_actor, controller, launch,
 reports, config, messages (what crosses Ray at setup).
+``Launched`` (actors.handles) is what a launch helper returns: it owns the actors,
+engine owners and placement groups it started and closes them.
 
 The package imports its submodules lazily, on first access of a public name:
 ``import actors.reports`` (plain data) does not import Ray; ``from actors import
@@ -37,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "DemoActorConfig": "actors.config",
     "InferenceActor": "actors.inference",
     "InferenceMixin": "actors.inference",
+    "Launched": "actors.handles",
     "TrainerActor": "actors.trainer",
     "TrainerMixin": "actors.trainer",
     "TransferConfig": "actors.config",

@@ -8,7 +8,7 @@ through it::
     calls = ControlCalls(ledger, default_timeout_s=cfg.setup_timeout_s)
     calls.progress = hook                      # hook(phase, done, total) while waiting
     metas = calls.gather(refs, ["trainer 0", "trainer 1"], phase="gather metadata")
-    calls.each_engine(replicas, "wt_pause", 10.0, epoch, names=["engine0"], phase="hold")
+    calls.each_engine(replicas, EngineRank.wt_pause, 10.0, epoch, names=["engine0"], phase="hold")
 
 A late actor is a TimeoutError naming the phase and the actors; one that raised
 is a RuntimeError naming it and the remote error's first line.
@@ -25,6 +25,7 @@ import ray
 from actors.engine_control import cause_of
 from actors.ledger import ControlLedger
 from actors.telemetry import ProgressHook
+from weight_transfer.engines.rank import method_name
 from weight_transfer.types import EngineRankId
 
 
@@ -69,9 +70,11 @@ class ControlCalls:
             self.progress(phase, len(refs) - len(pending), len(refs))
         return pending
 
-    def each_engine(self, replicas: Mapping[str, Sequence[Any]], method: str, *args: Any,
+    def each_engine(self, replicas: Mapping[str, Sequence[Any]], method: Any, *args: Any,
                     names: Sequence[str], phase: str, timeout: float | None = None) -> list:
-        """``method(*args)`` on every rank of the replicas ``names``; results in order."""
+        """``method(*args)`` (an ``EngineRank`` member) on every rank of the replicas
+        ``names``; results in order."""
+        method = method_name(method)  # TypeError for a string: name the member instead
         refs, labels = [], []
         for name in names:
             for rank, actor in enumerate(replicas[name]):

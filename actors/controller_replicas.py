@@ -49,6 +49,7 @@ from actors.faults import fault_kind_of
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
 from actors.telemetry import replica_versions
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import FaultKind, IntegrityError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.types import EngineRankId
@@ -95,7 +96,8 @@ def hold(state: ControllerState, calls: ControlCalls, torn: Sequence[str],
             log.error("could not hold %s/tp%d: %s", name, rank, cause_of(err))
             if fault_kind_of(err) is FaultKind.DEAD:
                 dead.setdefault(name, []).append(RankFault(
-                    replica=name, rank=rank, kind=FaultKind.DEAD, method="wt_pause",
+                    replica=name, rank=rank, kind=FaultKind.DEAD,
+                    method=method_name(EngineRank.wt_pause),
                     error=cause_of(err)))
     return dead
 
@@ -163,14 +165,16 @@ class ReplicaOps:
         st.add_replica_entry(name, actors, metas)
         timeout = self.config.setup_timeout_s
         try:
-            calls.each_engine(st.replicas, "wt_pause", timeout, next_epoch(), names=[name],
+            calls.each_engine(st.replicas, EngineRank.wt_pause, timeout, next_epoch(),
+                              names=[name],
                               phase=f"hold {name} until filled")
             self._copy(source, name, version=current, timeout=timeout)
             replan(st, calls, self.config)
         except Exception:
             st.forget_replica(name)
             raise
-        calls.each_engine(st.replicas, "wt_resume", current, next_epoch(), names=[name],
+        calls.each_engine(st.replicas, EngineRank.wt_resume, current, next_epoch(),
+                          names=[name],
                           phase=f"resume {name}")
         st.versions[name] = current
         log.info("replica %s filled with version %d from %s", name, current, source)
@@ -245,7 +249,7 @@ class ReplicaOps:
         deadline = time.monotonic() + timeout
         st.versions[name] = None
         st.paused.add(name)
-        faults = fan_out(calls.ledger, st.replicas, [name], "wt_pause", timeout,
+        faults = fan_out(calls.ledger, st.replicas, [name], EngineRank.wt_pause, timeout,
                          epoch=next_epoch(), until=deadline)
         if faults:
             raise RuntimeError(f"resync({name}): could not hold it: "
@@ -256,7 +260,7 @@ class ReplicaOps:
         except (RuntimeError, TimeoutError):
             hold(st, calls, [name], {})
             raise
-        faults = fan_out(calls.ledger, st.replicas, [name], "wt_resume", version,
+        faults = fan_out(calls.ledger, st.replicas, [name], EngineRank.wt_resume, version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         if faults:
             hold(st, calls, [name], faults)

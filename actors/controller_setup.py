@@ -32,6 +32,7 @@ from actors.groups import host_store, node_ip
 from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
+from weight_transfer.engines.rank import EngineRank
 from weight_transfer.transport.handshake import Connection
 from weight_transfer.types import EngineRankId, EngineRankMeta
 
@@ -82,7 +83,7 @@ def refresh_engines(state: ControllerState, calls: ControlCalls,
     does not answer keeps its last metadata (it stays torn until it answers)."""
     until = time.monotonic() + config.update_timeout_s
     names = list(state.replicas)
-    faults = fan_out(calls.ledger, state.replicas, names, "wt_engine_meta",
+    faults = fan_out(calls.ledger, state.replicas, names, EngineRank.wt_engine_meta,
                      config.transport_spec, until=until)
     for name in dead_replicas(faults):
         log.error("setup: replica %s dropped: %s", name, describe_faults(faults)[name])

@@ -64,6 +64,7 @@ from actors.engine_control import (
 from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, TrainerFault, UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import FaultKind, UpdateError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import write_chrome_trace
@@ -120,7 +121,8 @@ def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
         if m.actual is not None or any(f.rank == m.rank for f in out.get(m.replica, ())):
             continue
         out.setdefault(m.replica, []).append(RankFault(
-            replica=m.replica, rank=m.rank, kind=m.fault, method="wt_checksum", error=m.error))
+            replica=m.replica, rank=m.rank, kind=m.fault,
+            method=method_name(EngineRank.wt_checksum), error=m.error))
     return out
 
 
@@ -152,7 +154,7 @@ class UpdateSteps:
         faults: dict[str, list[RankFault]] = {}
         if pause:
             _merge(faults, fan_out(ledger, st.replicas, [n for n in names if n not in st.paused],
-                                   "wt_pause", timeout * PAUSE_SHARE, epoch=next_epoch(),
+                                   EngineRank.wt_pause, timeout * PAUSE_SHARE, epoch=next_epoch(),
                                    until=deadline - timeout * (1 - PAUSE_SHARE)))
             st.paused.update(names)
         paused_at = time.perf_counter()
@@ -254,11 +256,11 @@ class UpdateSteps:
         not resume (they are torn)."""
         st, ledger = self.state, self.calls.ledger
         resume = [n for n in good if n in st.paused]
-        faults = fan_out(ledger, st.replicas, resume, "wt_resume", version,
+        faults = fan_out(ledger, st.replicas, resume, EngineRank.wt_resume, version,
                          epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
         st.paused.difference_update(n for n in resume if n not in faults)
         running = [n for n in good if n not in resume]
-        _merge(faults, fan_out(ledger, st.replicas, running, "wt_set_version", version,
+        _merge(faults, fan_out(ledger, st.replicas, running, EngineRank.wt_set_version, version,
                                epoch=next_epoch(), until=deadline))
         for n in good:
             if n not in faults:

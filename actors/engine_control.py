@@ -6,7 +6,7 @@ deadline (``time.monotonic()``), never longer. Each rank that does not end
 well becomes a :class:`RankFault` of its replica, so one dead or stopped rank
 costs its own replica and never the others::
 
-    faults = fan_out(ledger, ctl.replicas, ["engine0", "engine1"], "wt_pause",
+    faults = fan_out(ledger, ctl.replicas, ["engine0", "engine1"], EngineRank.wt_pause,
                      until=time.monotonic() + 10, epoch=next_epoch())
     faults    # {"engine1": [RankFault(replica="engine1", rank=1, kind="dead", ...)]}
 
@@ -28,13 +28,14 @@ calls run in.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from actors.faults import fault_kind_of
+from weight_transfer.engines.rank import method_name
 from weight_transfer.errors import FaultKind
 from weight_transfer.types import EngineRankId
 
@@ -85,13 +86,16 @@ def cause_of(err: BaseException) -> str:
 
 
 def fan_out(ledger: Any, replicas: Mapping[str, Sequence[Any]], names: Sequence[str],
-            method: str, *args: Any, until: float, **kwargs: Any) -> dict[str, list[RankFault]]:
-    """Call ``method`` on every rank of ``names`` at once; the faults per replica (none: {}).
+            method: Callable[..., Any], *args: Any, until: float,
+            **kwargs: Any) -> dict[str, list[RankFault]]:
+    """Call ``method`` (an ``EngineRank`` member, e.g. ``EngineRank.wt_pause``) on every rank
+    of ``names`` at once; the faults per replica (none: {}).
 
     Waits until ``until`` (a ``time.monotonic()`` deadline) at most; a rank still running then is
     ``unresponsive`` (its call stays queued in its actor: commands must be
     fenced by epochs, see the module docstring).
     """
+    method = method_name(method)
     refs: dict[Any, tuple[str, int]] = {}
     for name in names:
         for rank, actor in enumerate(replicas[name]):

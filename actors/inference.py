@@ -37,11 +37,8 @@ offers ``generate`` and ``logits`` (every TP rank of the replica calls together)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,21 +50,14 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
-from weight_transfer.engine_copy import copy_jobs, layout_key, regions_of  # noqa: F401
-from weight_transfer.integrity import checksum_ranges
-from weight_transfer.receipt import check_engine_meta
-from weight_transfer.transport.handshake import (
-    Connection,
-    HostId,
-    InfoRequest,
-    answer_requests,
-    connect_peers,
-)
+from weight_transfer.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
+from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noqa: F401
+from weight_transfer.engines.registered import RegisteredMemory
+from weight_transfer.transport.handshake import Connection, HostId, InfoRequest
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
     EngineRankId,
     EngineRankMeta,
-    EngineTensorMeta,
     NicId,
     PeerInfo,
     ShardSpec,
@@ -75,23 +65,12 @@ from weight_transfer.types import (
 
 log = logging.getLogger(__name__)
 
-_KEEP = object()
-EVENTS_KEPT = 1024  # wt_events() keeps this many latest pause/resume/version events
-
-
-def _byte_view(buf: Any) -> Any:
-    """A flat uint8 view of registered memory (a tensor, an array or a buffer)."""
-    if isinstance(buf, torch.Tensor):
-        return buf.reshape(-1).view(torch.uint8)
-    return np.frombuffer(buf, dtype=np.uint8) if not hasattr(buf, "__array_interface__") \
-        else np.asarray(buf).reshape(-1).view(np.uint8)
-
 
 class InferenceMixin:
-    """Weight-transfer methods for an inference actor; see the module docstring."""
+    """Weight-transfer methods for an inference actor (an
+    :class:`~weight_transfer.engines.rank.EngineRank`); see the module docstring."""
 
     _wt_adapter: Any = None
-    _wt_meta: EngineRankMeta | None = None
 
     def wt_attach_engine(
         self, *, adapter: Any, replica: str, rank: int, shard: ShardSpec, nics: Sequence[NicId],
@@ -105,17 +84,10 @@ class InferenceMixin:
             raise ValueError(f"{who}: needs at least one NIC name")
         self._wt_adapter, self._wt_replica, self._wt_rank = adapter, replica, rank
         self._wt_shard, self._wt_nic_names = shard, [str(n) for n in nics]  # names on the wire
-        self._wt_nics: dict[str, Any] = {}  # NIC name -> Transport
-        self._wt_buffers: dict[int, torch.Tensor] = {}  # region addr -> its bytes (uint8)
-        self._wt_spec: TransportSpec | None = None
         self._wt_default_spec = transport or DEFAULT_TRANSPORT
-        self._wt_meta = None
-        self._wt_version: int | None = None
-        # The latest events only: a long run must not grow the actor's memory.
-        self._wt_events: deque[tuple[str, int | None, float]] = deque(maxlen=EVENTS_KEPT)
-        self._wt_lock = threading.Lock()
-        self._wt_cmd_lock = threading.Lock()  # pause, resume and version commands, fenced
-        self._wt_epoch = 0  # the newest controller epoch seen
+        self._wt_mem = RegisteredMemory(self._wt_owner)
+        self._wt_fence = CommandFence(self._wt_owner)
+        self._wt_lock = threading.Lock()  # one registration at a time
 
     @property
     def _wt_owner(self) -> str:
@@ -130,13 +102,14 @@ class InferenceMixin:
         given to :meth:`wt_attach_engine`) and describe them: real regions, offsets."""
         self._wt_require()
         with self._wt_lock:
-            if self._wt_meta is None:
-                self._wt_meta = self._wt_register(transport or self._wt_default_spec)
-            elif transport is not None and transport != self._wt_spec:
-                raise ValueError(
-                    f"{self._wt_owner}: buffers are registered with {self._wt_spec.describe()} "
-                    f"NICs, not {transport.describe()}; wt_close() first to change transport")
-            return self._wt_meta
+            self._wt_mem.check_spec(transport)
+            if self._wt_mem.meta is None:
+                self._wt_mem.register(
+                    transport or self._wt_default_spec, self._wt_adapter.region_buffers(),
+                    nic_names=self._wt_nic_names, node=self.wt_node_id(),
+                    address=self.wt_host().address, replica=self._wt_replica,
+                    rank=self._wt_rank, shard=self._wt_shard)
+            return self._wt_mem.meta
 
     def wt_host(self) -> HostId:
         """The host this rank runs on (hostname and address; a simnic reaches only its own)."""
@@ -146,54 +119,17 @@ class InferenceMixin:
         """The Ray node this rank runs on (the plan's ``node``; not a host: see wt_host)."""
         return ray.get_runtime_context().get_node_id()
 
-    def _wt_register(self, spec: TransportSpec) -> EngineRankMeta:
-        node = self.wt_node_id()
-        address = self.wt_host().address
-        self._wt_spec = spec
-        tensors = []
-        for i, (buf, entries) in enumerate(self._wt_adapter.region_buffers()):
-            name = self._wt_nic_names[i % len(self._wt_nic_names)]
-            nic = self._wt_nics.get(name)
-            if nic is None:
-                nic = self._wt_nics[name] = spec.open(owner=self._wt_owner, nic=name, node=node,
-                                                      address=address)
-            region = nic.register(buf)
-            self._wt_buffers[region.addr] = _byte_view(buf)
-            tensors += [EngineTensorMeta(name=n, shape=tuple(shape), dtype=dtype, region=region,
-                                         offset=offset) for n, shape, dtype, offset in entries]
-        log.info("%s registered %d tensors in %d regions", self._wt_owner, len(tensors),
-                 len(self._wt_nics))
-        return EngineRankMeta(replica=self._wt_replica, rank=self._wt_rank, node=node,
-                              nic=self._wt_nic_names[0], shard=self._wt_shard,
-                              tensors=tuple(tensors))
-
     def wt_endpoints(self, requests: list[InfoRequest]) -> tuple[PeerInfo, ...]:
         """Connection set-up, round 1: this rank's peer info for each remote NIC named."""
         self.wt_engine_meta()
-        return answer_requests(self._wt_nics, requests, owner=self._wt_owner)
+        return self._wt_mem.endpoints(requests)
 
     def wt_connect_peers(self, conns: list[Connection]) -> int:
         """Connection set-up, round 2: connect these NICs to the peer infos made for them."""
         self.wt_engine_meta()
-        return connect_peers(self._wt_nics, conns, owner=self._wt_owner)
+        return self._wt_mem.connect(conns)
 
     # ------------------------------------------------------------------ pause and versions
-
-    def _wt_log(self, event: str) -> None:
-        self._wt_events.append((event, self._wt_version, time.time()))
-
-    def _wt_fence(self, epoch: int | None, what: str) -> bool:
-        """Whether a command of ``epoch`` is current (None: unfenced, from a user); call under
-        ``_wt_cmd_lock``. A command older than the newest one seen is ignored."""
-        if epoch is None:
-            return True
-        if epoch < self._wt_epoch:
-            log.warning("%s ignored a stale %s (epoch %d < %d)", self._wt_owner, what, epoch,
-                        self._wt_epoch)
-            self._wt_log(f"stale {what}")
-            return False
-        self._wt_epoch = epoch
-        return True
 
     def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
         """Hold generation at its next step boundary; returns once no step runs.
@@ -204,20 +140,16 @@ class InferenceMixin:
         becomes None until a resume names one.
         """
         self._wt_require()
-        with self._wt_cmd_lock:
-            if not self._wt_fence(epoch, "pause"):
-                return False
-            if epoch is not None:
-                self._wt_version = None
-            self._wt_adapter.pause()
+        if not self._wt_fence.pause(epoch, stop=self._wt_adapter.pause):
+            return False
         wait_idle = getattr(self._wt_adapter, "wait_idle", None)
         if wait_idle is not None and not wait_idle(timeout_s):
             raise TimeoutError(f"{self._wt_owner}: a generation step still runs "
                                f"{timeout_s:g} s after pause()")
-        self._wt_log("pause")
+        self._wt_fence.record("pause")
         return True
 
-    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+    def wt_resume(self, version: Any = KEEP, epoch: int | None = None,
                   deadline: float | None = None) -> bool:
         """Record ``version`` (if given) as the weights now held, then let generation go on.
 
@@ -226,19 +158,12 @@ class InferenceMixin:
         the controller gave up waiting for this resume and held the replica.
         """
         self._wt_require()
-        with self._wt_cmd_lock:
-            if not self._wt_fence(epoch, "resume"):
-                return False
-            if deadline is not None and time.time() > deadline:
-                log.warning("%s refused a resume to version %s that came %.3f s after its "
-                            "deadline", self._wt_owner, version, time.time() - deadline)
-                self._wt_log("late resume")
-                return False
-            if version is not _KEEP:
-                self._wt_version = version
-            self._wt_log("resume")
+
+        def go() -> None:
+            self._wt_fence.record("resume")
             self._wt_adapter.resume()
-        return True
+
+        return self._wt_fence.resume(version, epoch, deadline, go)
 
     def wt_paused(self) -> bool:
         self._wt_require()
@@ -247,79 +172,38 @@ class InferenceMixin:
     def wt_set_version(self, version: int | None, epoch: int | None = None) -> bool:
         """Record the version held (no pause: ``pause_during_update`` off); fenced as
         :meth:`wt_pause`."""
-        with self._wt_cmd_lock:
-            if not self._wt_fence(epoch, "version"):
-                return False
-            self._wt_version = version
-            self._wt_log("version")
-        return True
+        return self._wt_fence.set_version(version, epoch)
 
     def wt_version(self) -> int | None:
-        return self._wt_version
+        return self._wt_fence.version
 
     def wt_events(self) -> list[tuple[str, int | None, float]]:
         """(event, version held, time.time()) of every pause, resume and version change."""
-        return list(self._wt_events)
+        return self._wt_fence.events()
 
-    # ------------------------------------------------------------------ peer copy
+    # ------------------------------------------------------------------ peers and checks
 
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
-        mine = self.wt_engine_meta()
-        check_engine_meta(dst, f"{self._wt_owner}: copy target")  # on receipt
-        jobs = copy_jobs(mine, dst, self._wt_nics, owner=self._wt_owner)
-
-        async def run() -> None:
-            await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))
-
-        asyncio.run(run())
-        nbytes = sum(region.length for _, _, region in jobs)
-        log.info("%s copied %d B into %s/tp%d", self._wt_owner, nbytes, dst.replica, dst.rank)
-        return nbytes
-
-    # ------------------------------------------------------------------ integrity
+        self.wt_engine_meta()
+        return self._wt_mem.copy_to(dst)
 
     def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
         """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
         registered memory (:func:`weight_transfer.integrity.checksum_ranges`)."""
         self.wt_engine_meta()
-        return checksum_ranges(self._wt_buffers, ranges)
-
-    def wt_flip_byte(self, tensor: str, offset: int = 0) -> None:
-        """Fault injection: invert one byte of ``tensor`` in the registered memory, as a
-        corrupted WRITE would leave it."""
-        meta = self.wt_engine_meta()
-        t = next((t for t in meta.tensors if t.name == tensor), None)
-        if t is None or not 0 <= offset < t.nbytes:
-            raise ValueError(f"{self._wt_owner}: no byte {offset} of tensor {tensor!r}")
-        buf = self._wt_buffers[t.region.addr]
-        buf[t.offset + offset] ^= 0xFF
+        return self._wt_mem.checksum(ranges)
 
     def wt_nic_stats(self) -> dict[str, int]:
-        nics = self._wt_nics.values()
-        return {"bytes_written": sum(n.bytes_written for n in nics),
-                "writes": sum(n.writes for n in nics)}
+        return self._wt_mem.stats()
 
     def wt_transport(self) -> str | None:
         """The transport of this rank's NICs (``simnic``, ``mooncake``, ``rdma``), once open."""
-        return None if self._wt_spec is None else self._wt_spec.kind
-
-    def wt_deregister(self) -> None:
-        """Fault injection: revoke every registered region (later writes into it fail).
-        The next :meth:`wt_engine_meta` registers the buffers again (new rkeys): a later
-        ``setup()`` of the controller re-plans with them."""
-        meta = self.wt_engine_meta()
-        with self._wt_lock:
-            for region in regions_of(meta):
-                self._wt_nics[region.nic].deregister(region)
-            self._wt_meta = None
+        return None if self._wt_mem.spec is None else self._wt_mem.spec.kind
 
     def wt_close(self) -> None:
-        for nic in self._wt_nics.values():
-            nic.close()
-        self._wt_nics, self._wt_meta, self._wt_spec = {}, None, None
-        self._wt_buffers = {}
+        self._wt_mem.close()
 
 
 class InferenceWorker(InferenceMixin, GroupMember):

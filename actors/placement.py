@@ -90,8 +90,13 @@ def bundle_options(groups: Sequence[PlacementGroup], *, rank: int, per_node: int
 
 
 def remove_groups(groups: Sequence[PlacementGroup]) -> None:
+    """Remove placement groups (their launch handle's close; best effort: one that Ray has
+    already dropped, or a Ray that has shut down, is logged and skipped)."""
     for pg in groups:
-        ray.util.remove_placement_group(pg)
+        try:
+            ray.util.remove_placement_group(pg)
+        except Exception as exc:
+            log.warning("placement group %s not removed: %s", pg.id.hex(), exc)
 
 
 def trainer_rank_infos(cluster: ClusterConfig, node_ids: Sequence[str]) -> tuple[RankInfo, ...]:

@@ -22,7 +22,7 @@ inside a ``ray job submit --working-dir .`` package.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -36,6 +36,7 @@ from pydantic import (
 
 from actors.config import DemoActorConfig, TransferSettings, as_section
 from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,8 +126,9 @@ class RunConfig(_Section):
     model: Path
     cluster: Path = Path("configs/clusters/local_cpu.yaml")
     fp8: bool = False
-    # The inference engine: our reference decoder, or a real vLLM (the `vllm` extra).
-    engine: Literal["reference", "vllm"] = "reference"
+    # The inference engine, a name of the engine registry: our reference decoder, a real
+    # vLLM (the `vllm` extra), or one registered by the user.
+    engine: str = DEFAULT_ENGINE
     updates: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
     train: TrainConfig = TrainConfig()
@@ -155,6 +157,11 @@ class RunConfig(_Section):
     def demo_actors(self) -> DemoActorConfig:
         """The ready-made actors' settings: ``seed`` and ``train.lr``."""
         return DemoActorConfig(seed=self.seed, lr=self.train.lr)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        return engine_spec(value).name  # ValueError listing the registered engines
 
     @property
     def model_path(self) -> Path:

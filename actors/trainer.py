@@ -18,10 +18,9 @@ made for each engine NIC named), ``wt_connect(blob, conns, ...)`` (setup: its
 plan, the engines' peer infos made for this NIC, barrier store), and
 ``wt_update(version)`` at every update (only the version crosses Ray; the rank
 replays its static plan with one-sided writes and returns a constant-size
-:class:`~actors.reports.RankReport`). ``wt_set_link`` and
-``wt_fail_after_bytes`` (and ``wt_flap_link``, down for a while) inject NIC
-faults for tests, through the optional ``FaultInjection`` interface (simnic
-only; other transports refuse with a ``TypeError`` naming the transport).
+:class:`~actors.reports.RankReport`). NIC fault injection
+for tests (``wt_set_link``, ``wt_flap_link``, ``wt_fail_after_bytes``) lives in
+the test-only subclass :class:`actors.testing.hooks.FaultyTrainerActor`.
 
 ``TrainerActor`` builds the transformers model (same seed on every rank),
 joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
@@ -62,7 +61,6 @@ from weight_transfer.executor import RankTransfer, check_trainer_plan
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.trace import rank_trace_of
-from weight_transfer.transport.base import fault_injection
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -253,24 +251,6 @@ class TrainerMixin:
     def wt_transport(self) -> str | None:
         """The transport of this rank's NIC (``simnic``, ``mooncake``, ``rdma``), once open."""
         return None if self._wt_nic is None else self._wt_nic.kind
-
-    def _wt_faults(self) -> Any:
-        if self._wt_nic is None:
-            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
-        return fault_injection(self._wt_nic)  # TypeError for a transport without faults
-
-    def wt_set_link(self, up: bool) -> None:
-        """Fault injection: bring this rank's NIC link down (writes fail) or up."""
-        self._wt_faults().set_link(up)
-
-    def wt_flap_link(self, down_s: float) -> None:
-        """Fault injection: this rank's NIC link goes down at the start of its next write and
-        up again ``down_s`` seconds later (a transient fault the retry policy rides out)."""
-        self._wt_faults().flap_link(down_s)
-
-    def wt_fail_after_bytes(self, nbytes: int | None) -> None:
-        """Fault injection: deliver ``nbytes`` more bytes, then fail (None: off)."""
-        self._wt_faults().fail_after_bytes(nbytes)
 
     def wt_disconnect(self, peers: list[tuple[str, str]]) -> int:
         """Close this rank's connections to the engine NICs ``peers`` ((owner, nic) pairs:

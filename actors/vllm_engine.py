@@ -10,13 +10,16 @@ owner, naming its rank. The controller is used unchanged::
 
     replicas = launch_vllm_engines(cfg, model_path)    # [[VllmRank, ...] per replica]
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    replicas.owners                                    # the VllmEngine actor of each replica
+    replicas.close()                                   # vLLM shut down, every actor killed
 
 Pause is idempotent over a replica's ranks (the first one stops the engine at a
 step boundary); the replica resumes - ``finish_weight_update(version)``, a
 prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
-fenced by the controller's epochs as for the reference engine's ranks
-(:class:`actors.inference.InferenceMixin`): a stale one is ignored, a resume
-past its deadline refused (the replica stays paused); one epoch per replica.
+fenced by the controller's epochs with the reference engine's fence
+(:class:`weight_transfer.engines.fence.CommandFence`): a stale one is ignored, a resume
+past its deadline refused (the replica stays paused); one fence per replica.
+The facade is an :class:`~weight_transfer.engines.rank.EngineRank`.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import ray
 
 from actors.config import TransferConfig
 from actors.connections import this_host
-
-_KEEP = object()
+from actors.handles import Launched
+from weight_transfer.engines.fence import KEEP, CommandFence
 
 
 class VllmEngineOwner:
@@ -64,9 +67,8 @@ class VllmEngineOwner:
         self._lock = threading.Lock()
         self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
-        self._epoch = 0  # the newest controller epoch seen
-        self._version: Any = None
-        self._events: list[tuple[str, Any, float]] = []
+        # The controller gives every rank of a replica the same epoch: one fence per replica.
+        self.fence = CommandFence(self.replica)
 
     def engine_meta(self, rank: int, transport: Any = None):
         from weight_transfer.engines.vllm.mailbox import SetupRequest
@@ -84,62 +86,37 @@ class VllmEngineOwner:
         self.engine_meta(rank)
         return self.link.call(op, request, rank=rank)[0]
 
-    def _fence(self, epoch: int | None, what: str) -> bool:
-        """Whether a command of ``epoch`` is current (None: unfenced); under ``_lock``. The
-        controller gives every rank of a replica the same epoch, so one is kept per replica
-        (as :meth:`actors.inference.InferenceMixin._wt_fence` keeps one per rank)."""
-        if epoch is None:
-            return True
-        if epoch < self._epoch:
-            self._events.append((f"stale {what}", self._version, time.time()))
-            return False
-        self._epoch = epoch
-        return True
-
     def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
         """Stop at a step boundary (once per replica); a fenced pause makes the version held
         None until a resume names one. False: a stale command, ignored."""
-        with self._lock:
-            if not self._fence(epoch, "pause"):
-                return False
-            if epoch is not None:
-                self._version = None
+
+        def stop() -> None:
             self._resumed.clear()
             if not self.link.gate.paused:  # the replica's first rank to ask stops it
                 self.link.pause(timeout_s)
-                self._events.append(("pause", self._version, time.time()))
-        return True
+                self.fence.record("pause")
 
-    def resume(self, rank: int, version: Any = None, epoch: int | None = None,
-               deadline: float | None = None, keep: bool = False) -> bool:
+        return self.fence.pause(epoch, stop)
+
+    def resume(self, rank: int, version: Any = KEEP, epoch: int | None = None,
+               deadline: float | None = None) -> bool:
         """Rank ``rank`` is done; the replica resumes (vLLM's finish_weight_update, a prefix
         cache reset) when all its ranks are. False (stays paused): stale, or past
-        ``deadline``. ``keep``: no version given (the one held stays)."""
-        with self._lock:
-            if not self._fence(epoch, "resume"):
-                return False
-            if deadline is not None and time.time() > deadline:
-                self._events.append(("late resume", self._version, time.time()))
-                return False
-            if not keep:
-                self._version = version
+        ``deadline``. ``KEEP``: no version given (the one held stays)."""
+
+        def go() -> None:
             self._resumed.add(rank)
             if len(self._resumed) == self.tp and self.link.gate.paused:
-                self.link.resume(None if keep else version)
-                self._events.append(("resume", self._version, time.time()))
-        return True
+                self.link.resume(None if version is KEEP else version)
+                self.fence.record("resume")
+
+        return self.fence.resume(version, epoch, deadline, go)
 
     def set_version(self, version: Any, epoch: int | None = None) -> bool:
-        with self._lock:
-            if not self._fence(epoch, "version"):
-                return False
-            self._version = version
-            self.link.set_version(version)
-            self._events.append(("version", version, time.time()))
-        return True
+        return self.fence.set_version(version, epoch, apply=self.link.set_version)
 
     def version(self) -> Any:
-        return self._version
+        return self.fence.version
 
     def vllm_version(self) -> str:
         return self.link.version()
@@ -148,7 +125,7 @@ class VllmEngineOwner:
         return self.link.gate.paused
 
     def events(self) -> list:
-        return list(self._events)
+        return self.fence.events()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
@@ -201,11 +178,9 @@ class VllmRankFacade:
     def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
         return self._get(self.owner.pause.remote(timeout_s, epoch))
 
-    def wt_resume(self, version: Any = _KEEP, epoch: int | None = None,
+    def wt_resume(self, version: Any = KEEP, epoch: int | None = None,
                   deadline: float | None = None) -> bool:
-        keep = version is _KEEP  # the sentinel does not survive pickling: say it
-        return self._get(self.owner.resume.remote(self.rank, None if keep else version, epoch,
-                                                  deadline, keep))
+        return self._get(self.owner.resume.remote(self.rank, version, epoch, deadline))
 
     def wt_set_version(self, version: Any, epoch: int | None = None) -> bool:
         return self._get(self.owner.set_version.remote(version, epoch))
@@ -229,9 +204,6 @@ class VllmRankFacade:
     def wt_transport(self) -> str:
         return self.wt_engine_meta().tensors[0].region.transport
 
-    def wt_deregister(self) -> None:
-        self._get(self.owner.call.remote("deregister", None, self.rank))
-
     def wt_close(self) -> None:
         self._get(self.owner.call.remote("close", None, self.rank))
 
@@ -246,15 +218,22 @@ VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
-                        replicas: list[int] | None = None, env: dict[str, str] | None = None
-                        ) -> tuple[list[list[Any]], list[Any]]:
-    """(rank facades per replica, owners): one vLLM engine per replica of the cluster."""
+                        replicas: list[int] | None = None, env: dict[str, str] | None = None,
+                        rank_cls: Any = None) -> Launched:
+    """One vLLM engine per replica of the cluster: a handle that is the list of replicas
+    (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
+    first by ``close()``; all closed when an engine fails to start)."""
     reps = list(range(config.cluster.inference.replicas)) if replicas is None else replicas
     # env reaches the owner's process before it imports vLLM (its logging reads it then)
     opts = {"num_cpus": 0, **({"runtime_env": {"env_vars": dict(env)}} if env else {})}
     owners = [VllmEngine.options(**opts).remote(config, r, str(model_path), dtype=dtype, env=env)
               for r in reps]
-    ray.get([o.startup_seconds.remote() for o in owners])
+    try:
+        ray.get([o.startup_seconds.remote() for o in owners])
+    except BaseException:
+        Launched([], owners=owners, what="vLLM engines").close()
+        raise
     tp = config.cluster.inference.gpus_per_replica
-    facades = [[VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
-    return facades, owners
+    rank_cls = rank_cls or VllmRank  # tests: actors.testing.hooks.FaultyVllmRank
+    facades = [[rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
+    return Launched(facades, owners=owners, what="vLLM engines")

@@ -53,7 +53,6 @@ vLLM's own ``load_weights`` in its workers, checked against vLLM's
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ from actors.cli.progress import command_console, emit_json
 from actors.cli.sizes import parse_size
 from actors.demo.fleet import connect_ray
 from actors.run_config import load_run_config, parse_run_config
+from weight_transfer.engines.registry import engine_names, engine_spec
 
 DESIGNS = ("p2p", "rank0", "rpc", "bucketed", "rdt")
 RDT_PROBE_TIMEOUT_S = 30.0
@@ -175,24 +175,20 @@ def _run_config(config: Path, model: Path | None, cap: float | None, engine: str
     return parse_run_config(data, source=f"{config} (wt bench designs)")
 
 
-# engine -> (module with start_fleet, module with the bench, its class)
-ENGINES = {"reference": ("actors.demo.fleet", "actors.bench.designs_fleet", "ReferenceBench"),
-           "vllm": ("actors.demo.vllm_demo", "actors.bench.designs_vllm", "VllmBench")}
-
-
 def _bench_class(engine: str) -> tuple[Any, type[DesignBench]]:
-    """(start_fleet, the bench class) of ``engine``."""
-    fleet_mod, bench_mod, cls = ENGINES[engine]
-    return (importlib.import_module(fleet_mod).start_fleet,
-            getattr(importlib.import_module(bench_mod), cls))
+    """(start_fleet, the bench class) of ``engine``: its registry hooks ``start_fleet`` and
+    ``bench`` (:mod:`weight_transfer.engines.registry`)."""
+    spec = engine_spec(engine)
+    return spec.tool("start_fleet"), spec.tool("bench")
 
 
 def _check_args(console: Any, engine: str, chosen: list[str], designs: str,
                 png: Path | None) -> bool:
     bad = sorted(set(chosen) - set(DESIGNS))
-    if engine not in ENGINES:
+    benches = [n for n in engine_names() if engine_spec(n).has_tool("bench")]
+    if engine not in benches:
         console.print(f"[bold red]error:[/] --engine {engine!r}: choose from "
-                      f"{', '.join(ENGINES)}")
+                      f"{', '.join(benches)}")
         return False
     if bad or "p2p" not in chosen:
         console.print(f"[bold red]error:[/] --designs {designs!r}: unknown {bad} or no p2p "

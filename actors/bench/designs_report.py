@@ -14,6 +14,8 @@ from typing import Any
 
 from rich.table import Table
 
+from weight_transfer.engines.registry import DEFAULT_ENGINE
+
 
 def p2p_binding(r: dict[str, Any]) -> dict[str, Any] | None:
     """Which of ours binds, from its slowest rank's busy seconds: the link (``write``) or
@@ -61,8 +63,8 @@ def draw_png(doc: dict, path: Path) -> None:
             ax.axhline(p["gather_only_s"], color="tab:blue", ls=":",
                        label="gather only (shared by all)")
         ax.set_ylabel("median seconds per update")
-        engine = doc.get("engine", "reference")
-        where = "" if engine == "reference" else f" ({engine} engine)"
+        engine = doc.get("engine", DEFAULT_ENGINE)
+        where = "" if engine == DEFAULT_ENGINE else f" ({engine} engine)"
         ax.set_title(f"{doc['model']}{where}: {key.replace('_', ' ')}")
         ax.legend()
     fig.tight_layout()

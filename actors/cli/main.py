@@ -19,6 +19,16 @@ app.add_typer(config_app, name="config")
 JSON_HELP = "Also write the result as JSON (- : to stdout, the rest to stderr)."
 
 
+def _default_config(engine: str | None, which: str) -> Path:
+    """The run config a command starts from for ``engine`` (its registry entry's
+    ``demo_config`` or ``bench_config``; the reference engine's when none or unknown: the
+    run config's validation then names a bad engine)."""
+    from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_names, engine_spec
+
+    name = engine if engine in engine_names() else DEFAULT_ENGINE
+    return Path(getattr(engine_spec(name), which))
+
+
 @app.command("demo")
 def demo(
     model: Path | None = typer.Option(
@@ -52,8 +62,7 @@ def demo(
 
         set_vllm_log_level(vllm_log_level(verbose=True))
     if config is None:
-        config = Path("configs/runs/demo_vllm.yaml" if engine == "vllm"
-                      else "configs/runs/demo.yaml")
+        config = _default_config(engine, "demo_config")
     raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
                              updates=updates, json_path=json_path,
                              corrupt_version=corrupt_version, trace_path=trace,
@@ -207,8 +216,7 @@ def bench_designs(
     from actors.bench.designs import run
 
     if config is None:
-        config = Path("configs/runs/bench_vllm.yaml" if engine == "vllm"
-                      else "configs/runs/demo.yaml")
+        config = _default_config(engine, "bench_config")
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,
                          timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))

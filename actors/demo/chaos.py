@@ -42,8 +42,12 @@ from actors.cli.progress import command_console, emit_json, json_to_stdout
 from actors.demo.fleet import Fleet, fleet_session, token_batch
 from actors.demo.verify import check_bytes
 from actors.run_config import RunConfig, load_run_config
+from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
 
 VICTIM = "engine1"  # the replica the engine faults hit (the demo has engine0 and engine1)
+# The actors chaos starts: the ready-made ones with the test-only fault hooks
+# (actors.testing.hooks).
+FAULTY_ACTORS = {"trainer": FaultyTrainerActor, "engine": FaultyInferenceActor}
 BOUND_MARGIN_S = 30.0  # beyond update_timeout_s: hold wait, dropping a replica, a re-sync
 
 
@@ -177,7 +181,9 @@ def _replace_trainers(ch: Chaos) -> None:
 
     for t in ch.ctl.trainers:  # the survivors' process group lost a member
         ray.kill(t)
-    ch.fleet.trainers = launch_trainers(ch.fleet.config, demo=ch.fleet.run.demo_actors)
+    ch.fleet.trainers = list(ch.fleet.adopt(launch_trainers(ch.fleet.config,
+                                                             actor_cls=FaultyTrainerActor,
+                                                             demo=ch.fleet.run.demo_actors)))
     ch.ctl.setup(trainers=ch.fleet.trainers)
 
 
@@ -185,8 +191,9 @@ def _new_replica(ch: Chaos) -> None:
     from actors import launch_engines
 
     index = int(VICTIM.removeprefix("engine"))
-    (actors,) = launch_engines(ch.fleet.config, replicas=[index],
-                               demo=ch.fleet.run.demo_actors)
+    (actors,) = ch.fleet.adopt(launch_engines(ch.fleet.config, replicas=[index],
+                                              actor_cls=FaultyInferenceActor,
+                                              demo=ch.fleet.run.demo_actors))
     ch.ctl.add_replica(actors)
 
 
@@ -331,8 +338,8 @@ def run(*, config: Path, faults: str | None, update_timeout_s: float, nic_gbps: 
         console.print(f"[bold red]error:[/] unknown faults {unknown}; known: {list(FAULTS)}")
         return 2
     run_cfg: RunConfig = load_run_config(config)
-    with fleet_session(run_cfg, fleet, update_timeout_s=update_timeout_s,
-                       nic_gbps=nic_gbps) as active:
+    with fleet_session(run_cfg, fleet, update_timeout_s=update_timeout_s, nic_gbps=nic_gbps,
+                       actor_classes=FAULTY_ACTORS) as active:
         rows = run_faults(active, names, console)
     console.print(render(rows))
     if json_path is not None:

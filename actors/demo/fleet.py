@@ -34,7 +34,6 @@ terminal; logs and ``--json -`` get none.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import time
@@ -56,9 +55,10 @@ from actors.cli.progress import (
 )
 from actors.demo.checks import UpdateCheck, render_table, summary, write_json
 from actors.demo.fleet_handle import Fleet
-from actors.demo.verify import check_bytes, corrupt_one_byte, first_answer, verify
+from actors.demo.verify import check_bytes, first_answer, verify
 from actors.run_config import RunConfig, load_run_config
 from scheduling.cluster import load_cluster_config
+from weight_transfer.engines.registry import engine_spec
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
 
@@ -66,15 +66,13 @@ log = logging.getLogger(__name__)
 # A loopback address for a local Ray instance. Ray rewrites "127.0.0.1" to the host's
 # interface address; any other 127/8 address it keeps, so Ray's traffic stays on lo.
 LOCAL_NODE_IP = "127.0.0.2"
-# Per engine, the module holding its ``start_fleet(run, progress)`` and
-# ``check_bytes(fleet, checks, problems, previous)`` (the reference engine's from
-# :mod:`actors.demo.verify`); imported on use.
-ENGINE_MODULES = {"reference": __name__, "vllm": "actors.demo.vllm_demo"}
 
 
 def engine_impl(engine: str, name: str) -> Callable:
-    """The demo's ``name`` function for ``engine`` (see ``ENGINE_MODULES``)."""
-    return getattr(importlib.import_module(ENGINE_MODULES[engine]), name)
+    """The demo's hook ``name`` (``start_fleet(run, progress)``, ``check_bytes(fleet, checks,
+    problems, previous)`` ...) of ``engine``, from the engine registry
+    (:func:`weight_transfer.engines.registry.engine_spec`); imported on use."""
+    return engine_spec(engine).tool(name)
 
 
 # ------------------------------------------------------------------------ Ray and actors
@@ -123,29 +121,54 @@ def transfer_config(run: RunConfig, **overrides: Any) -> Any:
         settings=run.transfer, **({"fp8": run.fp8} | overrides))
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
+def start_fleet(run: RunConfig, progress: Progress | None = None, *,
+                actor_classes: dict[str, Any] | None = None, **overrides: Any) -> Fleet:
     """Actors as the cluster config places them, and the controller after setup()
-    (``overrides``: see :func:`transfer_config`)."""
-    from actors import WeightTransferController, launch_engines, launch_trainers
+    (``overrides``: see :func:`transfer_config`; ``actor_classes``: ``{"trainer": cls,
+    "engine": cls}`` instead of the ready-made actors, e.g. :mod:`actors.testing.hooks`' classes
+    with fault injection).
+
+    Every actor started is owned by a launch handle; on an error they are closed."""
+    from actors import WeightTransferController, launch_trainers
+    from actors.handles import Launched
 
     config = transfer_config(run, **overrides)
+    classes = actor_classes or {}
+    launch_engines = engine_spec("reference").launcher()
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
-    bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config, demo=run.demo_actors)
-    bars("start trainer ranks", 1, 1)
-    engines = []
-    for i in range(config.cluster.inference.replicas):
-        bars("start engine replicas", i, config.cluster.inference.replicas)
-        engines += launch_engines(config, replicas=[i], demo=run.demo_actors)
-    bars("start engine replicas", len(engines), len(engines))
-    ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
-    ctl.progress = bars if progress is not None else None
-    ctl.setup()
+    handles: list[Launched] = []
+    try:
+        bars("start trainer ranks", 0, 1)
+        trainers = _launch(handles, launch_trainers, config, classes.get("trainer"),
+                           demo=run.demo_actors)
+        bars("start trainer ranks", 1, 1)
+        n = config.cluster.inference.replicas
+        for i in range(n):
+            bars("start engine replicas", i, n)
+            _launch(handles, launch_engines, config, classes.get("engine"), replicas=[i],
+                    demo=run.demo_actors)
+        bars("start engine replicas", n, n)
+        engines = [r for h in handles[1:] for r in h]
+        ctl = WeightTransferController(trainers=trainers, engines=engines, config=config)
+        ctl.progress = bars if progress is not None else None
+        ctl.setup()
+    except BaseException:
+        for h in reversed(handles):
+            h.close()
+        raise
     ctl.progress = None
     names = [config.cluster.replica_name(i) for i in range(len(engines))]
-    return Fleet(run=run, config=config, trainers=trainers, replicas=dict(zip(names, engines,
-                 strict=True)), controller=ctl, setup_seconds=time.perf_counter() - start)
+    return Fleet(run=run, config=config, trainers=list(trainers),
+                 replicas=dict(zip(names, engines, strict=True)), controller=ctl,
+                 setup_seconds=time.perf_counter() - start, handles=handles)
+
+
+def _launch(handles: list, launch: Callable, config: Any, actor_cls: Any, **kw: Any) -> Any:
+    """``launch(config, ...)`` with ``actor_cls`` if given; its handle joins ``handles``."""
+    handle = launch(config, **kw, **({"actor_cls": actor_cls} if actor_cls else {}))
+    handles.append(handle)
+    return handle
 
 
 @contextlib.contextmanager
@@ -262,16 +285,20 @@ def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
                                  json_path=json_path, transport=transport, engine=engine)
-        if corrupt_version is not None and run.engine != "reference":
-            raise ValueError("--corrupt-version works with the reference engine only")
+        if corrupt_version is not None and not engine_spec(run.engine).has_tool(
+                "corrupt_one_byte"):
+            raise ValueError(f"--corrupt-version: the {run.engine} engine cannot flip a byte "
+                             "(works with the reference engine)")
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
     hook = None
     if corrupt_version is not None:
+        corrupt = engine_spec(run.engine).tool("corrupt_one_byte")
+
         def hook(fleet: Fleet, version: int) -> None:
             if version == corrupt_version:
-                corrupt_one_byte(fleet, version)
+                corrupt(fleet, version)
     return run_job(run, console=console, after_update=hook, trace_path=trace_path)
 
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from actors.run_config import RunConfig
+from weight_transfer.engines.registry import engine_spec
 from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Fleet:
-    """The running job: actors, the controller and what the checks need to know."""
+    """The running job: actors, the controller and what the checks need to know.
+
+    ``handles``: the launch handles (:class:`actors.handles.Launched`) of every actor the
+    job started; :meth:`close` closes them (actors, engine processes, placement groups).
+    """
 
     run: RunConfig
     config: Any  # actors.TransferConfig
@@ -36,6 +39,12 @@ class Fleet:
     engine: str = "reference"
     owners: list[Any] = field(default_factory=list)  # actors owning the engines (vLLM)
     workdir: Path | None = None  # checkpoints of the trainers' weights (vLLM), removed at close
+    handles: list[Any] = field(default_factory=list)
+
+    def adopt(self, handle: Any) -> Any:
+        """Own ``handle`` (closed with the fleet); returns it."""
+        self.handles.append(handle)
+        return handle
 
     @property
     def engine_keys(self) -> dict[str, Any]:
@@ -57,7 +66,7 @@ class Fleet:
     @property
     def engine_kind(self) -> str:
         dtype = "fp8" if self.config.engine_fp8 else "bf16"
-        return dtype if self.engine == "reference" else f"{self.engine}, float32"
+        return engine_spec(self.engine).kind or dtype
 
     def info(self) -> dict[str, Any]:
         cfg, summary = self.config, self.controller.summary
@@ -68,30 +77,10 @@ class Fleet:
                          "mesh_groups": summary.num_groups}}
 
     def close(self) -> None:
-        """Drop the controller, the actors and their placement groups."""
+        """Drop the controller, then every launch handle: the engines' own processes, the
+        actors and their placement groups."""
         self.controller.shutdown()
-        actors = [*self.trainers, *(a for r in self.replicas.values() for a in r)]
-        groups = {}
-        for actor in actors:
-            try:
-                pg = ray.get(actor.__ray_call__.remote(_placement_group), timeout=30)
-            except (ray.exceptions.RayError, TimeoutError) as exc:  # dead: nothing to ask
-                log.warning("closing the demo: an actor did not answer: %s", exc)
-                continue
-            if pg is not None:
-                groups[pg.id] = pg
-        for owner in self.owners:  # stop the engines' own processes first
-            try:
-                ray.get(owner.shutdown.remote(), timeout=60)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                log.warning("closing the demo: an engine did not shut down: %s", exc)
-        for actor in [*actors, *self.owners]:
-            ray.kill(actor)
-        for pg in groups.values():
-            ray.util.remove_placement_group(pg)
+        for handle in reversed(self.handles):
+            handle.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _placement_group(actor: Any) -> Any:
-    return ray.util.get_current_placement_group()

@@ -36,6 +36,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -46,18 +47,22 @@ from rich.table import Table
 from actors.demo.checks import make_console
 from actors.demo.fleet import connect_ray, token_batch
 from actors.run_config import RlConfig, RunConfig, load_run_config
+from weight_transfer.engines.registry import engine_spec
 
 log = logging.getLogger(__name__)
 
 
 def sample_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
                     gen: torch.Generator, engine: str = "reference") -> list[list[int]]:
-    """``rl.rollout_tokens`` new tokens per prompt from one replica (all its TP ranks called;
-    a vLLM replica samples itself, once)."""
-    if engine == "vllm":
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature,
-                                                  seed))
+    """``rl.rollout_tokens`` new tokens per prompt from one replica, as ``engine`` samples
+    (its registry hook ``sample_rollouts``; a vLLM replica samples itself, once)."""
+    return engine_spec(engine).tool("sample_rollouts")(replica, prompts, rl, gen)
+
+
+def reference_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
+                       gen: torch.Generator) -> list[list[int]]:
+    """The reference engine's rollouts: all its TP ranks called, sampled here from the
+    logits (greedy: the engines' own ``generate``)."""
     if rl.temperature == 0:
         return ray.get([a.generate.remote(prompts, rl.rollout_tokens) for a in replica])[0]
     ids = torch.tensor(prompts, dtype=torch.long)
@@ -101,17 +106,15 @@ def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunCon
             "update_bytes": report.bytes, "weights_version": ctl.weights_version()}
 
 
-def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> tuple[list, list]:
-    """(replicas, owners): reference engines, or vLLM engines from the trainers' weights."""
-    from actors import launch_engines
+def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> Any:
+    """The run's engines (the registry's ``launch_replicas`` hook of ``run.engine``: vLLM's
+    start from the trainers' weights): a launch handle owning them."""
+    return engine_spec(run.engine).tool("launch_replicas")(cfg, trainers, workdir)
 
-    if run.engine == "reference":
-        return launch_engines(cfg), []
-    from actors.demo.vllm_demo import ENGINE_ENV, save_trainer_checkpoint
-    from actors.vllm_engine import launch_vllm_engines
 
-    first = save_trainer_checkpoint(trainers, workdir / "v0")
-    return launch_vllm_engines(cfg, str(first), dtype="float32", env=ENGINE_ENV)
+def launch_reference_replicas(cfg, trainers: list, workdir: Path) -> Any:
+    """The reference engine's replicas (they start with any weights: update 0 fills them)."""
+    return engine_spec("reference").launcher()(cfg)
 
 
 def run_rl(run: RunConfig, console: Console) -> list[dict]:
@@ -121,14 +124,14 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     from actors import DemoActorConfig, TransferConfig, WeightTransferController, launch_trainers
 
     started = connect_ray(run, join_existing=True)
-    trainers, replicas, owners, ctl = [], [], [], None
+    trainers, replicas, ctl = [], [], None
     workdir = Path(tempfile.mkdtemp(prefix="wt-rl-"))
     try:
         cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
                                         **dict(run.transfer))
         demo = DemoActorConfig(seed=run.seed, lr=run.rl.lr)  # the ready-made trainers'
         trainers = launch_trainers(cfg, demo=demo)                              # wt
-        replicas, owners = launch_replicas(cfg, run, trainers, workdir)         # wt
+        replicas = launch_replicas(cfg, run, trainers, workdir)                 # wt
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
         ctl.setup()                                                             # wt
         ctl.update(version=0)  # the replicas start from the trainers' initial weights
@@ -144,10 +147,9 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     finally:
         if ctl is not None:
             ctl.shutdown()
-        for owner in owners:
-            ray.get(owner.shutdown.remote(), timeout=60)
-        for actor in [*trainers, *(a for r in replicas for a in r), *owners]:
-            ray.kill(actor)
+        for handle in (replicas, trainers):  # launch handles: engines, actors, groups
+            if hasattr(handle, "close"):
+                handle.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if started:
             ray.shutdown()

@@ -96,7 +96,6 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     from actors import WeightTransferController, launch_trainers
     from actors.cli.progress import PhaseBars
     from actors.testing.vllm_oracle import vllm_missing
-    from actors.vllm_engine import launch_vllm_engines
 
     level = vllm_log_level()
     set_vllm_log_level(level)  # before vllm_missing() imports vLLM here
@@ -108,23 +107,52 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     workdir = Path(tempfile.mkdtemp(prefix="wt-demo-vllm-"))
-    bars("start trainer ranks", 0, 1)
-    trainers = launch_trainers(config, demo=run.demo_actors)
-    bars("start trainer ranks", 1, 1)
-    first = save_trainer_checkpoint(trainers, workdir / "v0")
-    bars("start vLLM engines", 0, 1)
-    replicas, owners = launch_vllm_engines(config, str(first), dtype="float32",
-                                          env=engine_env(level))
-    bars("start vLLM engines", 1, 1)
-    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=config)
-    ctl.progress = bars if progress is not None else None
-    ctl.setup()
+    handles = []
+    try:
+        bars("start trainer ranks", 0, 1)
+        trainers = launch_trainers(config, demo=run.demo_actors)
+        handles.append(trainers)
+        bars("start trainer ranks", 1, 1)
+        bars("start vLLM engines", 0, 1)
+        replicas = launch_replicas(config, trainers, workdir, env=engine_env(level))
+        handles.append(replicas)
+        bars("start vLLM engines", 1, 1)
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=config)
+        ctl.progress = bars if progress is not None else None
+        ctl.setup()
+    except BaseException:
+        for h in reversed(handles):
+            h.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     ctl.progress = None
     names = [config.cluster.replica_name(i) for i in range(len(replicas))]
-    return Fleet(run=run, config=config, trainers=trainers,
+    return Fleet(run=run, config=config, trainers=list(trainers),
                  replicas=dict(zip(names, replicas, strict=True)), controller=ctl,
-                 setup_seconds=time.perf_counter() - start, engine="vllm", owners=owners,
-                 workdir=workdir)
+                 setup_seconds=time.perf_counter() - start, engine="vllm",
+                 owners=list(replicas.owners), workdir=workdir, handles=handles)
+
+
+def launch_replicas(config: Any, trainers: Any, workdir: Path,
+                    env: dict[str, str] | None = None) -> Any:
+    """vLLM engines started from the trainers' current weights (saved under ``workdir``):
+    the launch handle of :func:`actors.vllm_engine.launch_vllm_engines` (``env``: the
+    engines' environment, default :data:`ENGINE_ENV`)."""
+    from weight_transfer.engines.registry import engine_spec
+
+    first = save_trainer_checkpoint(list(trainers), workdir / "v0")
+    launch = engine_spec("vllm").launcher()
+    return launch(config, str(first), dtype="float32", env=ENGINE_ENV if env is None else env)
+
+
+def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any,
+                    gen: Any) -> list[list[int]]:
+    """``rl.rollout_tokens`` new tokens per prompt: a vLLM replica samples itself, once
+    (seeded from ``gen``)."""
+    import torch
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature, seed))
 
 
 def _require_cuda(what: str) -> None:

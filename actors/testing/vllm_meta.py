@@ -87,10 +87,10 @@ def _rank_check(rank: int, world: int, port: int, model_dir: str, model_yaml: st
 
     from scheduling.recorded import engine_table_differences
     from weight_transfer.checkpoint_names import to_trainer_pieces
-    from weight_transfer.engines.vllm.checkpoint import checkpoint_specs
     from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
     from weight_transfer.models import load_model_config
     from weight_transfer.prepare import piece_bytes
+    from weight_transfer.recording.checkpoint import checkpoint_specs
     from weight_transfer.types import EngineRankMeta, ShardSpec
 
     vc = _vllm_config(model_dir)

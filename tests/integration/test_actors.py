@@ -24,6 +24,7 @@ from actors import (
     launch_trainers,
 )
 from actors.testing.engine_bytes import engine_mismatches
+from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,7 +36,7 @@ def env(ray_job):  # a Ray job of its own on the shared cluster
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)
-    trainers = launch_trainers(cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # wt_set_link
     replicas = launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     yield cfg, trainers, replicas, ctl
@@ -160,7 +161,7 @@ def test_failed_update_marks_replicas_torn_and_names_the_rank(env):
 
 def test_add_replica_is_filled_from_a_peer_without_the_trainers(env):
     cfg, trainers, replicas, ctl = env
-    (new,) = launch_engines(cfg, replicas=[2])
+    (new,) = launch_engines(cfg, replicas=[2], actor_cls=FaultyInferenceActor)  # revoked
     before = ray.get([t.wt_nic_stats.remote() for t in trainers])
     old_bytes = ctl.summary.bytes_total
     name = ctl.add_replica(new)

@@ -23,6 +23,7 @@ from actors import TransferConfig, WeightTransferController, launch_engines, lau
 from actors.demo import fleet as demo
 from actors.demo.fleet import run_cli
 from actors.testing.engine_bytes import engine_mismatches
+from actors.testing.hooks import FaultyTrainerActor
 from weight_transfer.transport.mooncake import load_engine_class
 
 try:
@@ -74,7 +75,8 @@ def test_add_replica_over_mooncake_and_no_fault_injection(local_ray):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
                                     transport="mooncake", transport_options={"protocol": "tcp"})
-    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # wt_set_link
+    replicas = launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     summary = ctl.setup()
     tokens = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(3))

@@ -30,6 +30,7 @@ from actors import (
     launch_trainers,
 )
 from actors.connections import engine_endpoints
+from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
@@ -44,8 +45,9 @@ def env(ray_job):  # a Ray job of its own on the shared cluster
         CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
         update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
         nic_gbps=0.01)  # about 0.2-0.5 s of writes per update: long enough to hit one
-    trainers = launch_trainers(cfg)
-    ctl = WeightTransferController(trainers=trainers, engines=launch_engines(cfg), config=cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # fault hooks: actors.testing
+    ctl = WeightTransferController(trainers=trainers, config=cfg,
+                                   engines=launch_engines(cfg, actor_cls=FaultyInferenceActor))
     ctl.setup()
     state = {"cfg": cfg, "ctl": ctl, "version": 0}
     yield state
@@ -110,7 +112,7 @@ def train(ctl, step: int) -> None:
 def bring_back(env, index: int) -> None:
     """A new replica ``index`` filled from a peer (add_replica), then one healthy update."""
     ctl = env["ctl"]
-    (new,) = launch_engines(env["cfg"], replicas=[index])
+    (new,) = launch_engines(env["cfg"], replicas=[index], actor_cls=FaultyInferenceActor)
     ctl.add_replica(new)
     healthy_update(env)
 
@@ -245,7 +247,7 @@ def test_trainer_killed_mid_update_then_replaced(env):
     assert all(serving(ctl, n) == [(True, None)] * 2 for n in ctl.replicas)
     for t in old:  # the survivors' gloo group lost a member: replace every rank
         ray.kill(t)
-    ctl.setup(trainers=launch_trainers(cfg))
+    ctl.setup(trainers=launch_trainers(cfg, actor_cls=FaultyTrainerActor))
     train(ctl, 5)
     healthy_update(env)
 

@@ -26,6 +26,7 @@ import yaml
 from actors import TransferConfig, UpdateError, WeightTransferController
 from actors.audit import read_audit
 from actors.launch import launch_engines, launch_trainers
+from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
@@ -45,7 +46,8 @@ def env(tmp_path_factory, ray_job):  # a Ray job of its own on the shared cluste
         CONFIGS / "models" / "tiny_llama.yaml", cluster, update_timeout_s=120,
         integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl",
         retry={"attempts": 8, "backoff_s": 0.05, "max_backoff_s": 0.5})  # ~2.8 s of patience
-    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # NIC faults
+    replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)  # wt_flip_byte
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
     outcomes = []  # (version, UpdateReport or UpdateError), for the audit test

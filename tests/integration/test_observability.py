@@ -29,6 +29,7 @@ from actors import (
     launch_trainers,
 )
 from actors.demo.fleet import LOCAL_NODE_IP
+from actors.testing.hooks import FaultyTrainerActor
 from weight_transfer.trace import read_chrome_trace, timeline_of_trace
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -50,7 +51,8 @@ def env():
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)
-    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # wt_set_link
+    replicas = launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     calls = []
     ctl.progress = lambda phase, done, total: calls.append((phase, done, total))

@@ -42,10 +42,10 @@ def env(tmp_path_factory):
     _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     trainers = launch_trainers(cfg)
-    replicas, owners = launch_vllm_engines(  # the oracle runs in the workers as a callable
+    replicas = launch_vllm_engines(  # the oracle runs in the workers as a callable
         cfg, str(start), env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-    yield cfg, trainers, replicas, owners, ctl, root
+    yield cfg, trainers, replicas, replicas.owners, ctl, root
     ray.shutdown()
 
 

@@ -21,6 +21,7 @@ from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 
 from actors.connections import Connector, copy_links, plan_links, trainer_owner
 from actors.inference import InferenceMixin
+from actors.testing.hooks import TrainerFaultHooks
 from actors.trainer import TrainerMixin
 from weight_transfer.transport import rdma
 from weight_transfer.transport.handshake import (
@@ -150,7 +151,7 @@ class Engine(InferenceMixin):
         return HOST
 
 
-class Trainer(TrainerMixin):
+class Trainer(TrainerFaultHooks, TrainerMixin):
     def __init__(self, rank, world):
         self.wt_attach(model=torch.nn.Linear(2, 2), rank=rank, world=world)
 

@@ -15,7 +15,11 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   region table belongs to the process that registered the memory;
 * ``copy_to``: write this rank's registered memory into another replica's;
 * ``checksum``: hashes of written ranges (the controller's integrity check);
-* ``stats``, ``deregister``, ``close``.
+* ``stats``, ``deregister`` (fault injection, :mod:`actors.testing.hooks`), ``close``.
+
+The NICs, regions, connection set-up, copies, checksums and statistics are the
+engine-neutral :class:`~weight_transfer.engines.registered.RegisteredMemory`,
+as for every engine rank.
 
 An update: ``start_weight_update`` (nothing to do: the driver has stopped
 scheduling steps), the trainers' one-sided writes (this code does not run),
@@ -25,7 +29,6 @@ functions. ``update_weights`` carries no data and is a no-op.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -38,12 +41,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weight_transfer.engines.vllm import checkpoint as ckpt
+from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
-from weight_transfer.transport.handshake import answer_requests, connect_peers
-from weight_transfer.types import EngineRankId, EngineRankMeta, EngineTensorMeta, ShardSpec
+from weight_transfer.recording import checkpoint as ckpt
+from weight_transfer.types import EngineRankId, EngineRankMeta, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +79,19 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.shard = _shard()
-        self.meta: EngineRankMeta | None = None
-        self.nics: dict[str, Any] = {}
+        self.mem = RegisteredMemory(f"?/tp{self.shard.tp_rank}")
         self._repack: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
         self._arena: Arena | None = None
         self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
-        self._regions: dict[int, torch.Tensor] = {}  # region address -> its bytes
         self.finished = 0
 
     @property
+    def meta(self) -> EngineRankMeta | None:
+        return self.mem.meta
+
+    @property
     def owner(self) -> str:
-        return str(EngineRankId(replica=self.meta.replica if self.meta else "?",
-                                rank=self.shard.tp_rank))
+        return self.mem.owner
 
     # ------------------------------------------------------------------ operations
 
@@ -106,34 +110,21 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
 
     def _setup(self, req) -> EngineRankMeta:
         if self.meta is not None:
-            if req.transport != self._spec:
-                raise ValueError(f"{self.owner}: memory is registered with "
-                                 f"{self._spec.describe()} NICs; close first")
+            self.mem.check_spec(req.transport)
             return self.meta
         t0 = time.perf_counter()
         checkpoint = req.checkpoint or ckpt.checkpoint_specs(self.model_config.model)
         layout = record_load(self.model, checkpoint=checkpoint, device=self.device)
-        exposed = exposed_shapes(layout)
-        self._spec, self.replica = req.transport, req.replica
-        owner = str(EngineRankId(replica=req.replica, rank=self.shard.tp_rank))
-        buffers = self._buffers(layout, exposed)
-        nics = req.nics[self.shard.tp_rank]
-        tensors = []
-        for i, (buf, entries) in enumerate(buffers):
-            name = nics[i % len(nics)]
-            if name not in self.nics:
-                self.nics[name] = req.transport.open(owner=owner, nic=name, node=req.node,
-                                                     address=req.address)
-            region = self.nics[name].register(buf)
-            self._regions[region.addr] = buf
-            tensors += [EngineTensorMeta(name=s.name, shape=s.shape, dtype=s.dtype,
-                                         region=region, offset=off) for s, off in entries]
-        self.meta = EngineRankMeta(replica=req.replica, rank=self.shard.tp_rank, node=req.node,
-                                   nic=nics[0], shard=self.shard, tensors=tuple(tensors),
-                                   pieces=layout.pieces)
-        log.info("%s: %d tensors (%d in the repack arena) registered in %.2f s", owner,
-                 len(tensors), len(self._arena or ()), time.perf_counter() - t0)
-        return self.meta
+        self.mem.owner = str(EngineRankId(replica=req.replica, rank=self.shard.tp_rank))
+        buffers = [(buf, [(s.name, s.shape, s.dtype, off) for s, off in entries])
+                   for buf, entries in self._buffers(layout, exposed_shapes(layout))]
+        meta = self.mem.register(req.transport, buffers, nic_names=req.nics[self.shard.tp_rank],
+                                 node=req.node, address=req.address, replica=req.replica,
+                                 rank=self.shard.tp_rank, shard=self.shard,
+                                 pieces=layout.pieces)
+        log.info("%s: %d tensors (%d in the repack arena) registered in %.2f s", self.owner,
+                 len(meta.tensors), len(self._arena or ()), time.perf_counter() - t0)
+        return meta
 
     def _buffers(self, layout, exposed):
         """[(uint8 buffer, [(TensorSpec, byte offset)])]: one per direct parameter, then
@@ -164,45 +155,28 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         return out
 
     def _endpoints(self, requests):
-        return answer_requests(self.nics, requests, owner=self.owner)
+        return self.mem.endpoints(requests)
 
     def _connect(self, conns):
-        return connect_peers(self.nics, conns, owner=self.owner)
+        return self.mem.connect(conns)
 
     def _copy_to(self, dst: EngineRankMeta) -> int:
-        from weight_transfer.engine_copy import copy_jobs
-
-        jobs = copy_jobs(self.meta, dst, self.nics, owner=self.owner)
-
-        async def run() -> None:
-            await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))
-
-        asyncio.run(run())
-        return sum(region.length for _, _, region in jobs)
+        return self.mem.copy_to(dst)
 
     def _stats(self, _req=None) -> dict[str, int]:
-        nics = self.nics.values()
-        return {"bytes_written": sum(n.bytes_written for n in nics),
-                "writes": sum(n.writes for n in nics),
-                "finished": self.finished}
+        return {**self.mem.stats(), "finished": self.finished}
 
     def _checksum(self, ranges) -> Any:
         """XXH3-64 of (region address, offset, length) rows of the registered memory (the
         controller's integrity check, while the engine is paused)."""
-        from weight_transfer.integrity import checksum_ranges
-
-        return checksum_ranges(self._regions, ranges)
+        return self.mem.checksum(ranges)
 
     def _deregister(self, _req=None) -> int:
-        regions = list(dict.fromkeys(t.region for t in self.meta.tensors))
-        for region in regions:
-            self.nics[region.nic].deregister(region)
-        return len(regions)
+        return self.mem.deregister()
 
     def _close(self, _req=None) -> None:
-        for nic in self.nics.values():
-            nic.close()
-        self.nics, self.meta, self.views, self._regions = {}, None, {}, {}
+        self.mem.close()
+        self.views = {}
 
     # ------------------------------------------------------------------ vLLM's update hooks
 

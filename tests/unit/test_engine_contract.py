@@ -1,0 +1,120 @@
+"""The engine contract (no Ray running): the EngineRank protocol and its implementations, the
+engine registry, the KEEP sentinel, and the launch handles' ownership."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+
+from actors.engine_control import fan_out
+from actors.handles import Launched
+from actors.inference import InferenceMixin
+from actors.testing.hooks import EngineFaultHooks, FaultyInferenceWorker, TrainerFaultHooks
+from actors.vllm_engine import VllmRankFacade
+from weight_transfer.engines.fence import KEEP, CommandFence
+from weight_transfer.engines.rank import ENGINE_RANK_METHODS, EngineRank, method_name
+from weight_transfer.engines.registry import (
+    engine_names,
+    engine_spec,
+    register_engine,
+    unregister_engine,
+)
+
+# What the controller and its helpers call on an engine rank.
+CONTROLLER_CALLS = {"wt_engine_meta", "wt_host", "wt_endpoints", "wt_connect_peers",
+                    "wt_pause", "wt_resume", "wt_set_version", "wt_checksum", "wt_copy_to",
+                    "wt_close"}
+
+
+def test_the_protocol_lists_every_method_the_controller_calls():
+    assert CONTROLLER_CALLS <= ENGINE_RANK_METHODS
+
+
+@pytest.mark.parametrize("cls", [InferenceMixin, VllmRankFacade])
+def test_both_engines_implement_the_protocol_with_its_parameters(cls):
+    for name in ENGINE_RANK_METHODS:
+        want = list(inspect.signature(getattr(EngineRank, name)).parameters)
+        got = [p for p in inspect.signature(getattr(cls, name)).parameters
+               if p != "_ray_trace_ctx"]  # added by ray.remote's tracing wrapper
+        assert got == want, (cls.__name__, name, got, want)
+
+
+def test_production_actors_carry_no_fault_hooks():
+    hooks = {n for c in (EngineFaultHooks, TrainerFaultHooks) for n in vars(c)
+             if n.startswith("wt_")}
+    from actors.trainer import TrainerMixin
+
+    for cls in (InferenceMixin, VllmRankFacade, TrainerMixin):
+        assert not hooks & set(dir(cls)), cls
+    assert {"wt_flip_byte", "wt_deregister"} <= set(dir(FaultyInferenceWorker))
+
+
+def test_methods_are_named_by_protocol_members_not_strings():
+    assert method_name(EngineRank.wt_pause) == "wt_pause"
+    for bad in ("wt_pause", InferenceMixin.wt_pause, lambda a: a.wt_pause):
+        with pytest.raises(TypeError, match="member of EngineRank"):
+            method_name(bad)
+    with pytest.raises(AttributeError):
+        EngineRank.wt_paus  # noqa: B018 - a typo fails where it is written
+    with pytest.raises(TypeError):
+        fan_out(None, {}, [], "wt_pause", until=0.0)
+
+
+def test_keep_survives_pickling_and_keeps_the_version():
+    assert pickle.loads(pickle.dumps(KEEP)) is KEEP
+    fence = CommandFence("engine0")
+    assert fence.resume(3, None, None, go=lambda: None) and fence.version == 3
+    assert fence.resume(pickle.loads(pickle.dumps(KEEP)), 5, None, go=lambda: None)
+    assert fence.version == 3
+    assert fence.pause(4, stop=lambda: None) is False  # older than 5: ignored
+    assert fence.events()[-1][0] == "stale pause"
+
+
+def test_the_registry_resolves_names_once_and_refuses_duplicates_and_unknowns():
+    assert {"reference", "vllm"} <= set(engine_names())
+    assert engine_spec("reference").launcher().__name__ == "launch_engines"
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("reference", "x", "y")
+    with pytest.raises(ValueError, match=r"unknown engine 'sglang'.*reference, vllm"):
+        engine_spec("sglang")
+    with pytest.raises(ValueError, match="has no 'bench'"):
+        register_engine("tmp_engine", "actors.launch", "launch_engines").tool("bench")
+    unregister_engine("tmp_engine")
+    with pytest.raises(ValueError, match="module:attribute"):
+        register_engine("tmp_engine", "m", "f", tools={"bench": "no-colon"})
+    assert "tmp_engine" not in engine_names()
+
+
+def test_a_run_config_names_a_registered_engine():
+    from actors.run_config import ROOT, load_run_config
+
+    run = load_run_config(ROOT / "configs/runs/demo.yaml")
+    with pytest.raises(ValueError, match="registered engines"):
+        run.with_overrides(engine="sglang")
+
+
+class FakeActor:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+
+def test_a_launch_handle_is_a_sequence_and_closes_what_it_owns(monkeypatch):
+    import ray
+
+    killed, removed = [], []
+    monkeypatch.setattr(ray, "kill", lambda a: killed.append(a))
+    monkeypatch.setattr("actors.handles.remove_groups", lambda gs: removed.extend(gs))
+    a, b, c = object(), object(), object()
+    h = Launched.merge([Launched([[a, b]], groups=["pg0"]), Launched([[c]], groups=["pg1"])],
+                       what="engines")
+    assert len(h) == 2 and h[0] == [a, b] and list(h) == [[a, b], [c]]
+    assert h.actors == [a, b, c] and h.replicas == [[a, b], [c]]
+    (first, _) = h
+    assert first == [a, b]
+    with h:
+        pass
+    assert killed == [a, b, c] and removed == ["pg0", "pg1"]
+    h.close()  # idempotent
+    assert killed == [a, b, c]
