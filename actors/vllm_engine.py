@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -237,3 +238,21 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
     rank_cls = rank_cls or VllmRank  # tests: actors.testing.hooks.FaultyVllmRank
     facades = [[rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
     return Launched(facades, owners=owners, what="vLLM engines")
+
+
+def _save_checkpoint(trainer: Any, path: str) -> bool:
+    """In every trainer rank (a collective): rank 0 saves the current weights, HF format."""
+    model = trainer._reference_model()
+    if model is None:
+        return False
+    model.save_pretrained(path)
+    return True
+
+
+def save_trainer_checkpoint(trainers: list[Any], path: Path) -> Path:
+    """The trainers' current weights as a Hugging Face checkpoint at ``path`` (rank 0 saves;
+    every rank is called, as a collective): what vLLM engines start from."""
+    saved = ray.get([t.__ray_call__.remote(_save_checkpoint, str(path)) for t in trainers])
+    if sum(saved) != 1:
+        raise RuntimeError(f"{sum(saved)} trainer ranks saved a checkpoint, expected 1")
+    return path

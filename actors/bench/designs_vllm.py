@@ -64,7 +64,7 @@ class VllmBench(DesignBench):
     def prepare_engines(self, expert_naming: str) -> None:
         """Save, once, the checkpoint every check loads (the trainers' weights do not change
         during the bench)."""
-        from actors.demo.vllm_demo import save_trainer_checkpoint
+        from actors.vllm_engine import save_trainer_checkpoint
 
         root = Path(tempfile.mkdtemp(dir=self.fleet.workdir, prefix="bench-"))
         self._checkpoint = save_trainer_checkpoint(self.trainers, root / "current")

@@ -43,6 +43,7 @@ from actors.demo.checks import capped
 from actors.demo.fleet import Fleet, transfer_config
 from actors.demo.verify import check_changed
 from actors.run_config import RunConfig
+from actors.vllm_engine import save_trainer_checkpoint
 from weight_transfer.types import EngineRankId
 
 ORACLE = "vllm.load_weights"
@@ -71,23 +72,6 @@ def set_vllm_log_level(level: str) -> None:
     variable then) and after (its logger)."""
     os.environ[LOG_LEVEL_ENV] = level
     logging.getLogger("vllm").setLevel(level)
-
-
-def _save_checkpoint(trainer: Any, path: str) -> bool:
-    """In every trainer rank (a collective): rank 0 saves the current weights, HF format."""
-    model = trainer._reference_model()
-    if model is None:
-        return False
-    model.save_pretrained(path)
-    return True
-
-
-def save_trainer_checkpoint(trainers: list[Any], path: Path) -> Path:
-    """The trainers' current weights as a Hugging Face checkpoint at ``path``."""
-    saved = ray.get([t.__ray_call__.remote(_save_checkpoint, str(path)) for t in trainers])
-    if sum(saved) != 1:
-        raise RuntimeError(f"{sum(saved)} trainer ranks saved a checkpoint, expected 1")
-    return path
 
 
 def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
