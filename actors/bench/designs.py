@@ -170,8 +170,10 @@ def _run_config(config: Path, model: Path | None, cap: float | None, engine: str
     if model is not None:
         data["model"] = str(model)
     data["engine"] = engine
-    data["transfer"]["transport"] = "simnic"
-    data["transfer"]["simnic"]["bandwidth_gbps"] = cap
+    transfer = data["transfer"]
+    options = transfer.get("transport_options") if transfer["transport"] == "simnic" else None
+    transfer["transport"] = "simnic"  # the file's simnic options kept, the cap set
+    transfer["transport_options"] = {**(options or {}), "bandwidth_gbps": cap}
     return parse_run_config(data, source=f"{config} (wt bench designs)")
 
 
