@@ -8,7 +8,8 @@
 :func:`run_setup` gathers every trainer's and engine's metadata and host (the
 engines register their weight buffers with NICs of ``config.transport``),
 refuses a transport that cannot reach a peer (naming the actors and hosts),
-makes a new barrier store, then :func:`replan`: the schedule actor plans over
+makes a new barrier store and barrier key (random name, secret; carried by Ray
+only), then :func:`replan`: the schedule actor plans over
 every replica, and every (trainer NIC, engine NIC) pair the plan writes through
 exchanges endpoint information in both directions while each trainer gets its
 blob (:mod:`actors.connections`). Again after a fault it gathers every engine's
@@ -32,6 +33,7 @@ from actors.groups import host_store, node_ip
 from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
+from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.rank import EngineRank
 from weight_transfer.transport.handshake import Connection
 from weight_transfer.types import EngineRankId, EngineRankMeta
@@ -60,9 +62,11 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
     state.connector.check_engines([m.rank for m in state.trainer_metas], state.engine_list())
     state.rank_infos = trainer_rank_infos(config.cluster, [m.node for m in state.trainer_metas])
     # The trainers' barrier store, on the address other nodes reach this one by; a new
-    # one for every setup (a failed update may have left a crossing's keys behind).
+    # one for every setup (a failed update may have left a crossing's keys behind), with
+    # a new random name and secret that only Ray carries (weight_transfer.barrier).
     state.store_host = node_ip()
     state.store = host_store(host=state.store_host, timeout_s=config.setup_timeout_s)
+    state.barrier_key = BarrierKey.new()
     if state.scheduler is None:
         state.scheduler = ScheduleActor.remote(config.model, config.cluster,
                                                fp8=config.engine_fp8)
@@ -131,7 +135,8 @@ def replan(state: ControllerState, calls: ControlCalls, config: TransferConfig) 
     def trainer_call(rank: int, conns: tuple[Connection, ...]) -> Any:
         return calls.call(
             state.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
-            rank_info=state.rank_infos[rank], options=config.rank_options())
+            barrier_key=state.barrier_key, rank_info=state.rank_infos[rank],
+            options=config.rank_options())
 
     links = plan_links(state.rank_infos, result.summary.replicas_by_rank, state.engine_metas)
     state.connector.connect(links, phase="distribute the plan", rank_infos=state.rank_infos,

@@ -24,6 +24,7 @@ from typing import Any
 
 from actors.connections import Connector
 from actors.messages import PlanSummary, TrainerRankMeta
+from weight_transfer.barrier import BarrierKey
 from weight_transfer.types import EngineRankMeta, RankInfo
 
 
@@ -43,6 +44,7 @@ class ControllerState:
     scheduler: Any = None  # the ScheduleActor, made at the first setup()
     store: Any = None  # the trainers' barrier store of the last setup()
     store_host: str = ""
+    barrier_key: BarrierKey | None = None  # this setup's barrier name and secret (Ray only)
     attempted: int | None = None  # the last version an update() started
 
     def check_ready(self, what: str) -> None:

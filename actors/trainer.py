@@ -15,7 +15,8 @@ The controller then calls, in order: ``wt_param_metas()`` (setup, gathered),
 ``wt_endpoints(requests, rank_info=, transport=)`` (setup: opens this rank's
 NIC of the configured transport through the registry and returns its peer info
 made for each engine NIC named), ``wt_connect(blob, conns, ...)`` (setup: its
-plan, the engines' peer infos made for this NIC, barrier store), and
+plan, the engines' peer infos made for this NIC, barrier store and this setup's
+barrier key), and
 ``wt_update(version)`` at every update (only the version crosses Ray; the rank
 replays its static plan with one-sided writes and returns a constant-size
 :class:`~actors.reports.RankReport`). NIC fault injection
@@ -56,7 +57,7 @@ from actors.trainer_model import (
 )
 from actors.write_guard import WriteGuard
 from scheduling.serialize import loads_trainer_plan
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.executor import RankTransfer, check_trainer_plan
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
 from weight_transfer.naming import canonical_trainer_name
@@ -167,6 +168,7 @@ class TrainerMixin:
         peers: list[Connection],
         *,
         store: tuple[str, int],
+        barrier_key: BarrierKey,
         rank_info: RankInfo,
         options: RankOptions = RankOptions(),
     ) -> int:
@@ -194,7 +196,7 @@ class TrainerMixin:
         guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
         kv = connect_store(*store, timeout_s=options.barrier_timeout_s)
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
-                               name="wt-update", timeout_s=options.barrier_timeout_s)
+                               key=barrier_key, timeout_s=options.barrier_timeout_s)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
                                 transport=nic, barrier=barrier,
                                 watermark_bytes=options.watermark_bytes,

@@ -9,6 +9,7 @@ base that says what went wrong (``ValueError`` for bad input,
     |- UpdateError (RuntimeError)           an update left replicas torn (actors.controller)
     |- IntegrityError (RuntimeError)        engine bytes do not hash as their source's
     |- BarrierTimeoutError (TimeoutError)   ranks missing at a barrier
+    |- BarrierRefusedError (RuntimeError)   a forged, pre-set or deleted barrier arrival
     |- TransportError (RuntimeError)        weight_transfer.transport.base: RemoteAccessError,
     |                                       PeerUnreachableError, LinkDownError, ...
     |- PipelineError, RdmaUnavailableError, CudaDmaBufError, NoHardwareError, ...
@@ -34,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "BarrierRefusedError",
     "BarrierTimeoutError",
     "FaultKind",
     "IntegrityError",
@@ -89,6 +91,16 @@ class BarrierTimeoutError(WeightTransferError, TimeoutError):
                  timeout_s: float = 0.0) -> None:
         super().__init__(message)
         self.barrier, self.missing, self.timeout_s = barrier, tuple(missing), float(timeout_s)
+
+
+class BarrierRefusedError(WeightTransferError, RuntimeError):
+    """A barrier arrival that no rank of this setup made: ``rank`` and ``tag`` say whose
+    and where, ``reason`` what was wrong (``forged``, ``pre-arrived``, ``deleted``)."""
+
+    def __init__(self, message: str, *, barrier: str = "", rank: int = -1, tag: str = "",
+                 reason: str = "") -> None:
+        super().__init__(message)
+        self.barrier, self.rank, self.tag, self.reason = barrier, int(rank), tag, reason
 
 
 class UpdateError(WeightTransferError, RuntimeError):

@@ -45,7 +45,7 @@ from actors.testing.harness import RemoteTarget
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config
 from scheduling.serialize import dumps_trainer_plan, loads_trainer_plan
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import param_metas_from_module
@@ -119,7 +119,7 @@ def _naming(layout: str) -> str:
 
 
 def _rank(rank: int, world: int, port: int, cfg_path: str, layout: str, cluster_path: str,
-          conn) -> None:
+          conn, key: BarrierKey) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -132,7 +132,7 @@ def _rank(rank: int, world: int, port: int, cfg_path: str, layout: str, cluster_
         metas = param_metas_from_module(model)
         conn.send(metas)
         params = dict(model.state_dict(keep_vars=True))
-        barrier = StoreBarrier(store, rank=rank, ranks=range(world), timeout_s=300)
+        barrier = StoreBarrier(store, rank=rank, ranks=range(world), key=key, timeout_s=300)
         blob, peers = conn.recv()
         with SimNic(owner=f"trainer{rank}", nic=f"trainer-nic{rank}") as nic:
             for peer in peers:
@@ -182,11 +182,11 @@ def measure(model: Path, cluster_path: Path, updates: int, layout: str = "fsdp")
         targets = [stack.enter_context(RemoteTarget(
             nbytes=e.tensors[0].region.length, guard_bytes=0, owner=str(e.id),
             transport_opts={"nic": e.tensors[0].region.nic})) for e in layout_engines]
-        pipes, procs = [], []
+        pipes, procs, key = [], [], BarrierKey.new()
         for r in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank, args=(r, world, store.port, str(model), layout,
-                                                str(cluster_path), child), daemon=True)
+                                                str(cluster_path), child, key), daemon=True)
             p.start()
             pipes.append(parent)
             procs.append(p)

@@ -57,7 +57,7 @@ from actors.cli.sizes import parse_size
 from actors.testing.harness import start_engine_targets
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
@@ -86,7 +86,7 @@ async def run_ranks(plan, trainer_meta, state, targets, *, serial, gbps, waterma
     """Seconds of one transfer by every trainer rank (in this process); each rank's
     :class:`TransferReport` is appended to ``reports`` if given."""
     store = dist.HashStore()
-    world = [r.rank for r in trainer_meta.ranks]
+    world, key = [r.rank for r in trainer_meta.ranks], BarrierKey.new()
     nics, transfers = [], []
     try:
         for r in trainer_meta.ranks:
@@ -98,7 +98,7 @@ async def run_ranks(plan, trainer_meta, state, targets, *, serial, gbps, waterma
                 plan=plan.trainer_plan(r.rank), params=trainer_meta.params,
                 get_param=state.__getitem__, transport=nic, serial=serial,
                 watermark_bytes=watermark, bucket_bytes=bucket_bytes,
-                barrier=StoreBarrier(store, rank=r.rank, ranks=world, timeout_s=300),
+                barrier=StoreBarrier(store, rank=r.rank, ranks=world, key=key, timeout_s=300),
             ))
         start = time.perf_counter()
         done = await asyncio.gather(*(t.run(version=1) for t in transfers))

@@ -42,7 +42,7 @@ from actors.cli.sizes import parse_size
 from actors.testing.harness import start_engine_targets
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
 from weight_transfer.models import load_model_config
@@ -71,7 +71,7 @@ def run_mode(plan, meta, states, targets, *, staged: bool, gbps, watermark) -> t
     """(setup seconds, seconds of each update) of one mode; ``states[i]`` is update i's."""
     current: dict = {}
     store = dist.HashStore()
-    world = [r.rank for r in meta.ranks]
+    world, key = [r.rank for r in meta.ranks], BarrierKey.new()
     nics, transfers = [], []
     try:
         start = time.perf_counter()
@@ -84,7 +84,7 @@ def run_mode(plan, meta, states, targets, *, staged: bool, gbps, watermark) -> t
                 plan=plan.trainer_plan(r.rank), params=meta.params,
                 get_param=lambda name: current[name], transport=nic, staging=staged,
                 watermark_bytes=watermark,
-                barrier=StoreBarrier(store, rank=r.rank, ranks=world, timeout_s=300)))
+                barrier=StoreBarrier(store, rank=r.rank, ranks=world, key=key, timeout_s=300)))
         setup = time.perf_counter() - start
         seconds = []
         for version, state in enumerate(states, start=1):

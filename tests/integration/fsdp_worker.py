@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scheduling.serialize import loads_trainer_plan
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
 from weight_transfer.live_metadata import param_metas_from_module
@@ -75,7 +75,7 @@ def build_sharded_model(cfg, state, rank: int, world: int, ep: int, layout: str)
 
 
 def run_rank(rank: int, world: int, port: int, cfg_path: str, seed: int, ep: int, layout: str,
-             conn) -> None:
+             conn, key: BarrierKey) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -86,7 +86,7 @@ def run_rank(rank: int, world: int, port: int, cfg_path: str, seed: int, ep: int
         metas = param_metas_from_module(model)
         conn.send(metas)
         params = dict(model.state_dict(keep_vars=True))
-        barrier = StoreBarrier(store, rank=rank, ranks=range(world), timeout_s=120)
+        barrier = StoreBarrier(store, rank=rank, ranks=range(world), key=key, timeout_s=120)
         while (job := conn.recv()) is not None:
             version, blob, peers, opts, *more = job
             xfer = more[0] if more else {}

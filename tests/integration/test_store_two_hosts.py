@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.groups import GroupMember, connect_store
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.prepare import as_bytes
 
@@ -67,8 +67,8 @@ class StoreProbe(GroupMember):
             return False
         return True
 
-    def barriers(self, rank: int, tags: list[str]) -> None:
-        barrier = StoreBarrier(self.client, rank=rank, ranks=[0, 1], timeout_s=30)
+    def barriers(self, rank: int, tags: list[str], key: BarrierKey) -> None:
+        barrier = StoreBarrier(self.client, rank=rank, ranks=[0, 1], key=key, timeout_s=30)
         for tag in tags:
             barrier.wait(tag)
 
@@ -92,7 +92,8 @@ def test_a_group_store_is_hosted_on_its_node_and_reached_from_the_other(two_host
     ray.get([host0.join.remote(addr, port), host1.join.remote(addr, port)])
     base = ray.get(host1.num_keys.remote())
     tags = [f"v{v}/g{g}" for v in range(1, 26) for g in range(2)]
-    ray.get([host0.barriers.remote(0, tags), host1.barriers.remote(1, tags)])
+    key = BarrierKey.new()  # over Ray, as the controller hands it out
+    ray.get([host0.barriers.remote(0, tags, key), host1.barriers.remote(1, tags, key)])
     assert ray.get(host1.num_keys.remote()) == base  # 50 crossings, no key left behind
 
 

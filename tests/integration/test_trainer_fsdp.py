@@ -23,6 +23,7 @@ from actors.testing.harness import RemoteTarget
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.serialize import dumps_trainer_plan
+from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.models import load_model_config
@@ -63,11 +64,11 @@ def cluster_run():
             targets.append(stack.enter_context(RemoteTarget(
                 nbytes=n, guard_bytes=4096, owner=f"{e.replica}/tp{e.rank}",
                 transport_opts={"nic": nic})))
-        pipes, procs = [], []
+        pipes, procs, key = [], [], BarrierKey.new()
         for r in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=run_rank, args=(r, world, store.port, str(cfg_path), SEED, ep,
-                                                   cluster.trainer.expert_mesh_layout, child),
+                                                   cluster.trainer.expert_mesh_layout, child, key),
                           daemon=True)
             p.start()
             pipes.append(parent)

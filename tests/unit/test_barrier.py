@@ -7,7 +7,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weight_transfer.barrier import StoreBarrier
+from weight_transfer.barrier import BarrierKey, StoreBarrier
+
+KEY = BarrierKey.new()
 
 
 @pytest.fixture()
@@ -27,7 +29,7 @@ def run_ranks(store, ranks, present, tag, timeout_s):
     results: dict[int, object] = {}
 
     def body(r):
-        b = StoreBarrier(client(store), rank=r, ranks=ranks, timeout_s=timeout_s)
+        b = StoreBarrier(client(store), rank=r, ranks=ranks, key=KEY, timeout_s=timeout_s)
         try:
             results[r] = b.wait(tag)
         except Exception as exc:
@@ -62,9 +64,9 @@ def test_timeout_names_missing_ranks(store):
 
 def test_bad_arguments(store):
     with pytest.raises(ValueError, match="rank 9 is not one of"):
-        StoreBarrier(store, rank=9, ranks=[0, 1])
+        StoreBarrier(store, rank=9, ranks=[0, 1], key=KEY)
     with pytest.raises(ValueError, match="timeout"):
-        StoreBarrier(store, rank=0, ranks=[0], timeout_s=0)
+        StoreBarrier(store, rank=0, ranks=[0], key=KEY, timeout_s=0)
 
 
 def test_store_does_not_grow_with_updates(store):
@@ -95,10 +97,13 @@ def test_waiting_blocks_in_the_store_not_in_a_sleep_loop(store, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    late = threading.Timer(0.3, lambda: StoreBarrier(client(store), rank=1, ranks=[0, 1]).wait("t"))
+    late = threading.Timer(
+        0.3, lambda: StoreBarrier(client(store), rank=1, ranks=[0, 1], key=KEY).wait("t"))
     late.start()
-    waited = StoreBarrier(Counting(client(store)), rank=0, ranks=[0, 1], timeout_s=20).wait("t")
+    waited = StoreBarrier(Counting(client(store)), rank=0, ranks=[0, 1], key=KEY,
+                          timeout_s=20).wait("t")
     late.join()
     assert waited >= 0.2
-    assert calls == {"sleep": 0, "check": 0}
+    # one check of every arrival key after the wake-up (they are still there), no polling
+    assert calls == {"sleep": 0, "check": 1}
 

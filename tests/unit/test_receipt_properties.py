@@ -160,6 +160,7 @@ def test_corrupt_plans_are_refused_or_still_valid(data):
 
 def test_a_trainer_keeps_its_previous_plan_when_the_new_one_is_corrupt():
     from actors.trainer import TrainerMixin
+    from weight_transfer.barrier import BarrierKey
 
     w, t = world(), TrainerMixin()
     t.wt_attach(model=torch.nn.Linear(4, 4), rank=0, world=4)
@@ -169,7 +170,8 @@ def test_a_trainer_keeps_its_previous_plan_when_the_new_one_is_corrupt():
     bad[len(bad) // 2] ^= 0xFF
     for blob in (bytes(bad), b"\x93\x01", w["trainer_blobs"][0]):  # the last: foreign params
         with pytest.raises(ValueError):
-            t.wt_connect(blob, [], store=("127.0.0.1", 1), rank_info=w["tm"].ranks[0])
+            t.wt_connect(blob, [], store=("127.0.0.1", 1), barrier_key=BarrierKey.new(),
+                         rank_info=w["tm"].ranks[0])
         assert t._wt_link is previous and t.wt_nic is None  # nothing replaced, no NIC opened
 
 
