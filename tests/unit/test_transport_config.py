@@ -222,7 +222,10 @@ def test_fault_injection_names_a_transport_without_it():
         # Several Ray nodes on one host share hostname and address: simnic reaches them.
         ("simnic", {}, A, HostId(hostname="node-a", address="10.0.0.1"), True),
         ("simnic", {}, A, HostId(hostname="node-a", address="10.0.0.5"), False),
-        ("mooncake", {}, A, B, True),
+        ("mooncake", {}, A, B, False),  # TCP authenticates nothing: refused across hosts
+        ("mooncake", {"allow_unauthenticated": True}, A, B, True),
+        ("mooncake", {"protocol": "rdma"}, A, B, True),
+        ("mooncake", {}, A, A, True),  # within one host it stays allowed
         ("mooncake", {"hostname": "127.0.0.1"}, A, B, False),
         ("mooncake", {"hostname": "10.0.0.1"}, A, B, False),  # every actor would say 10.0.0.1
         ("mooncake", {"hostname": "10.0.0.1"}, A, A, True),
@@ -259,7 +262,7 @@ def test_simnic_across_hosts_fails_at_setup_naming_transport_actors_and_hosts():
     assert "trainer0 on node-a (10.0.0.1) -> engine0/tp0 on node-b (10.0.0.2)" in msg
     assert "trainer1 on node-a (10.0.0.1) -> engine0/tp0 on node-b (10.0.0.2)" in msg
     assert "engine0/tp1" not in msg  # same host: reachable
-    assert "choose 'mooncake' or 'rdma'" in msg
+    assert "'rdma'" in msg.split("choose ")[1] and "'mooncake'" not in msg.split("choose ")[1]
     _connector("rdma", hosts).check_engines([0, 1], [_engine("engine0", 0)])  # reaches
 
 

@@ -8,12 +8,40 @@ from __future__ import annotations
 
 import concurrent.futures
 import ipaddress
+import logging
 import os
 import queue
 import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+UNAUTHENTICATED_RISK = (
+    "Mooncake's TCP protocol authenticates nothing: its handshake port gives the registered "
+    "buffers' addresses and lengths to anyone who asks, and anyone who reaches its data port "
+    "reads and writes registered engine memory (only bounds are checked)"
+)
+_WARNED: set[tuple[Any, Any]] = set()
+
+
+def tcp_across_hosts_allowed(options: Any, src: Any, dst: Any) -> bool:
+    """Whether the options let an unauthenticated TCP link cross from host ``src`` to
+    ``dst``: only with ``allow_unauthenticated: true``, and then with a warning (once per
+    pair of hosts in this process) that names the risk. Other protocols: yes."""
+    if getattr(options, "protocol", "tcp") != "tcp":
+        return True
+    if not getattr(options, "allow_unauthenticated", False):
+        return False
+    if (src, dst) not in _WARNED:
+        _WARNED.add((src, dst))
+        log.warning("mooncake: transport_options.allow_unauthenticated is true, so TCP links "
+                    "cross hosts (%s -> %s): %s. Use it only on a network nobody else "
+                    "reaches; the authenticated 'tcp' transport or 'rdma' on an isolated "
+                    "fabric protect this link", src, dst, UNAUTHENTICATED_RISK)
+    return True
+
 
 INSTALL_HINT = (
     "install the `mooncake` extra: pip install 'weight-transfer[mooncake]' (its wheel "

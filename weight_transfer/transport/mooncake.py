@@ -35,6 +35,12 @@ target's TCP server, that each chunk lies inside one buffer registered now
 :class:`RemoteAccessError` when a probe shows the peer alive, else as
 :class:`PeerUnreachableError`; other chunks of the same write may have landed.
 
+Across hosts. The TCP protocol authenticates nothing, so a setup whose trainers
+and engines run on different hosts is refused (a ValueError at setup naming both
+ends and the option) unless ``transport_options.allow_unauthenticated`` is true,
+which logs a warning that names the risk; within one host it stays allowed.
+See docs/security.md.
+
 Protocols other than ``"tcp"`` (``"rdma"``) send only from registered memory:
 register the source (staging) buffers with the writer's NIC too.
 
@@ -68,6 +74,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from weight_transfer.transport._mooncake_calls import (
+    UNAUTHENTICATED_RISK,
     CallThread,
     _first_error,
     _new_rkey,
@@ -76,6 +83,7 @@ from weight_transfer.transport._mooncake_calls import (
     load_engine_class,
     parse_session_id,
     split_chunks,
+    tcp_across_hosts_allowed,
 )
 from weight_transfer.transport.base import (
     PeerUnreachableError,
@@ -101,7 +109,8 @@ _GRAVEYARD: list[Any] = []  # engines closed with transfers in flight, kept aliv
 
 
 class MooncakeOptions(TransportOptions):
-    """Mooncake TransferEngine: ``hostname`` None takes each actor's own host address."""
+    """Mooncake TransferEngine: ``hostname`` None takes each actor's own host address;
+    ``allow_unauthenticated``: let TCP links cross hosts (refused by default)."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     hostname: str | None = None
@@ -110,6 +119,7 @@ class MooncakeOptions(TransportOptions):
     chunk_bytes: int = Field(default=64 << 20, ge=1)
     timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=20.0, gt=0)
+    allow_unauthenticated: bool = False
 
 
 class MooncakeLinkError(PeerUnreachableError, TransientTransportError):
@@ -147,8 +157,10 @@ class MooncakeTransport(TransportBase):
     @classmethod
     def reaches(cls, options: TransportOptions, src: Any, dst: Any) -> bool:
         """Other hosts, unless a fixed hostname (every actor's, wherever it runs) or a
-        loopback address is advertised."""
-        return getattr(options, "hostname", None) is None and not is_loopback(dst.address)
+        loopback address is advertised; over TCP only with ``allow_unauthenticated``."""
+        if getattr(options, "hostname", None) is not None or is_loopback(dst.address):
+            return False
+        return tcp_across_hosts_allowed(options, src, dst)
 
     @classmethod
     def unreachable_reason(cls, options: TransportOptions) -> str:
@@ -156,13 +168,18 @@ class MooncakeTransport(TransportBase):
         if hostname is not None:
             return (f"mooncake option hostname={hostname!r} is advertised by every actor; "
                     "leave it null to take each actor's own address")
+        if getattr(options, "protocol", "tcp") == "tcp" and not getattr(
+                options, "allow_unauthenticated", False):
+            return (f"refused: {UNAUTHENTICATED_RISK}; set transport_options."
+                    "allow_unauthenticated: true to accept that on a network nobody else "
+                    "reaches")
         return "mooncake would advertise a loopback address that other hosts cannot reach"
 
     def __init__(
         self, *, owner: str, nic: str = "mc0", protocol: str = "tcp",
         hostname: str = "127.0.0.1", device_name: str = "", max_inflight: int = 8,
         chunk_bytes: int = 64 << 20, timeout_s: float = 30.0, min_gbps: float = 0.1,
-        connect_timeout_s: float = 20.0,
+        connect_timeout_s: float = 20.0, allow_unauthenticated: bool = False,
     ) -> None:
         if not (owner and nic and protocol and hostname):
             raise ValueError(f"owner, nic, protocol, hostname must be non-empty ({owner=}, {nic=})")
@@ -174,6 +191,9 @@ class MooncakeTransport(TransportBase):
             )
         super().__init__(owner=owner, nic=nic)
         self.protocol, self.hostname = protocol, hostname
+        if allow_unauthenticated and protocol == "tcp":
+            logger.warning("mooncake %s/%s: allow_unauthenticated: %s", owner, nic,
+                           UNAUTHENTICATED_RISK)
         self._me = self.label = f"mooncake {owner}/{nic}"  # how messages name this NIC
         self.max_inflight, self.chunk_bytes, self.timeout_s = max_inflight, chunk_bytes, timeout_s
         self.min_gbps, self.connect_timeout_s = min_gbps, connect_timeout_s
