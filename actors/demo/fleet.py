@@ -56,6 +56,7 @@ from actors.cli.progress import (
 from actors.demo.checks import UpdateCheck, render_table, summary, write_json
 from actors.demo.fleet_handle import Fleet
 from actors.demo.verify import check_bytes, first_answer, verify
+from actors.ray_token import private_token
 from actors.run_config import RunConfig, load_run_config
 from scheduling.cluster import load_cluster_config
 from weight_transfer.engines.registry import engine_spec
@@ -91,13 +92,16 @@ def connect_ray(run: RunConfig, *, join_existing: bool = False) -> bool:
     address = run.ray.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
     if address is None and join_existing and _local_cluster_running():
         try:
+            private_token(new_cluster=False)
             ray.init(address="auto", **quiet)
             return True
         except ConnectionError as exc:  # a stale address file: start our own
             log.warning("no Ray cluster at the last `ray start` address (%s); starting one", exc)
     if address is not None:
+        private_token(new_cluster=False)  # one made before (`ray get-auth-token`): 0600
         ray.init(address=address, **quiet)
     else:  # "local": a new instance even when another one runs on this machine
+        private_token(new_cluster=True)  # made 0600 here, not 0644 by ray.init
         ray.init(address="local", num_cpus=run.ray.num_cpus, include_dashboard=False,
                  _node_ip_address=LOCAL_NODE_IP, **quiet)
     return True

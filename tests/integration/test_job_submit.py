@@ -30,6 +30,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -156,7 +157,9 @@ def test_the_readme_block_starts_a_head_and_the_job_succeeds(readme_run):
     out, env, head_log = readme_run
     said = _plain(out)
     assert "Local node IP: 127.0.0.1" in _plain(head_log.read_text())
-    assert (Path(env["HOME"]) / ".ray" / "auth_token").is_file()  # made by the README's line
+    token = Path(env["HOME"]) / ".ray" / "auth_token"
+    assert token.is_file()  # made by the README's line
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600  # readable by its owner only
     assert re.search(r"Job '\w+' succeeded", said), said[-5000:]
     assert "all updates verified" in said and "update 3:" in said
     for column in ("version", "GB/s", "h2d", "prepare", "write", "barrier"):
