@@ -26,6 +26,8 @@ import socket
 import ray
 import torch.distributed as dist
 
+from weight_transfer.listen import check_listen_address
+
 log = logging.getLogger(__name__)
 
 
@@ -36,7 +38,9 @@ def node_ip() -> str:
 
 
 def host_store(*, host: str, timeout_s: float = 300.0) -> dist.TCPStore:
-    """A TCPStore server listening on a free port of ``host`` only (read it from ``.port``)."""
+    """A TCPStore server listening on a free port of ``host`` only (read it from ``.port``);
+    a wildcard ``host`` is refused (weight_transfer.listen)."""
+    check_listen_address(host, what="store")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

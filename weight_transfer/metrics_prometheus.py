@@ -1,13 +1,15 @@
 """The ``prometheus`` metrics backend: ``prometheus_client`` instruments in one registry.
 
 Used when the library runs without Ray; expose the registry with
-``prometheus_client.start_http_server(port)`` or read it with
-``prometheus_client.generate_latest(registry)``::
+:func:`serve_metrics` (an HTTP exporter on the address given, loopback by
+default, never a wildcard: prometheus_client's own default is ``0.0.0.0``) or
+read it with ``prometheus_client.generate_latest(registry)``::
 
     registry = prometheus_client.CollectorRegistry()
     m = make_metrics("prometheus", registry=registry)
+    exporter = serve_metrics(MetricsListen(address=node_ip, port=9100), registry=registry)
     ...
-    print(prometheus_client.generate_latest(registry).decode())
+    exporter.close()
 
 Instruments are made once per registry and reused, so several facades over the
 same registry (the default one, for instance) share them.
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client
+
+from weight_transfer.listen import check_listen_address
 
 _KINDS = {
     "counter": prometheus_client.Counter,
@@ -61,3 +66,44 @@ class _PromInstrument:
             target.set(value)
         else:
             target.observe(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsListen:
+    """Where the exporter listens: ``address`` (loopback by default, or the node address
+    a scraper reaches; a wildcard is refused) and ``port`` (0: a free one)."""
+
+    address: str = "127.0.0.1"
+    port: int = 0
+
+
+class MetricsExporter:
+    """A running HTTP exporter (``host``, ``port``); ``close()`` stops it."""
+
+    def __init__(self, server: Any, thread: Any) -> None:
+        self._server, self._thread = server, thread
+        self.host, self.port = server.server_address[:2]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> MetricsExporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(listen: MetricsListen = MetricsListen(), *,
+                  registry: prometheus_client.CollectorRegistry | None = None
+                  ) -> MetricsExporter:
+    """Serve ``registry`` (default: the global one) over HTTP on ``listen`` only."""
+    host = check_listen_address(listen.address, what="metrics exporter (MetricsListen.address)")
+    if not isinstance(listen.port, int) or not 0 <= listen.port < 65536:
+        raise ValueError(f"metrics exporter: port must be an integer in [0, 65536), not "
+                         f"{listen.port!r}")
+    server, thread = prometheus_client.start_http_server(
+        listen.port, addr=host, registry=prometheus_client.REGISTRY if registry is None
+        else registry)
+    return MetricsExporter(server, thread)
