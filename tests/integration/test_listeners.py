@@ -1,0 +1,98 @@
+"""What a running fleet listens on: no listener of ours binds a wildcard address.
+
+A fleet of the tiny model (trainers, engines, a controller that set up and ran
+an update, simnic) runs on the shared cluster. For the driver and every actor
+process, the listening TCP sockets are read from ``/proc/<pid>/net/tcp{,6}``
+and ``/proc/<pid>/fd``. Ray's core-worker gRPC server (one per process) binds
+``[::]``: that one is Ray's, found by its port (the owner address of an object
+the process puts) and set apart; everything else in those processes is ours
+(the barrier store, the group stores, gloo) and must bind one address.
+Mooncake's handshake and data listeners bind every interface whatever we ask:
+they are Mooncake's, documented in docs/security.md, and not part of this fleet.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
+
+
+def _address(hex_addr: str) -> tuple[str, int]:
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = ipaddress.IPv4Address(raw[::-1])
+    else:  # /proc prints each 32-bit word of an IPv6 address in host (little-endian) order
+        ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return str(ip), int(port, 16)
+
+
+def listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket that process ``pid`` holds."""
+    inodes, out = _socket_inodes(pid), []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                out.append(_address(fields[1]))
+    return out
+
+
+def ours(pid: int, ray_port: int) -> list[tuple[str, int]]:
+    return [(a, p) for a, p in listeners(pid) if p != ray_port]
+
+
+def test_the_address_parser_reads_proc_net():
+    assert _address("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert _address("00000000000000000000000000000000:0050") == ("::", 80)
+
+
+def test_no_listener_of_a_running_fleet_binds_a_wildcard(ray_job):
+    def ray_port(_self=None) -> tuple[int, int]:  # nested: Ray ships it by value
+        """(pid, port of Ray's core-worker server) of the process this runs in."""
+        import os
+
+        import ray
+        from ray.core.generated.common_pb2 import Address
+
+        ref = ray.put(0)  # owned by this process: its owner address is this core worker
+        core = ray._private.worker.global_worker.core_worker
+        return os.getpid(), Address.FromString(core.get_owner_address(ref)).port
+
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                    CONFIGS / "clusters" / "local_cpu.yaml")
+    with launch_trainers(cfg) as trainers, launch_engines(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        ctl.setup()
+        assert ctl.update(1).bytes > 0
+        actors = trainers.actors + replicas.actors
+        procs = ray.get([a.__ray_call__.remote(ray_port) for a in actors]) + [ray_port()]
+        found = {pid: ours(pid, port) for pid, port in procs}
+        # the barrier store is the driver's, on the address the trainers reach it by
+        assert (ctl.state.store_host, ctl.state.store.port) in found[os.getpid()]
+        assert sum(map(len, found.values())) > 1  # the group stores and gloo are seen too
+        wild = {pid: [(a, p) for a, p in ls if ipaddress.ip_address(a).is_unspecified]
+                for pid, ls in found.items()}
+        assert not any(wild.values()), wild
+        ctl.shutdown()
