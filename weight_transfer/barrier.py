@@ -59,6 +59,8 @@ from weight_transfer.errors import BarrierRefusedError, BarrierTimeoutError
 
 log = logging.getLogger(__name__)
 
+VERIFY_S = 2.0  # how long reading the arrivals back may take (they exist: the wait saw them)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BarrierKey:
@@ -107,6 +109,7 @@ class StoreBarrier:
         if not isinstance(key, BarrierKey):
             raise ValueError(f"a barrier needs this setup's BarrierKey, not {type(key).__name__}")
         self.store = store
+        self._store_timeout = store.timeout
         self.rank = rank
         self.key = key
         self.name = key.name
@@ -158,14 +161,17 @@ class StoreBarrier:
 
     def _check_arrivals(self, tag: str, keys: list[str]) -> None:
         """Every arrival is still there and is the MAC of its rank at this tag."""
-        if not self.store.check(keys):  # one round trip when nothing is wrong
-            raise self._refuse(tag, self._gone(keys), "deleted", "its arrival key was "
-                               "removed from the store before every rank had checked it")
+        # One round trip when nothing is wrong. A key deleted since the wait makes the
+        # get block: a short timeout turns that into a named refusal, not a long hang.
+        self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, VERIFY_S)))
         try:
             values = self.store.multi_get(keys)
-        except RuntimeError as exc:  # a key vanished between check and get
+        except RuntimeError as exc:  # DistStoreError: a key vanished since the wait
             raise self._refuse(tag, self._gone(keys), "deleted", "its arrival key was "
-                               "removed from the store while it was read") from exc
+                               "removed from the store before every rank had checked it"
+                               ) from exc
+        finally:
+            self.store.set_timeout(self._store_timeout)
         for r, value in zip(self.ranks, values, strict=True):
             if not hmac.compare_digest(bytes(value), self.key.mac(tag, r)):
                 raise self._refuse(tag, r, "forged", "its value is not this setup's MAC for "

@@ -87,7 +87,7 @@ def test_no_listener_of_a_running_fleet_binds_a_wildcard(ray_job):
         ctl.setup()
         assert ctl.update(1).bytes > 0
         actors = trainers.actors + replicas.actors
-        procs = ray.get([a.__ray_call__.remote(ray_port) for a in actors]) + [ray_port()]
+        procs = [*ray.get([a.__ray_call__.remote(ray_port) for a in actors]), ray_port()]
         found = {pid: ours(pid, port) for pid, port in procs}
         # the barrier store is the driver's, on the address the trainers reach it by
         assert (ctl.state.store_host, ctl.state.store.port) in found[os.getpid()]

@@ -25,7 +25,7 @@ def test_one_address_is_accepted(address):
 
 
 def test_a_store_on_a_wildcard_is_refused():
-    with pytest.raises(ValueError, match="store: refusing to listen on '0.0.0.0'"):
+    with pytest.raises(ValueError, match=r"store: refusing to listen on '0\.0\.0\.0'"):
         host_store(host="0.0.0.0")
 
 
