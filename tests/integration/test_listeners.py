@@ -1,4 +1,5 @@
-"""What a running fleet listens on: no listener of ours binds a wildcard address.
+"""What a running fleet listens on (no listener of ours binds a wildcard address), and an
+outsider on its live barrier store.
 
 A fleet of the tiny model (trainers, engines, a controller that set up and ran
 an update, simnic) runs on the shared cluster. For the driver and every actor
@@ -19,8 +20,11 @@ from pathlib import Path
 
 import pytest
 import ray
+from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors.audit import read_audit
+from weight_transfer.errors import UpdateError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -63,12 +67,26 @@ def ours(pid: int, ray_port: int) -> list[tuple[str, int]]:
     return [(a, p) for a, p in listeners(pid) if p != ray_port]
 
 
-def test_the_address_parser_reads_proc_net():
-    assert _address("0100007F:1F90") == ("127.0.0.1", 8080)
+@pytest.fixture(scope="module")
+def fleet(ray_job, tmp_path_factory):
+    """Trainers, engines and a controller that set up and ran update 1 (audit log on)."""
+    audit = tmp_path_factory.mktemp("audit") / "audit.jsonl"
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                    CONFIGS / "clusters" / "local_cpu.yaml",
+                                    audit_path=audit, barrier_timeout_s=30)
+    with launch_trainers(cfg) as trainers, launch_engines(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        ctl.setup()
+        assert ctl.update(1).bytes > 0
+        yield ctl, trainers, replicas, audit
+        ctl.shutdown()
+
+
+def test_no_listener_of_a_running_fleet_binds_a_wildcard(fleet):
+    ctl, trainers, replicas, _ = fleet
+    assert _address("0100007F:1F90") == ("127.0.0.1", 8080)  # how /proc/net prints them
     assert _address("00000000000000000000000000000000:0050") == ("::", 80)
 
-
-def test_no_listener_of_a_running_fleet_binds_a_wildcard(ray_job):
     def ray_port(_self=None) -> tuple[int, int]:  # nested: Ray ships it by value
         """(pid, port of Ray's core-worker server) of the process this runs in."""
         import os
@@ -80,19 +98,32 @@ def test_no_listener_of_a_running_fleet_binds_a_wildcard(ray_job):
         core = ray._private.worker.global_worker.core_worker
         return os.getpid(), Address.FromString(core.get_owner_address(ref)).port
 
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml")
-    with launch_trainers(cfg) as trainers, launch_engines(cfg) as replicas:
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        ctl.setup()
-        assert ctl.update(1).bytes > 0
-        actors = trainers.actors + replicas.actors
-        procs = [*ray.get([a.__ray_call__.remote(ray_port) for a in actors]), ray_port()]
-        found = {pid: ours(pid, port) for pid, port in procs}
-        # the barrier store is the driver's, on the address the trainers reach it by
-        assert (ctl.state.store_host, ctl.state.store.port) in found[os.getpid()]
-        assert sum(map(len, found.values())) > 1  # the group stores and gloo are seen too
-        wild = {pid: [(a, p) for a, p in ls if ipaddress.ip_address(a).is_unspecified]
-                for pid, ls in found.items()}
-        assert not any(wild.values()), wild
-        ctl.shutdown()
+    actors = trainers.actors + replicas.actors
+    procs = [*ray.get([a.__ray_call__.remote(ray_port) for a in actors]), ray_port()]
+    found = {pid: ours(pid, port) for pid, port in procs}
+    # the barrier store is the driver's, on the address the trainers reach it by
+    assert (ctl.state.store_host, ctl.state.store.port) in found[os.getpid()]
+    assert sum(map(len, found.values())) > 1  # the group stores and gloo are seen too
+    wild = {pid: [(a, p) for a, p in ls if ipaddress.ip_address(a).is_unspecified]
+            for pid, ls in found.items()}
+    assert not any(wild.values()), wild
+
+
+def test_an_outsider_pre_arrival_on_the_live_barrier_store_fails_the_update_named(fleet):
+    """An outsider who learned the barrier name (say, by listing the store during a
+    crossing) pre-arrives for rank 1 at the next version: the update fails naming rank 1
+    and the tag, the audit line records it, nothing passes."""
+    ctl, _, _, audit = fleet
+    outsider = Outsider()
+    try:
+        host, port, name = ctl.state.store_host, ctl.state.store.port, ctl.state.barrier_key.name
+        outsider(op="set", host=host, port=port, key=f"{name}/v2/g0/1", value="0" * 64)
+    finally:
+        outsider.close()
+    with pytest.raises(UpdateError) as err:
+        ctl.update(2)
+    assert "BarrierRefusedError" in str(err.value)
+    assert "pre-arrived arrival of rank 1" in str(err.value) and "v2/g0" in str(err.value)
+    last = read_audit(audit)[-1]
+    assert last["version"] == 2 and last["outcome"] == "failed"
+    assert "pre-arrived arrival of rank 1" in last["error"]

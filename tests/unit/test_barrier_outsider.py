@@ -10,40 +10,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
 from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.errors import BarrierRefusedError, BarrierTimeoutError
 
 pytestmark = pytest.mark.slow  # spawns a process that imports torch
-
-OUTSIDER = Path(__file__).parents[1] / "outsider" / "store_client.py"
-
-
-class Outsider:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(OUTSIDER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
-
-    def __call__(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        out = json.loads(self.proc.stdout.readline())
-        assert "error" not in out, out
-        return out
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
 
 @pytest.fixture(scope="module")
 def outsider():
