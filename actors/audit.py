@@ -12,7 +12,10 @@ replica from a peer, when the configuration names a file
                              outcome="ok"))
     read_audit("runs/audit.jsonl")       # the records, as dicts, in order
 
-Every line: ``kind`` (update or resync), ``version``, ``started_at`` and
+A ``refused`` line records an arrival at a trainers' barrier that no rank of the
+setup made (:class:`RefusedAudit`: what, rank, tag, reason, by whom).
+
+Every update or resync line: ``kind`` (update or resync), ``version``, ``started_at`` and
 ``finished_at`` (Unix seconds), ``seconds``, ``bytes`` (total) and ``pairs``
 (``[{"src": "trainer0", "dst": "engine0/tp1", "bytes": n}, ...]``: landed bytes
 per source and destination rank), ``integrity`` (the checksum mode, ranges and
@@ -103,7 +106,28 @@ class ResyncAudit:
         }
 
 
-AuditEntry = UpdateAudit | ResyncAudit
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RefusedAudit:
+    """Something no one that setup planned tried, refused: ``what`` (``barrier arrival``),
+    on behalf of whom (``rank``), where (``tag``), what was wrong (``reason``: forged,
+    pre-arrived, deleted), noticed by ``by`` at ``at`` (Unix seconds)."""
+
+    version: int | None
+    what: str
+    rank: int
+    tag: str
+    reason: str
+    by: str
+    at: float
+    error: str = ""
+
+    def as_record(self) -> dict[str, Any]:
+        return {"kind": "refused", "version": self.version, "what": self.what,
+                "rank": self.rank, "tag": self.tag, "reason": self.reason, "by": self.by,
+                "at": self.at, "error": self.error}
+
+
+AuditEntry = UpdateAudit | ResyncAudit | RefusedAudit
 
 
 class AuditLog:

@@ -190,6 +190,8 @@ class WeightTransferController:
         except Exception as err:  # ended before it had reports: still one audit line
             outcome = UpdateOutcome(version=version, replicas=tuple(self.state.replicas),
                                     error=err, crashed=True)
+        for refused in outcome.refusals:
+            self.audit.record(refused)
         self.audit.record(outcome.audit(started_at=started, finished_at=time.time()))
         if outcome.error is not None:
             raise outcome.error

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.audit import UpdateAudit
+from actors.audit import RefusedAudit, UpdateAudit
 from actors.config import TransferConfig
 from actors.controller_calls import ControlCalls
 from actors.controller_replicas import HOLD_WAIT_S, ReplicaOps, hold
@@ -65,7 +65,7 @@ from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, TrainerFault, UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
 from weight_transfer.engines.rank import EngineRank, method_name
-from weight_transfer.errors import FaultKind, UpdateError
+from weight_transfer.errors import BarrierRefusedError, FaultKind, UpdateError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import write_chrome_trace
 
@@ -91,6 +91,7 @@ class UpdateOutcome:
     report: UpdateReport | None = None
     error: Exception | None = None
     crashed: bool = False
+    refusals: tuple[RefusedAudit, ...] = ()  # barrier arrivals refused (their own lines)
 
     def audit(self, *, started_at: float, finished_at: float) -> UpdateAudit:
         err = self.error
@@ -124,6 +125,16 @@ def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
             replica=m.replica, rank=m.rank, kind=m.fault,
             method=method_name(EngineRank.wt_checksum), error=m.error))
     return out
+
+
+def refusals_of(version: int, errors: Mapping[int, TrainerFault]
+                ) -> tuple[RefusedAudit, ...]:
+    """The audit lines of the barrier arrivals that trainer ranks refused."""
+    return tuple(
+        RefusedAudit(version=version, what="barrier arrival", rank=f.cause.rank,
+                     tag=f.cause.tag, reason=f.cause.reason, by=f"trainer rank {r}",
+                     at=time.time(), error=f.error)
+        for r, f in sorted(errors.items()) if isinstance(f.cause, BarrierRefusedError))
 
 
 def _merge(into: dict[str, list[RankFault]], more: Mapping[str, list[RankFault]]) -> None:
@@ -165,7 +176,8 @@ class UpdateSteps:
             after_transfer(version)
         torn, check = self._check_and_resume(version, names, faults, reports, errors, deadline)
         done = UpdateOutcome(version=version, replicas=tuple(names),
-                             reports=tuple(reports.values()), integrity=check)
+                             reports=tuple(reports.values()), integrity=check,
+                             refusals=refusals_of(version, errors))
         if errors or torn:
             _merge(faults, hold(st, self.calls, torn, faults))
             record_failure(self.metrics, errors, reports, torn, st.versions)
@@ -238,7 +250,8 @@ class UpdateSteps:
                     reports[refs[ref]] = ledger.get(ref)
                 except ray.exceptions.RayError as err:
                     errors[refs[ref]] = TrainerFault(rank=refs[ref], kind=FaultKind.FAILED,
-                                                     error=cause_of(err))
+                                                     error=cause_of(err),
+                                                     cause=getattr(err, "cause", None))
             if progress is not None:
                 progress("transfer", len(refs) - len(pending), len(refs))
         waited = self.config.update_timeout_s * (1 - RESUME_SHARE)

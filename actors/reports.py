@@ -51,11 +51,13 @@ class WriteFailure:
 class TrainerFault:
     """One trainer rank that did not report on an update: ``kind`` FAILED (it raised:
     ``error`` is the remote error's first line), TIMEOUT (it did not finish in time) or
-    ABORTED (the controller stopped waiting when another rank failed)."""
+    ABORTED (the controller stopped waiting when another rank failed); ``cause``: the
+    remote error itself where Ray carried it (a ``BarrierRefusedError`` is audited)."""
 
     rank: int
     kind: FaultKind
     error: str
+    cause: BaseException | None = field(default=None, compare=False, repr=False)  # typed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

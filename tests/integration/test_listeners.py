@@ -124,6 +124,10 @@ def test_an_outsider_pre_arrival_on_the_live_barrier_store_fails_the_update_name
         ctl.update(2)
     assert "BarrierRefusedError" in str(err.value)
     assert "pre-arrived arrival of rank 1" in str(err.value) and "v2/g0" in str(err.value)
-    last = read_audit(audit)[-1]
-    assert last["version"] == 2 and last["outcome"] == "failed"
-    assert "pre-arrived arrival of rank 1" in last["error"]
+    lines = [r for r in read_audit(audit) if r["version"] == 2]
+    assert lines[-1]["kind"] == "update" and lines[-1]["outcome"] == "failed"
+    assert "pre-arrived arrival of rank 1" in lines[-1]["error"]
+    refused = [r for r in lines if r["kind"] == "refused"]
+    assert refused and all(r["rank"] == 1 and r["tag"] == "v2/g0" for r in refused)
+    assert {r["reason"] for r in refused} <= {"pre-arrived", "forged"}
+    assert all(r["what"] == "barrier arrival" for r in refused)
