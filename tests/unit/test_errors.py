@@ -13,6 +13,7 @@ from actors.testing.harness import RemoteTargetError
 from scheduling.topology import NoHardwareError
 from weight_transfer.engines.vllm.mailbox import Failure
 from weight_transfer.errors import (
+    BarrierRefusedError,
     BarrierTimeoutError,
     FaultKind,
     IntegrityError,
@@ -42,6 +43,8 @@ ERRORS = [
     (IntegrityError("copy from engine0 to engine1: ...", replicas=["engine1"]), RuntimeError),
     (BarrierTimeoutError("barrier wt/v3/g0: ranks [2] ...", barrier="wt/v3/g0", missing=[2],
                          timeout_s=30.0), TimeoutError),
+    (BarrierRefusedError("barrier b/v3/g0: forged arrival of rank 2 ...", barrier="b/v3/g0",
+                         rank=2, tag="v3/g0", reason="forged"), RuntimeError),
     (TransportError("write into engine0/tp0 failed"), RuntimeError),
     (RemoteAccessError("rkey 7 revoked"), TransportError),
     (PeerUnreachableError("engine0/tp0 is dead"), TransportError),
