@@ -23,7 +23,7 @@ def _default_config(engine: str | None, which: str) -> Path:
     """The run config a command starts from for ``engine`` (its registry entry's
     ``demo_config`` or ``bench_config``; the reference engine's when none or unknown: the
     run config's validation then names a bad engine)."""
-    from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_names, engine_spec
+    from actors.engine_registry import DEFAULT_ENGINE, engine_names, engine_spec
 
     name = engine if engine in engine_names() else DEFAULT_ENGINE
     return Path(getattr(engine_spec(name), which))
