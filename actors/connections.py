@@ -87,7 +87,8 @@ def copy_links(src: Sequence[EngineRankMeta], dst: Sequence[EngineRankMeta]) -> 
     """The pairs ``wt_copy_to`` writes through: rank r's i-th NIC of ``src`` to that of ``dst``."""
     links = []
     for s, d in zip(src, dst, strict=True):
-        regions = [(r.owner, r.nic, r.addr) for r in dict.fromkeys(t.region for t in d.tensors)]
+        regions = list(dict.fromkeys((t.region.owner, t.region.nic, t.region.addr)
+                                     for t in d.tensors))
         links += [Link(writer=a, target=b, grants=_grants(regions, b)) for a, b in
                   zip(engine_endpoints(s), engine_endpoints(d), strict=True)]
     return links
