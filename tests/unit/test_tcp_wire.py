@@ -8,6 +8,7 @@ it does not appear on the wire; decompression is bounded by the declared length.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 
 import pytest
@@ -127,3 +128,16 @@ def test_codecs_round_trip_and_bound_the_output(name):
 def test_a_codec_other_than_the_links_is_refused():
     with pytest.raises(CodecError, match="this link uses"):
         Codec("lz4").decompress(2, memoryview(b"zz"), 2)
+
+
+@pytest.mark.parametrize("name", ["lz4", "zstd"])
+def test_one_codec_serves_many_threads(name):
+    codec = Codec(name)
+    blocks = [bytes([i]) * 8192 + os.urandom(64) for i in range(16)]
+
+    def roundtrip(block):
+        cid, payload = codec.compress(memoryview(block))
+        return bytes(codec.decompress(cid, memoryview(bytes(payload)), len(block)))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(roundtrip, blocks * 4)) == blocks * 4

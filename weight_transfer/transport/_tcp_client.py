@@ -62,6 +62,7 @@ class LinkParams:
     codec: str
     chunk_bytes: int
     connect_timeout_s: float
+    level: int = 1  # zstd compression level
 
 
 def sendmsg_all(sock: socket.socket, parts: list) -> None:
@@ -81,7 +82,7 @@ class Channel:
 
     def __init__(self, params: LinkParams) -> None:
         self.params = params
-        self.codec = Codec(params.codec)
+        self.codec = Codec(params.codec, params.level)
         self._lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._seq = 0

@@ -7,6 +7,7 @@ are imported on first use (the ``compression`` extra)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from weight_transfer.transport._tcp_wire import CODECS
@@ -35,18 +36,23 @@ class Codec:
     """Compressor and decompressor of one codec (``none``, ``lz4``, ``zstd``)."""
 
     def __init__(self, name: str, level: int = 1) -> None:
-        self.name, self.id = name, CODECS[name]
+        self.name, self.id, self.level = name, CODECS[name], level
         self._mod = load_codec(name)
-        if name == "zstd":
-            self._c = self._mod.ZstdCompressor(level=level)
-            self._d = self._mod.ZstdDecompressor()
+        self._local = threading.local()  # zstd contexts are not thread-safe: one per thread
+
+    def _zstd(self) -> tuple[Any, Any]:
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self._local.ctx = (self._mod.ZstdCompressor(level=self.level),
+                                     self._mod.ZstdDecompressor())
+        return ctx
 
     def compress(self, data: memoryview) -> tuple[int, Any]:
         """``(codec id, payload)``: the compressed bytes, or ``(0, data)`` if not smaller."""
         if self.id == 0:
             return 0, data
         out = (self._mod.compress(data, store_size=False) if self.name == "lz4"
-               else self._c.compress(data))
+               else self._zstd()[0].compress(data))
         return (self.id, out) if len(out) < len(data) else (0, data)
 
     def decompress(self, codec: int, data: memoryview, raw_len: int) -> memoryview:
@@ -60,7 +66,7 @@ class Codec:
             try:
                 out = (self._mod.decompress(data, uncompressed_size=raw_len)
                        if self.name == "lz4" else
-                       self._d.decompress(data, max_output_size=raw_len))
+                       self._zstd()[1].decompress(data, max_output_size=raw_len))
             except Exception as exc:
                 raise CodecError(f"{self.name} payload does not decompress: {exc}") from None
         if len(out) != raw_len:

@@ -149,6 +149,7 @@ class TcpTransport(TransportBase):
         self.label = f"tcp {owner}/{nic}"
         self.host, self.port = check_bind_host(host), port
         self.encrypt, self.compression = encrypt, compression
+        self.compression_level = compression_level
         load_codec(compression)  # ValueError naming the extra, now rather than at a write
         self.chunk_bytes, self.max_inflight, self.timeout_s = chunk_bytes, max_inflight, timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -277,7 +278,7 @@ class TcpTransport(TransportBase):
             writer_id=identity(self.owner, self.nic), target_id=identity(peer.owner, peer.nic),
             encrypt=self.encrypt, codec=self.compression,
             chunk_bytes=min(self.chunk_bytes, ep["chunk_bytes"]),
-            connect_timeout_s=self.connect_timeout_s)
+            connect_timeout_s=self.connect_timeout_s, level=self.compression_level)
         link = _Link(params, self._open_channel(params, f"{peer.owner}/{peer.nic}"))
         old = self._add_peer(peer.owner, peer.nic, link)
         if old is not None:
