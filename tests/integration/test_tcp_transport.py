@@ -5,7 +5,8 @@ plan) and every trainer NIC a fresh link key; updates then land byte-exact (ever
 engine byte equals the reference layout of the trainers' weights), nothing is
 refused, and a new replica is filled from a peer over engine-to-engine links.
 Between updates (engines serving, window closed) a write by a planned writer is
-refused with nothing written, and the refusal is counted on the engine.
+refused with nothing written; the refusal is counted on the engine and the next
+update's audit line names the engine rank that refused it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors.audit import read_audit
 from actors.testing.engine_bytes import engine_mismatches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,9 +62,10 @@ def test_setup_and_updates_over_tcp_are_byte_exact(local_ray):
     ctl.shutdown()
 
 
-def test_a_planned_writer_cannot_write_while_the_engine_serves(local_ray):
+def test_a_planned_writer_cannot_write_while_the_engine_serves(local_ray, tmp_path):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml", transport="tcp")
+                                    CONFIGS / "clusters" / "local_cpu.yaml", transport="tcp",
+                                    audit_path=str(tmp_path / "audit.jsonl"))
     trainers = launch_trainers(cfg)
     replicas = launch_engines(cfg)
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
@@ -84,4 +87,9 @@ def test_a_planned_writer_cannot_write_while_the_engine_serves(local_ray):
         ray.get(trainers[0].__ray_call__.remote(raw_write, region))
     assert engine_mismatches(cfg.model, trainers, replicas) == []  # nothing written
     assert _stats(replicas)[target]["refused_writes"] == 1
+    ctl.update(2)  # the next audit line names the engine rank that refused it
+    lines = read_audit(tmp_path / "audit.jsonl")
+    assert lines[0]["refused"] == {} and lines[1]["outcome"] == "ok"
+    rank = f"{metas[target].replica}/tp{metas[target].rank}"
+    assert lines[1]["refused"] == {rank: {"connections": 0, "writes": 1}}
     ctl.shutdown()
