@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -274,6 +275,14 @@ def test_writes_outside_the_update_window_are_refused(s):
     s.target.open_window()
     _write(s.writers[0], _fill(), s.ra)
     assert (s.a[:64] == 7).all()
+
+
+def test_the_link_key_does_not_show_in_reprs(s):
+    info = s.infos[0]
+    key = info.endpoint["key"]
+    assert key not in repr(info) and "<link key>" in repr(info)
+    again = pickle.loads(pickle.dumps(info))
+    assert again == info and bytes.fromhex(again.endpoint["key"]) == bytes.fromhex(key)
 
 
 def test_a_new_setup_key_ends_the_old_one(s):

@@ -103,6 +103,15 @@ def identity(owner: str, nic: str) -> bytes:
     return out
 
 
+class KeyText(str):
+    """A link key as hex text in a peer info: its repr hides it (logs, error messages)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'<link key>'"
+
+
 def new_link_key() -> bytes:
     """A fresh random link key (32 bytes) for one (writer, target) pair of one setup."""
     return os.urandom(32)

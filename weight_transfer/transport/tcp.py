@@ -55,7 +55,7 @@ from weight_transfer.transport._tcp_client import Channel, ChannelLost, Handshak
 from weight_transfer.transport._tcp_codec import load_codec
 from weight_transfer.transport._tcp_server import Listener, check_bind_host, max_payload_for
 from weight_transfer.transport._tcp_target import Grant, Refusal, TargetTable
-from weight_transfer.transport._tcp_wire import OK, STATUS_TEXT, identity, new_link_key
+from weight_transfer.transport._tcp_wire import OK, STATUS_TEXT, KeyText, identity, new_link_key
 from weight_transfer.transport.base import (
     PeerUnreachableError,
     RemoteAccessError,
@@ -244,7 +244,7 @@ class TcpTransport(TransportBase):
             writer, key = identity(remote_owner, remote_nic), new_link_key()
             if self._table.grant(writer, Grant(key=key, regions=regions)) is not None:
                 listener.drop_writer(writer)
-            endpoint = {"host": self.host, "port": listener.port, "key": key.hex(),
+            endpoint = {"host": self.host, "port": listener.port, "key": KeyText(key.hex()),
                         "encrypt": self.encrypt, "compression": self.compression,
                         "chunk_bytes": self.chunk_bytes}
         return PeerInfo(owner=self.owner, nic=self.nic, transport=self.kind, endpoint=endpoint)
