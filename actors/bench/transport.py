@@ -237,7 +237,8 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
     if json_path is not None:
         doc: dict[str, Any] = {n: {str(s): v for s, v in r.items()} for n, r in results.items()}
         doc["unavailable"] = unavailable
-        doc["tcp_window_us_per_update"] = window_us
+        if window_us is not None:
+            doc["tcp_window_us_per_update"] = window_us
         emit_json(json_path, doc, console)
     return 1 if any(name in unavailable for name in REQUIRED) else 0
 
