@@ -46,7 +46,12 @@ class ChannelLost(ConnectionError):
 
 
 class HandshakeRefused(ConnectionError):
-    """The target closed the connection during the handshake or proved no key."""
+    """The target did not prove the link key (another key: a newer setup, or not ours)."""
+
+
+class HandshakeClosed(HandshakeRefused):
+    """The target closed the handshake: no key for this writer, another mode or codec,
+    or pushed out by newer connections (worth another try)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,7 +122,7 @@ class Channel:
         except (ConnectionError, TimeoutError, OSError) as exc:
             if isinstance(exc, HandshakeRefused):
                 raise
-            raise HandshakeRefused(f"the target closed the handshake ({exc}): it holds no "
+            raise HandshakeClosed(f"the target closed the handshake ({exc}): it holds no "
                                    "key for this writer, or another mode or codec") from None
         c2s, s2c = session_keys(p.key, nonce_c, nonce_s, data)
         return Sealer(c2s, encrypt=p.encrypt), Opener(s2c, encrypt=p.encrypt)

@@ -51,7 +51,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from weight_transfer.transport._mooncake_calls import is_loopback
-from weight_transfer.transport._tcp_client import Channel, ChannelLost, HandshakeRefused, LinkParams
+from weight_transfer.transport._tcp_client import (
+    Channel,
+    ChannelLost,
+    HandshakeClosed,
+    HandshakeRefused,
+    LinkParams,
+)
 from weight_transfer.transport._tcp_codec import load_codec
 from weight_transfer.transport._tcp_server import Listener, check_bind_host, max_payload_for
 from weight_transfer.transport._tcp_target import Grant, Refusal, TargetTable
@@ -291,6 +297,11 @@ class TcpTransport(TransportBase):
         while True:
             try:
                 return Channel(params)
+            except HandshakeClosed as exc:  # maybe pushed out by a flood: try again
+                if time.monotonic() >= deadline:
+                    raise PeerUnreachableError(f"{self.label}: {peer} at {params.host}:"
+                                               f"{params.port} refused the handshake: {exc}"
+                                               ) from None
             except HandshakeRefused as exc:
                 raise PeerUnreachableError(f"{self.label}: {peer} at {params.host}:"
                                            f"{params.port} refused the handshake: {exc}") from None
