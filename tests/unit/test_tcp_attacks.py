@@ -350,3 +350,13 @@ def test_mismatched_link_options_are_refused_before_connecting(s):
 
 def test_header_fields_name_the_frame():
     assert Header(op=OP_WRITE, codec=0, seq=1, addr=1, rkey=1, offset=0, raw_len=1).op == 1
+
+
+def test_a_deregistered_region_refuses_writes(s):
+    s.target.deregister(s.ra)
+    before = s.snapshot()
+    with pytest.raises(RemoteAccessError, match="not registered there"):
+        _write(s.writers[0], _fill(), s.ra)
+    assert s.snapshot() == before and s.target.refused_writes == 1
+    with pytest.raises(ValueError, match="not registered here"):
+        s.target.deregister(s.ra)

@@ -91,8 +91,8 @@ class TargetTable:
     def remove_region(self, desc: RegionDesc) -> None:
         """Forget a region once no copy into it runs; KeyError if not registered."""
         with self._cond:
-            if self.regions.get(desc.addr, None) is None or \
-                    self.regions[desc.addr].desc != desc:
+            region = self.regions.get(desc.addr)
+            if region is None or region.desc != desc:
                 raise KeyError(desc.addr)
             del self.regions[desc.addr]
             self._cond.wait_for(lambda: self._copying == 0)
