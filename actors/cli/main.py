@@ -130,11 +130,12 @@ def bench_transport(
     ),
     repeats: int = typer.Option(5, min=1, help="Timed writes per size (best is reported)."),
     backends: str = typer.Option(
-        "memcpy,simnic,mooncake_tcp", help="Which of memcpy, simnic, mooncake_tcp to run."
+        "memcpy,simnic,mooncake_tcp,tcp,tcp_enc,tcp_lz4,tcp_zstd",
+        help="Which of memcpy, simnic, mooncake_tcp, tcp, tcp_enc, tcp_lz4, tcp_zstd to run."
     ),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
-    """GB/s of memcpy, simnic and mooncake-tcp, side by side, 1 MiB to 1 GiB."""
+    """GB/s of memcpy, simnic, mooncake-tcp and our tcp (plain, encrypted, lz4, zstd)."""
     from actors.bench.transport import run
 
     raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))
