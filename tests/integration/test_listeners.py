@@ -2,12 +2,13 @@
 outsider on its live barrier store.
 
 A fleet of the tiny model (trainers, engines, a controller that set up and ran
-an update, simnic) runs on the shared cluster. For the driver and every actor
+an update, over the ``tcp`` transport) runs on the shared cluster. For the driver and every actor
 process, the listening TCP sockets are read from ``/proc/<pid>/net/tcp{,6}``
 and ``/proc/<pid>/fd``. Ray's core-worker gRPC server (one per process) binds
 ``[::]``: that one is Ray's, found by its port (the owner address of an object
 the process puts) and set apart; everything else in those processes is ours
-(the barrier store, the group stores, gloo) and must bind one address.
+(the barrier store, the group stores, gloo, the tcp targets) and must bind one
+address.
 Mooncake's handshake and data listeners bind every interface whatever we ask:
 they are Mooncake's, documented in docs/security.md, and not part of this fleet.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -69,11 +71,12 @@ def ours(pid: int, ray_port: int) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def fleet(ray_job, tmp_path_factory):
-    """Trainers, engines and a controller that set up and ran update 1 (audit log on)."""
+    """Trainers, engines and a controller that set up and ran update 1 (audit log on), over
+    the ``tcp`` transport: its engine-side listeners are ours too (simnic has none)."""
     audit = tmp_path_factory.mktemp("audit") / "audit.jsonl"
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "local_cpu.yaml",
-                                    audit_path=audit, barrier_timeout_s=30)
+                                    audit_path=audit, barrier_timeout_s=30, transport="tcp")
     with launch_trainers(cfg) as trainers, launch_engines(cfg) as replicas:
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
         ctl.setup()
@@ -104,6 +107,8 @@ def test_no_listener_of_a_running_fleet_binds_a_wildcard(fleet):
     # the barrier store is the driver's, on the address the trainers reach it by
     assert (ctl.state.store_host, ctl.state.store.port) in found[os.getpid()]
     assert sum(map(len, found.values())) > 1  # the group stores and gloo are seen too
+    engine_pids = [pid for pid, _ in procs[len(trainers.actors):-1]]
+    assert all(found[pid] for pid in engine_pids)  # each engine rank's tcp target at least
     wild = {pid: [(a, p) for a, p in ls if ipaddress.ip_address(a).is_unspecified]
             for pid, ls in found.items()}
     assert not any(wild.values()), wild
@@ -122,11 +127,14 @@ def test_an_outsider_pre_arrival_on_the_live_barrier_store_fails_the_update_name
         outsider.close()
     with pytest.raises(UpdateError) as err:
         ctl.update(2)
-    assert "BarrierRefusedError" in str(err.value)
-    assert "pre-arrived arrival of rank 1" in str(err.value) and "v2/g0" in str(err.value)
+    # Rank 1 finds a value it did not set, the others a value that is not rank 1's MAC:
+    # whichever rank reports first, the error names rank 1 and the tag.
+    named = re.compile(r"BarrierRefusedError: barrier wt-update-\w+/v2/g0: "
+                       r"(pre-arrived|forged) arrival of rank 1 refused")
+    assert named.search(str(err.value)), str(err.value)
     lines = [r for r in read_audit(audit) if r["version"] == 2]
     assert lines[-1]["kind"] == "update" and lines[-1]["outcome"] == "failed"
-    assert "pre-arrived arrival of rank 1" in lines[-1]["error"]
+    assert named.search(lines[-1]["error"])
     refused = [r for r in lines if r["kind"] == "refused"]
     assert refused and all(r["rank"] == 1 and r["tag"] == "v2/g0" for r in refused)
     assert {r["reason"] for r in refused} <= {"pre-arrived", "forged"}
