@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 
 import ray
 import torch.distributed as dist
 
-from weight_transfer.listen import check_listen_address
+from weight_transfer.listen import serve_store
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +39,7 @@ def node_ip() -> str:
 def host_store(*, host: str, timeout_s: float = 300.0) -> dist.TCPStore:
     """A TCPStore server listening on a free port of ``host`` only (read it from ``.port``);
     a wildcard ``host`` is refused (weight_transfer.listen)."""
-    check_listen_address(host, what="store")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen(socket.SOMAXCONN)
-    except OSError as exc:
-        sock.close()
-        raise RuntimeError(f"cannot host a store on {host!r}: {exc}") from exc
-    port = sock.getsockname()[1]
-    # The store's server takes the listening socket over (it closes it on shutdown).
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         master_listen_fd=sock.detach(),
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return serve_store(host, timeout_s=timeout_s)
 
 
 def connect_store(host: str, port: int, *, timeout_s: float = 300.0) -> dist.TCPStore:

@@ -48,6 +48,7 @@ from scheduling.serialize import dumps_trainer_plan, loads_trainer_plan
 from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
+from weight_transfer.listen import serve_store
 from weight_transfer.live_metadata import param_metas_from_module
 from weight_transfer.models import load_model_config
 from weight_transfer.types import MeshDesc, TrainerMeta
@@ -174,8 +175,7 @@ def measure(model: Path, cluster_path: Path, updates: int, layout: str = "fsdp")
     world = cluster.trainer_world
     layout_engines = engine_metas_from_config(cfg, cluster, fp8=False)
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
-                          timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+    store = serve_store("127.0.0.1", timeout_s=300)  # loopback only, not [::]
     rounds: dict[str, list[dict]] = {m: [] for m in MODES}
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:

@@ -32,6 +32,7 @@ from weight_transfer.engines.reference.hf_model import (
     greedy_generate,
 )
 from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.listen import serve_store
 from weight_transfer.models import load_model_config
 from weight_transfer.types import ShardSpec
 
@@ -125,8 +126,7 @@ def _recv(pipe):
 @pytest.fixture(scope="module")
 def ranks():
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=120),
-                          wait_for_workers=False)
+    store = serve_store("127.0.0.1", timeout_s=120)
     pipes, procs = [], []
     for r in range(2):
         parent, child = ctx.Pipe()

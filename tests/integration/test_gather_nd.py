@@ -12,16 +12,15 @@ on a 1-D mesh, the same tensor dim sharded twice, and a 3-D mesh.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 
 import pytest
 import torch
-import torch.distributed as dist
 from gather_worker import run_rank  # tests/integration is on sys.path
 
 from weight_transfer.buckets import plan_buckets, shard_levels
 from weight_transfer.gather_nd import level_shapes
+from weight_transfer.listen import serve_store
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, numel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -50,8 +49,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def results():
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, True,
-                          timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    store = serve_store("127.0.0.1", timeout_s=120)
     cases = list(CASES.values())
     pipes, procs = [], []
     try:

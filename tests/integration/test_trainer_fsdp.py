@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from fsdp_worker import run_rank  # tests/integration is on sys.path
 
 from actors.testing.harness import RemoteTarget
@@ -26,6 +24,7 @@ from scheduling.serialize import dumps_trainer_plan
 from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
+from weight_transfer.listen import serve_store
 from weight_transfer.models import load_model_config
 from weight_transfer.prepare import as_bytes
 from weight_transfer.types import TrainerMeta
@@ -55,8 +54,7 @@ def cluster_run():
     sizes = [max(layouts[False][i].tensors[0].region.length,
                  layouts[True][i].tensors[0].region.length) for i in range(len(layouts[False]))]
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True,
-                          timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    store = serve_store("127.0.0.1", timeout_s=120)
     with contextlib.ExitStack() as stack:
         targets = []
         for e, n in zip(layouts[False], sizes, strict=True):

@@ -8,15 +8,14 @@ import pytest
 import torch.distributed as dist
 
 from weight_transfer.barrier import BarrierKey, StoreBarrier
+from weight_transfer.listen import serve_store
 
 KEY = BarrierKey.new()
 
 
 @pytest.fixture()
 def store():
-    return dist.TCPStore(
-        "127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
-    )
+    return serve_store("127.0.0.1", timeout_s=10)
 
 
 def client(store):

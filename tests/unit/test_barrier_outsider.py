@@ -19,6 +19,7 @@ from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
 from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.errors import BarrierRefusedError, BarrierTimeoutError
+from weight_transfer.listen import serve_store
 
 pytestmark = pytest.mark.slow  # spawns a process that imports torch
 
@@ -31,8 +32,7 @@ def outsider():
 
 @pytest.fixture()
 def store():
-    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
-                         wait_for_workers=False)
+    return serve_store("127.0.0.1", timeout_s=10)
 
 
 def client(store):

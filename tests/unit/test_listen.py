@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import prometheus_client
 import pytest
 
 from actors.groups import host_store
-from weight_transfer.listen import check_listen_address, is_wildcard
+from weight_transfer.listen import check_listen_address, is_wildcard, serve_store
 from weight_transfer.metrics_prometheus import MetricsListen, serve_metrics
 
 
@@ -41,3 +42,19 @@ def test_the_metrics_exporter_binds_loopback_by_default_and_serves_our_metrics()
 def test_the_metrics_exporter_refuses_a_wildcard():
     with pytest.raises(ValueError, match=r"MetricsListen\.address.*wildcard"):
         serve_metrics(MetricsListen(address="0.0.0.0"))
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc prints them) listening on ``port`` here."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+                out.append(fields[1].split(":")[0])
+    return out
+
+
+def test_a_served_store_listens_on_its_host_only():
+    store = serve_store("127.0.0.1", timeout_s=10)
+    assert _listening(store.port) == ["0100007F"]  # 127.0.0.1, not [::] (torch's own bind)
