@@ -59,7 +59,7 @@ from weight_transfer.errors import BarrierRefusedError, BarrierTimeoutError
 
 log = logging.getLogger(__name__)
 
-VERIFY_S = 2.0  # how long reading the arrivals back may take (they exist: the wait saw them)
+VERIFY_S = 10.0  # reading the arrivals back, first try (they exist: the wait saw them)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,21 +161,27 @@ class StoreBarrier:
 
     def _check_arrivals(self, tag: str, keys: list[str]) -> None:
         """Every arrival is still there and is the MAC of its rank at this tag."""
-        # One round trip when nothing is wrong. A key deleted since the wait makes the
-        # get block: a short timeout turns that into a named refusal, not a long hang.
-        self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, VERIFY_S)))
-        try:
-            values = self.store.multi_get(keys)
-        except RuntimeError as exc:  # DistStoreError: a key vanished since the wait
-            raise self._refuse(tag, self._gone(keys), "deleted", "its arrival key was "
-                               "removed from the store before every rank had checked it"
-                               ) from exc
-        finally:
-            self.store.set_timeout(self._store_timeout)
+        values = self._read_arrivals(tag, keys)
         for r, value in zip(self.ranks, values, strict=True):
             if not hmac.compare_digest(bytes(value), self.key.mac(tag, r)):
                 raise self._refuse(tag, r, "forged", "its value is not this setup's MAC for "
                                    "that rank and tag (set by someone without the secret)")
+
+    def _read_arrivals(self, tag: str, keys: list[str]) -> list[bytes]:
+        """One round trip when nothing is wrong. A key deleted since the wait makes the get
+        block: a shorter timeout turns that into a named refusal, not a long hang (a get
+        that was only slow, every key still there, is tried again with the full timeout)."""
+        self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, VERIFY_S)))
+        try:
+            return self.store.multi_get(keys)
+        except RuntimeError as exc:  # DistStoreError: a key vanished since the wait?
+            gone = self._gone(keys)
+            if gone >= 0:
+                raise self._refuse(tag, gone, "deleted", "its arrival key was removed from "
+                                   "the store before every rank had checked it") from exc
+        finally:
+            self.store.set_timeout(self._store_timeout)
+        return self.store.multi_get(keys)
 
     def _gone(self, keys: list[str]) -> int:
         """The first rank whose arrival key is absent (-1: none is, any more)."""
