@@ -43,6 +43,7 @@ MODES = ("off", "sample", "full")
 COLUMNS = ("task", "addr", "offset", "length", "checksum")
 TASK, ADDR, OFFSET, LENGTH, CHECKSUM = range(len(COLUMNS))
 ALGORITHM = "xxh3_64"
+NO_TASK = 2**64 - 1  # the task column of a row that is not one WRITE (an engine-side chunk)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
