@@ -32,7 +32,9 @@ from a peer that holds the version and passed the same check; without a peer
 it stays held until the next update fills it. Every check appends one audit
 line (``kind: check``). :class:`BackgroundCheck` runs ticks on a thread of the
 controller every ``integrity_watch_s`` while no update, re-sync or set-up runs
-(it takes the controller's lock without waiting, and skips the tick when busy).
+(it takes the controller's lock without waiting, and skips the tick when busy); a
+tick waits at most :data:`TICK_TIMEOUT_S` for engine ranks, so a stopped rank
+delays an update by that much at most.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ from weight_transfer.served import ServedSums, tensor_chunks
 log = logging.getLogger(__name__)
 
 MODES = ("full", "tick")
+# How long a tick waits for engine ranks: the controller's lock is held meanwhile, and an
+# update waits for it (a full check on demand waits up to update_timeout_s).
+TICK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +148,7 @@ class ServedWatch:
         for name in list(st.replicas):
             if st.versions.get(name) == version and name in sums:
                 st.served.record(name, sums[name])
-            elif st.versions.get(name) != version:
+            else:  # torn, or its reference was not taken: an older one would not match
                 st.served.drop(name)
 
     # ------------------------------------------------------------------ checks
@@ -162,7 +167,9 @@ class ServedWatch:
                 st.served.tick(budget_bytes=self.config.integrity_watch_bytes, replicas=have))
         result = compare_rows(mode=f"served-{mode}", rows=rows, replicas=st.replicas,
                               metas=st.engine_metas, call=self.calls.call,
-                              get=self.calls.ledger.get, timeout_s=self.config.update_timeout_s)
+                              get=self.calls.ledger.get,
+                              timeout_s=(self.config.update_timeout_s if mode == "full"
+                                         else min(TICK_TIMEOUT_S, self.config.update_timeout_s)))
         bad = sorted({m.replica for m in result.mismatches if m.actual is not None})
         for name in bad:
             count = sum(m.replica == name and m.actual is not None for m in result.mismatches)
