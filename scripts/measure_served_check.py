@@ -5,7 +5,8 @@ On a local Ray instance with the demo cluster (4 trainer ranks -> 2 replicas x T
 * seconds of one ``ctl.check_integrity()`` (full: every served byte of every replica),
   integrity ``full`` (the trainers' checksums are the reference);
 * seconds an update gains in ``sample`` mode when the background check is on (the engine
-  ranks hash their tensors for the reference, paused, before the resume);
+  ranks hash their tensors for the reference, paused, before the resume): updates with
+  and without it, and that step alone (``reference_s``);
 * CPU seconds per background tick of ``integrity_watch_bytes`` (engine processes and the
   controller's process, less an idle window of the same length) and the CPU share that
   gives at a tick every ``--interval`` seconds.
@@ -73,16 +74,27 @@ def main(model: Path = Path("configs/models/tiny_llama.yaml"),
     out["served_bytes"] = runs[0].check.bytes
     out["full_check_s"] = statistics.median(r.check.seconds for r in runs)
     ctl.shutdown()
-    for watch in (0.0, 3600.0):  # sample mode, without / with the reference kept
-        cfg = TransferConfig.from_files(model, cluster, integrity_watch_s=watch)
-        ctl = WeightTransferController(trainers=ctl.trainers, engines=list(ctl.replicas.values()),
-                                       config=cfg)
-        ctl.setup()
-        base = 100 if watch else 10
-        secs = [ctl.update(base + i).seconds for i in range(updates)]
-        out[f"update_s_watch_{'on' if watch else 'off'}"] = statistics.median(secs[1:])
-        if not watch:
-            ctl.shutdown()
+    # Sample mode: updates with the reference kept (watch on) and without, interleaved on one
+    # controller (the machine's load drifts), and the reference step alone.
+    cfg = TransferConfig.from_files(model, cluster, integrity_watch_s=3600.0)
+    ctl = WeightTransferController(trainers=ctl.trainers, engines=list(ctl.replicas.values()),
+                                   config=cfg)
+    ctl.setup()
+    ctl.update(10)
+    secs = {"on": [], "off": []}
+    for i in range(2 * updates):
+        which = "on" if i % 2 else "off"
+        ctl._served.config = cfg if which == "on" else cfg.replace(integrity_watch_s=0.0)
+        secs[which].append(ctl.update(11 + i).seconds)
+    ctl._served.config = cfg
+    out["update_s_watch_off"] = statistics.median(secs["off"])
+    out["update_s_watch_on"] = statistics.median(secs["on"])
+    names, took = list(ctl.replicas), []
+    for _ in range(checks):
+        t0 = time.perf_counter()
+        assert len(ctl._served.reference(99, names, [], timeout_s=60)) == len(names)
+        took.append(time.perf_counter() - t0)
+    out["reference_s"] = statistics.median(took)
     pids = pids_of(engines)
     idle = window(pids, window_s)
     ctl.watch.stop()  # the hour-long one; ticks below are driven at 1 s to count many

@@ -4,6 +4,8 @@ peer copy moves a reference to the target's addresses, and the audit line of a c
 
 import json
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from test_executor import Setup
 
 from actors.audit import CheckAudit, open_audit, read_audit
 from actors.integrity_check import IntegrityResult, Mismatch
+from actors.served_check import BackgroundCheck
 from weight_transfer.integrity import ADDR, CHECKSUM, LENGTH, NO_TASK, OFFSET, TASK, checksum_ranges
 from weight_transfer.served import ServedBook, ServedSums, region_maps, rotate, tensor_chunks
 
@@ -139,3 +142,25 @@ def test_a_check_leaves_one_audit_line(tmp_path):
         "engine1/tp1 tensor 'w' bytes [64, 4160): xxh3_64 expected 0x0000000000000001, "
         "engine holds 0x0000000000000002"]
     json.dumps(line)
+
+
+def _until(cond, bound_s=30.0):
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached within the bound"
+        time.sleep(0.005)
+
+
+def test_the_background_check_skips_ticks_while_the_lock_is_held():
+    lock, calls = threading.RLock(), []
+    watch = BackgroundCheck(lambda: calls.append(1), interval_s=0.01, lock=lock)
+    with lock:  # an update in flight
+        watch.start()
+        _until(lambda: watch.skipped >= 3)
+        assert calls == [] and watch.ticks == 0
+    _until(lambda: watch.ticks >= 2)
+    watch.stop()
+    n = len(calls)
+    assert n == watch.ticks and not watch._thread.is_alive()
+    with pytest.raises(ValueError, match="integrity_watch_s"):
+        BackgroundCheck(lambda: None, interval_s=0, lock=lock)
