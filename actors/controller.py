@@ -67,7 +67,7 @@ thread) compares served memory with the checksums of the version each replica
 holds and heals a replica that differs by a re-sync (:mod:`actors.served_check`);
 updates, re-syncs, set-ups and checks take one lock, so a check never runs
 while an update does. With
-``config.audit_path``, every update and re-sync appends one JSON line
+``config.audit_path``, every update, re-sync and check appends one JSON line
 (:mod:`actors.audit`), recorded by one call where its outcome is known.
 """
 
@@ -178,11 +178,11 @@ class WeightTransferController:
         dropped, the versions the replicas hold are kept, and the plan and the
         connections are made anew.
         """
-        if trainers is not None:
-            if not trainers:
-                raise ValueError("setup(trainers=...) needs at least one trainer actor")
-            self.state.trainers = list(trainers)
+        if trainers is not None and not trainers:
+            raise ValueError("setup(trainers=...) needs at least one trainer actor")
         with self._busy:
+            if trainers is not None:
+                self.state.trainers = list(trainers)
             before = {n: list(m) for n, m in self.state.engine_metas.items()}
             summary = run_setup(self.state, self.calls, self.config,
                                 engine_handles=self._engine_handles)
