@@ -29,7 +29,9 @@ is reported (the :class:`~actors.integrity_check.Mismatch` rows name replica,
 rank, tensor and byte range), counted (``wt_integrity_mismatches``), and, with
 ``heal``, held (paused, version None: it stops serving at once) and re-synced
 from a peer that holds the version and passed the same check; without a peer
-it stays held until the next update fills it. Every check appends one audit
+it stays held until the next update fills it. A tick that found a bad replica
+checks every other serving replica in full before it heals (a re-sync must not
+copy from a peer that differs too). Every check appends one audit
 line (``kind: check``). :class:`BackgroundCheck` runs ticks on a thread of the
 controller every ``integrity_watch_s`` while no update, re-sync or set-up runs
 (it takes the controller's lock without waiting, and skips the tick when busy); a
@@ -165,19 +167,18 @@ class ServedWatch:
                 and s.version == versions[n]]
         rows = (st.served.all_rows(have) if mode == "full" else
                 st.served.tick(budget_bytes=self.config.integrity_watch_bytes, replicas=have))
-        result = compare_rows(mode=f"served-{mode}", rows=rows, replicas=st.replicas,
-                              metas=st.engine_metas, call=self.calls.call,
-                              get=self.calls.ledger.get,
-                              timeout_s=(self.config.update_timeout_s if mode == "full"
-                                         else min(TICK_TIMEOUT_S, self.config.update_timeout_s)))
-        bad = sorted({m.replica for m in result.mismatches if m.actual is not None})
+        result = self._compare(mode, rows)
+        bad = _bad(result)
+        if heal and bad and mode == "tick":  # the peers a re-sync copies from: all checked
+            peers = self._compare("full", st.served.all_rows([n for n in have if n not in bad]))
+            result, bad = _joined(result, peers), sorted({*bad, *_bad(peers)})
         for name in bad:
             count = sum(m.replica == name and m.actual is not None for m in result.mismatches)
             self.metrics.integrity_mismatches(name, count, check=mode)
         for m in result.mismatches:
             (log.error if m.actual is not None else log.warning)(
                 "served-memory check (%s): %s", mode, m.describe())
-        healed, held = self._heal(bad) if heal and bad else ((), tuple(bad) if heal else ())
+        healed, held = self._heal(bad) if heal and bad else ((), ())
         out = ServedCheck(mode=mode, versions=versions, check=result, bad=tuple(bad),
                           healed=healed, held=held,
                           unchecked=tuple(sorted(set(serving) - set(have))))
@@ -185,6 +186,13 @@ class ServedWatch:
                                      versions=versions, integrity=result, bad=out.bad,
                                      healed=healed, unchecked=out.unchecked))
         return out
+
+    def _compare(self, mode: str, rows: dict) -> IntegrityResult:
+        timeout = (self.config.update_timeout_s if mode == "full"
+                   else min(TICK_TIMEOUT_S, self.config.update_timeout_s))
+        return compare_rows(mode=f"served-{mode}", rows=rows, replicas=self.state.replicas,
+                            metas=self.state.engine_metas, call=self.calls.call,
+                            get=self.calls.ledger.get, timeout_s=timeout)
 
     def _heal(self, bad: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Hold every bad replica (it stops serving), then re-sync each from a peer that
@@ -203,6 +211,17 @@ class ServedWatch:
                           "the next update: %s", name, exc)
                 held.append(name)
         return tuple(healed), tuple(held)
+
+
+def _bad(result: IntegrityResult) -> list[str]:
+    """Replicas with a range whose bytes differ (not ranks that did not answer)."""
+    return sorted({m.replica for m in result.mismatches if m.actual is not None})
+
+
+def _joined(a: IntegrityResult, b: IntegrityResult) -> IntegrityResult:
+    return IntegrityResult(mode=a.mode, ranges=a.ranges + b.ranges, bytes=a.bytes + b.bytes,
+                           seconds=a.seconds + b.seconds,
+                           mismatches=a.mismatches + b.mismatches)
 
 
 class BackgroundCheck:

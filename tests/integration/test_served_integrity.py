@@ -10,9 +10,9 @@ it. In order:
    ``check_integrity(heal=True)`` re-syncs the replica from its peer (engine bytes equal the
    trainer's again), and the next check is clean;
 2. integrity ``sample`` with the background check on (the engines hash their tensors for the
-   reference, before the resume): a second outsider write is found by the background ticks
-   and healed by a re-sync, with its audit lines and the mismatch counter; no tick runs
-   while an update is in flight.
+   reference, before the resume): a second outsider write is found by the background ticks,
+   the peer is checked in full, and the replica is healed by a re-sync, with its audit
+   lines and the mismatch counter; no tick runs while an update is in flight.
 """
 
 from __future__ import annotations
@@ -155,6 +155,8 @@ def test_the_background_check_finds_and_heals_an_outsider_write(env):
         (line,) = lines
         assert line["mode"] == "tick" and line["bad"] == ["engine0"]
         assert line["healed"] == ["engine0"], line
+        peer = ctl2.state.served.get("engine1").nbytes  # the peer was checked in full first
+        assert line["integrity"]["bytes"] > peer and line["integrity"]["ok"] is False
         assert any(f"engine0/tp0 tensor '{name}'" in m for m in line["integrity"]["mismatches"])
         assert stale(cfg, trainers, replicas[0]) == [] and stale(cfg, trainers, replicas[1]) == []
         assert ctl2.weights_version() == {"engine0": 10, "engine1": 10}
