@@ -145,19 +145,22 @@ class ServedBook:
              ) -> dict[tuple[str, int], np.ndarray]:
         """The next rows to hash, about ``budget_bytes`` of them, among ``replicas``' rows,
         as ``{(replica, rank): rows}``; the cursor moves past them."""
-        keys, lengths = [], []
+        keys, lengths = [], []  # one key per rank; rows are found by their flat index
         for name in sorted(set(replicas) & set(self._sums)):
             for rank, rows in enumerate(self._sums[name].ranks):
-                keys += [(name, rank, i) for i in range(len(rows))]
+                keys.append((name, rank))
                 lengths.append(rows[:, LENGTH])
-        if not keys:
+        if not keys or not sum(map(len, lengths)):
             return {}
         picked, self._cursor = rotate(np.concatenate(lengths), self._cursor, budget_bytes)
-        out: dict[tuple[str, int], list[int]] = {}
-        for i in sorted(picked.tolist()):
-            name, rank, row = keys[i]
-            out.setdefault((name, rank), []).append(row)
-        return {k: self._sums[k[0]].ranks[k[1]][idx] for k, idx in out.items()}
+        starts = np.cumsum([0] + [len(x) for x in lengths])
+        owner = np.searchsorted(starts, np.sort(picked), side="right") - 1
+        out = {}
+        for k in np.unique(owner).tolist():
+            idx = np.sort(picked)[owner == k] - starts[k]
+            name, rank = keys[k]
+            out[(name, rank)] = self._sums[name].ranks[rank][idx]
+        return out
 
     def all_rows(self, replicas: Iterable[str]) -> dict[tuple[str, int], np.ndarray]:
         """Every row of ``replicas`` (a full check)."""
