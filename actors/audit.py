@@ -23,7 +23,10 @@ Update and re-sync lines: ``kind`` (update or resync), ``version``, ``started_at
 (``[{"src": "trainer0", "dst": "engine0/tp1", "bytes": n}, ...]``: landed bytes
 per source and destination rank), ``integrity`` (the checksum mode, ranges and
 bytes compared, ok, mismatches; null where no check ran), ``outcome`` (``ok``
-or ``failed``), ``torn`` (replicas left torn), ``error`` (the message, or null).
+or ``failed``), ``torn`` (replicas left torn), ``error`` (the message, or null);
+update lines also carry ``refused``: per engine rank, the connections and writes
+its NICs refused since setup (the ``tcp`` transport counts them; other ranks
+are left out), asked of the engines after each update when a log is written.
 
 Append-safe: each record is one ``write`` of a whole line to a file opened
 with ``O_APPEND`` (so lines of several writers never interleave), then
@@ -66,6 +69,8 @@ class UpdateAudit:
     replicas: tuple[str, ...] = ()
     error: str | None = None
     retries: int | None = None  # None: summed from the reports
+    # engine rank -> {"connections": n, "writes": m} its NICs refused since setup (tcp)
+    refused: Mapping[str, Mapping[str, int]] = field(default_factory=dict, hash=False)
 
     def as_record(self) -> dict[str, Any]:
         pairs = update_pairs(self.reports)
@@ -78,7 +83,21 @@ class UpdateAudit:
             "integrity": None if self.integrity is None else self.integrity.as_dict(),
             "outcome": self.outcome, "torn": sorted(self.torn), "replicas": list(self.replicas),
             "retries": retries, "error": self.error,
+            "refused": {rank: dict(n) for rank, n in sorted(self.refused.items())},
         }
+
+
+def refused_counts(ranks: Iterable[str], stats: Iterable[Mapping[str, int]]
+                   ) -> dict[str, dict[str, int]]:
+    """Engine ranks whose NICs refused connections or writes (``wt_nic_stats``), with
+    the counts; ranks that refused nothing are left out."""
+    out = {}
+    for rank, s in zip(ranks, stats, strict=True):
+        counts = {"connections": int(s.get("refused_connections", 0)),
+                  "writes": int(s.get("refused_writes", 0))}
+        if any(counts.values()):
+            out[rank] = counts
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -58,22 +58,38 @@ def engine_endpoints(meta: EngineRankMeta) -> list[Endpoint]:
 
 
 def plan_links(rank_infos: Sequence[RankInfo], replicas_by_rank: Mapping[int, Sequence[str]],
-               engines: Mapping[str, Sequence[EngineRankMeta]]) -> list[Link]:
-    """Every (trainer NIC, engine NIC) pair the plan writes through."""
+               engines: Mapping[str, Sequence[EngineRankMeta]],
+               regions_by_rank: Mapping[int, Sequence[tuple[str, str, int]]] | None = None,
+               ) -> list[Link]:
+    """Every (trainer NIC, engine NIC) pair the plan writes through; with
+    ``regions_by_rank`` (``PlanSummary.regions_by_rank``) each link grants the writer
+    the regions of that engine NIC its plan writes into."""
     links = []
     for info in rank_infos:
         writer = Endpoint(owner=trainer_owner(info.rank), nic=info.nic)
+        regions = None if regions_by_rank is None else regions_by_rank.get(info.rank, ())
         for replica in replicas_by_rank.get(info.rank, ()):
             for meta in engines[replica]:
-                links += [Link(writer=writer, target=t) for t in engine_endpoints(meta)]
+                links += [Link(writer=writer, target=t, grants=_grants(regions, t))
+                          for t in engine_endpoints(meta)]
     return links
+
+
+def _grants(regions: Sequence[tuple[str, str, int]] | None, target: Endpoint
+            ) -> tuple[int, ...] | None:
+    if regions is None:
+        return None
+    return tuple(addr for owner, nic, addr in regions if (owner, nic) == (target.owner,
+                                                                          target.nic))
 
 
 def copy_links(src: Sequence[EngineRankMeta], dst: Sequence[EngineRankMeta]) -> list[Link]:
     """The pairs ``wt_copy_to`` writes through: rank r's i-th NIC of ``src`` to that of ``dst``."""
     links = []
     for s, d in zip(src, dst, strict=True):
-        links += [Link(writer=a, target=b) for a, b in
+        regions = list(dict.fromkeys((t.region.owner, t.region.nic, t.region.addr)
+                                     for t in d.tensors))
+        links += [Link(writer=a, target=b, grants=_grants(regions, b)) for a, b in
                   zip(engine_endpoints(s), engine_endpoints(d), strict=True)]
     return links
 

@@ -73,6 +73,7 @@ while an update does. With
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -82,7 +83,7 @@ from typing import Any
 
 import ray
 
-from actors.audit import open_audit
+from actors.audit import NoAudit, open_audit, refused_counts
 from actors.config import TransferConfig
 from actors.connections import Connector
 from actors.controller_calls import ControlCalls
@@ -96,7 +97,9 @@ from actors.metrics_ray import actor_metrics
 from actors.reports import UpdateReport
 from actors.served_check import BackgroundCheck, ServedCheck, ServedWatch
 from actors.telemetry import ProgressHook
+from weight_transfer.engines.rank import EngineRank
 from weight_transfer.errors import UpdateError
+from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +216,28 @@ class WeightTransferController:
             except Exception as err:  # ended before it had reports: still one audit line
                 outcome = UpdateOutcome(version=version, replicas=tuple(self.state.replicas),
                                         error=err, crashed=True)
-            self.audit.record(outcome.audit(started_at=started, finished_at=time.time()))
+            entry = outcome.audit(started_at=started, finished_at=time.time())
+            self.audit.record(dataclasses.replace(entry, refused=self._refused()))
         if outcome.error is not None:
             raise outcome.error
         return outcome.report
+
+    def _refused(self) -> dict[str, dict[str, int]]:
+        """What the engines' NICs refused since setup, for the audit line (asked only when
+        a log is written; an engine that does not answer is left out, with a warning)."""
+        if isinstance(self.audit, NoAudit) or not self.state.replicas:
+            return {}
+        names = list(self.state.replicas)
+        ranks = [str(EngineRankId(replica=n, rank=r)) for n in names
+                 for r in range(len(self.state.replicas[n]))]
+        try:
+            stats = self.calls.each_engine(self.state.replicas, EngineRank.wt_nic_stats,
+                                           names=names, phase="audit: refused counts",
+                                           timeout=10.0)
+        except (RuntimeError, TimeoutError) as err:
+            log.warning("audit: refused counts not recorded: %s", err)
+            return {}
+        return refused_counts(ranks, stats)
 
     def add_replica(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""

@@ -133,7 +133,8 @@ def replan(state: ControllerState, calls: ControlCalls, config: TransferConfig) 
             state.trainers[rank].wt_connect, result.blobs[rank], list(conns), store=store,
             rank_info=state.rank_infos[rank], options=config.rank_options())
 
-    links = plan_links(state.rank_infos, result.summary.replicas_by_rank, state.engine_metas)
+    links = plan_links(state.rank_infos, result.summary.replicas_by_rank, state.engine_metas,
+                       result.summary.regions_by_rank)
     state.connector.connect(links, phase="distribute the plan", rank_infos=state.rank_infos,
                             trainer_call=trainer_call)
     state.summary = result.summary

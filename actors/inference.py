@@ -142,6 +142,7 @@ class InferenceMixin:
         self._wt_require()
         if not self._wt_fence.pause(epoch, stop=self._wt_adapter.pause):
             return False
+        self._wt_mem.open_window()  # tcp: planned writes accepted from now until the resume
         wait_idle = getattr(self._wt_adapter, "wait_idle", None)
         if wait_idle is not None and not wait_idle(timeout_s):
             raise TimeoutError(f"{self._wt_owner}: a generation step still runs "
@@ -160,6 +161,7 @@ class InferenceMixin:
         self._wt_require()
 
         def go() -> None:
+            self._wt_mem.close_window()  # tcp: no write lands once the engine serves
             self._wt_fence.record("resume")
             self._wt_adapter.resume()
 

@@ -17,7 +17,7 @@ Only (host, port) of each group's TCPStore crosses Ray. Both return a
 :class:`~actors.handles.Launched` that owns the actors and placement groups
 it created (a sequence of the actors, or of the replicas' rank lists). The
 engine launch of a run is found by its engine name:
-:func:`weight_transfer.engines.registry.engine_spec`.
+:func:`actors.engine_registry.engine_spec`.
 """
 
 from __future__ import annotations

@@ -96,6 +96,10 @@ class PlanSummary:
     recv_nic_bytes: dict[str, int] = field(hash=False)
     plan_seconds: float = 0.0
     expert_naming: str = "per_expert"
+    # (engine owner, NIC, region address) of every region each rank writes into: what
+    # a target that checks writers per region (tcp) is told at the connection set-up
+    regions_by_rank: dict[int, tuple[tuple[str, str, int], ...]] = field(
+        default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,8 +35,8 @@ from pydantic import (
 )
 
 from actors.config import DemoActorConfig, TransferSettings, as_section
+from actors.engine_registry import DEFAULT_ENGINE, engine_spec
 from weight_transfer.config_files import read_yaml, validate_mapping
-from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

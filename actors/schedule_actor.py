@@ -76,11 +76,13 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
     nbytes = plan.task_nbytes()
     replica_of_engine = np.array([e.replica for e in plan.engines], dtype=object)
     replicas = tuple(dict.fromkeys(e.replica for e in plan.engines))
-    by_rank, replicas_by_rank = {}, {}
+    by_rank, replicas_by_rank, regions_by_rank = {}, {}, {}
     for r in range(len(plan.trainer_ranks)):
         a, b = int(plan.trainer_ptr[r]), int(plan.trainer_ptr[r + 1])
         by_rank[r] = int(nbytes[a:b].sum())
         replicas_by_rank[r] = tuple(sorted(set(replica_of_engine[plan.task_dst[a:b]].tolist())))
+        regions = (plan.regions[i] for i in sorted(set(plan.task_region[a:b].tolist())))
+        regions_by_rank[r] = tuple((g.owner, g.nic, g.addr) for g in regions)
     by_replica = {name: 0 for name in replicas}
     for name, n in zip(replica_of_engine[plan.task_dst].tolist(), nbytes.tolist(), strict=True):
         by_replica[name] += int(n)
@@ -99,6 +101,7 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
         recv_nic_bytes={n: int(b) for n, b in zip(plan.recv_nics, recv, strict=True)},
         plan_seconds=seconds,
         expert_naming=expert_naming,
+        regions_by_rank=regions_by_rank,
     )
 
 

@@ -66,8 +66,8 @@ from actors.bench.designs_report import draw_png, p2p_binding, table_of
 from actors.cli.progress import command_console, emit_json
 from actors.cli.sizes import parse_size
 from actors.demo.fleet import connect_ray
+from actors.engine_registry import engine_names, engine_spec
 from actors.run_config import load_run_config, parse_run_config
-from weight_transfer.engines.registry import engine_names, engine_spec
 
 DESIGNS = ("p2p", "rank0", "rpc", "bucketed", "rdt")
 RDT_PROBE_TIMEOUT_S = 30.0
@@ -179,7 +179,7 @@ def _run_config(config: Path, model: Path | None, cap: float | None, engine: str
 
 def _bench_class(engine: str) -> tuple[Any, type[DesignBench]]:
     """(start_fleet, the bench class) of ``engine``: its registry hooks ``start_fleet`` and
-    ``bench`` (:mod:`weight_transfer.engines.registry`)."""
+    ``bench`` (:mod:`actors.engine_registry`)."""
     spec = engine_spec(engine)
     return spec.tool("start_fleet"), spec.tool("bench")
 

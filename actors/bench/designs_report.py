@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from weight_transfer.engines.registry import DEFAULT_ENGINE
+from actors.engine_registry import DEFAULT_ENGINE
 
 
 def p2p_binding(r: dict[str, Any]) -> dict[str, Any] | None:

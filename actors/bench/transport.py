@@ -1,4 +1,4 @@
-"""Transport benchmark: GB/s of memcpy, simnic and Mooncake TCP, side by side.
+"""Transport benchmark: GB/s of memcpy, simnic, Mooncake TCP and our tcp, side by side.
 
 Run ``wt bench transport`` or, directly,
 ``python actors/bench/transport.py --sizes 1M,64M,1G --repeats 5 --json out.json``.
@@ -12,6 +12,14 @@ backends take turns, so a busy machine slows them alike):
   :class:`~actors.testing.harness.RemoteTarget` child);
 * ``mooncake_tcp``: Mooncake's TransferEngine over TCP on loopback into a
   RemoteTarget child, when the ``mooncake`` extra is installed and works;
+* ``tcp``, ``tcp_enc``, ``tcp_lz4``, ``tcp_zstd``: our authenticated ``tcp``
+  transport on loopback into a RemoteTarget child (granted, window open):
+  authenticated frames (GMAC), encrypted (AES-GCM), compressed with lz4 or zstd;
+
+The source holds bf16 weights (a 16 MiB block of N(0, 0.02) values, repeated),
+so that the compressed modes see what they would in an update. Also reported:
+the cost of the tcp update window (open at the pause + close at the resume) per
+update, measured on a NIC of this process.
 
 and simnic as a percentage of memcpy (the target: >= 90% from 64 MiB up).
 ``--json PATH`` writes ``{"memcpy": {size: GBps}, "simnic": {...},
@@ -37,7 +45,9 @@ from actors.testing.harness import RemoteTarget
 from weight_transfer.host_memory import alloc_buffer
 from weight_transfer.transport import make_transport
 
-BACKENDS = ("memcpy", "simnic", "mooncake_tcp")
+BACKENDS = ("memcpy", "simnic", "mooncake_tcp", "tcp", "tcp_enc", "tcp_lz4", "tcp_zstd")
+TCP_MODES = {"tcp": {}, "tcp_enc": {"encrypt": True}, "tcp_lz4": {"compression": "lz4"},
+             "tcp_zstd": {"compression": "zstd"}}
 REQUIRED = ("memcpy", "simnic")  # an optional backend that fails is reported, not fatal
 Results = dict[int, float]
 
@@ -81,7 +91,12 @@ class NicBench:
                                        peer_owner="bench-writer",
                                        transport_opts={"nic": f"{kind}-t", **opts})
             self.target.start()
-            self.nic.connect(self.target.peer_info)
+            if kind == "tcp":  # the plan's grant and the update window, as at an update
+                self.target.call("grant", "bench-writer", f"{kind}-w")
+                self.target.call("open_window")
+                self.nic.connect(self.target.call("peer_info", "bench-writer", f"{kind}-w"))
+            else:
+                self.nic.connect(self.target.peer_info)
             if symmetric:
                 self.target.connect(self.nic.peer_info("bench-target"))
             self.once(4096)  # warm-up: worker threads, sessions
@@ -110,8 +125,38 @@ def make_bench(name: str, nbytes: int, src: int) -> MemcpyBench | NicBench:
         return MemcpyBench(nbytes, src)
     if name == "simnic":
         return NicBench("simnic", nbytes, src, {})
+    if name in TCP_MODES:
+        return NicBench("tcp", nbytes, src, {"host": "127.0.0.1", **TCP_MODES[name]})
     return NicBench("mooncake", nbytes, src, {"protocol": "tcp", "hostname": "127.0.0.1"},
                     symmetric=True)
+
+
+def fill_weights(mapping: Any, start: int, nbytes: int, block: int = 16 << 20) -> None:
+    """Fill the source with bf16 weights: a block of N(0, 0.02) values, repeated."""
+    import numpy as np
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    pattern = (torch.randn(block // 2, generator=gen) * 0.02).to(torch.bfloat16)
+    raw = pattern.view(torch.uint8).numpy()
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    for off in range(start, start + nbytes, block):
+        n = min(block, start + nbytes - off)
+        view[off:off + n] = raw[:n]
+    del view  # release the export: the mapping is closed later
+
+
+def window_cost_us(updates: int = 2000) -> float:
+    """Microseconds the tcp update window costs per update (an open and a close)."""
+    nic = make_transport("tcp", owner="bench-window", nic="w", host="127.0.0.1")
+    try:
+        start = time.perf_counter()
+        for _ in range(updates):
+            nic.open_window()
+            nic.close_window()
+        return (time.perf_counter() - start) / updates * 1e6
+    finally:
+        nic.close()
 
 
 def measure(names: list[str], sizes: list[int], repeats: int, src: int, progress: Progress,
@@ -176,18 +221,24 @@ def run(sizes: str = "1M,4M,16M,64M,256M,1G", repeats: int = 5,
     except ValueError as e:
         console.print(f"[red]bench transport: {e}")
         return 2
-    mapping, _, src = alloc_buffer(max(size_list), fill=0x5A)
+    mapping, offset, src = alloc_buffer(max(size_list), fill=0x5A)
+    fill_weights(mapping, offset, max(size_list))
     try:
         with progress_bar(console, quiet=json_to_stdout(json_path)) as progress:
             results, unavailable = measure(names, size_list, repeats, src, progress)
     finally:
         mapping.close()
     console.print(render(results, unavailable, size_list))
+    window_us = window_cost_us() if any(n in TCP_MODES for n in names) else None
+    if window_us is not None:
+        console.print(f"tcp update window: {window_us:.1f} us per update (open + close)")
     for name, why in unavailable.items():
         console.print(f"[yellow]{name}: {why}")
     if json_path is not None:
         doc: dict[str, Any] = {n: {str(s): v for s, v in r.items()} for n, r in results.items()}
         doc["unavailable"] = unavailable
+        if window_us is not None:
+            doc["tcp_window_us_per_update"] = window_us
         emit_json(json_path, doc, console)
     return 1 if any(name in unavailable for name in REQUIRED) else 0
 

@@ -23,7 +23,7 @@ def _default_config(engine: str | None, which: str) -> Path:
     """The run config a command starts from for ``engine`` (its registry entry's
     ``demo_config`` or ``bench_config``; the reference engine's when none or unknown: the
     run config's validation then names a bad engine)."""
-    from weight_transfer.engines.registry import DEFAULT_ENGINE, engine_names, engine_spec
+    from actors.engine_registry import DEFAULT_ENGINE, engine_names, engine_spec
 
     name = engine if engine in engine_names() else DEFAULT_ENGINE
     return Path(getattr(engine_spec(name), which))
@@ -130,11 +130,12 @@ def bench_transport(
     ),
     repeats: int = typer.Option(5, min=1, help="Timed writes per size (best is reported)."),
     backends: str = typer.Option(
-        "memcpy,simnic,mooncake_tcp", help="Which of memcpy, simnic, mooncake_tcp to run."
+        "memcpy,simnic,mooncake_tcp,tcp,tcp_enc,tcp_lz4,tcp_zstd",
+        help="Which of memcpy, simnic, mooncake_tcp, tcp, tcp_enc, tcp_lz4, tcp_zstd to run."
     ),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
-    """GB/s of memcpy, simnic and mooncake-tcp, side by side, 1 MiB to 1 GiB."""
+    """GB/s of memcpy, simnic, mooncake-tcp and our tcp (plain, encrypted, lz4, zstd)."""
     from actors.bench.transport import run
 
     raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))

@@ -56,9 +56,9 @@ from actors.cli.progress import (
 from actors.demo.checks import UpdateCheck, render_table, summary, write_json
 from actors.demo.fleet_handle import Fleet
 from actors.demo.verify import check_bytes, first_answer, verify
+from actors.engine_registry import engine_spec
 from actors.run_config import RunConfig, load_run_config
 from scheduling.cluster import load_cluster_config
-from weight_transfer.engines.registry import engine_spec
 from weight_transfer.models import load_model_config
 from weight_transfer.trace import write_chrome_trace
 
@@ -71,7 +71,7 @@ LOCAL_NODE_IP = "127.0.0.2"
 def engine_impl(engine: str, name: str) -> Callable:
     """The demo's hook ``name`` (``start_fleet(run, progress)``, ``check_bytes(fleet, checks,
     problems, previous)`` ...) of ``engine``, from the engine registry
-    (:func:`weight_transfer.engines.registry.engine_spec`); imported on use."""
+    (:func:`actors.engine_registry.engine_spec`); imported on use."""
     return engine_spec(engine).tool(name)
 
 
@@ -123,10 +123,11 @@ def transfer_config(run: RunConfig, **overrides: Any) -> Any:
 
 def start_fleet(run: RunConfig, progress: Progress | None = None, *,
                 actor_classes: dict[str, Any] | None = None, **overrides: Any) -> Fleet:
-    """Actors as the cluster config places them, and the controller after setup()
-    (``overrides``: see :func:`transfer_config`; ``actor_classes``: ``{"trainer": cls,
-    "engine": cls}`` instead of the ready-made actors, e.g. :mod:`actors.testing.hooks`' classes
-    with fault injection).
+    """Actors as the cluster config places them (the engines of ``run.engine``, from its
+    registered launch function), and the controller after setup() (``overrides``: see
+    :func:`transfer_config`; ``actor_classes``: ``{"trainer": cls, "engine": cls}`` instead
+    of the ready-made actors, e.g. :mod:`actors.testing.hooks`' classes with fault
+    injection).
 
     Every actor started is owned by a launch handle; on an error they are closed."""
     from actors import WeightTransferController, launch_trainers
@@ -134,7 +135,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, *,
 
     config = transfer_config(run, **overrides)
     classes = actor_classes or {}
-    launch_engines = engine_spec("reference").launcher()
+    launch_engines = engine_spec(run.engine).launcher()
     start = time.perf_counter()
     bars = PhaseBars(progress) if progress is not None else (lambda *_: None)
     handles: list[Launched] = []
@@ -161,7 +162,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, *,
     names = [config.cluster.replica_name(i) for i in range(len(engines))]
     return Fleet(run=run, config=config, trainers=list(trainers),
                  replicas=dict(zip(names, engines, strict=True)), controller=ctl,
-                 setup_seconds=time.perf_counter() - start, handles=handles)
+                 setup_seconds=time.perf_counter() - start, engine=run.engine, handles=handles)
 
 
 def _launch(handles: list, launch: Callable, config: Any, actor_cls: Any, **kw: Any) -> Any:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.engine_registry import engine_spec
 from actors.run_config import RunConfig
-from weight_transfer.engines.registry import engine_spec
 from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)

@@ -46,8 +46,8 @@ from rich.table import Table
 
 from actors.demo.checks import make_console
 from actors.demo.fleet import connect_ray, token_batch
+from actors.engine_registry import engine_spec
 from actors.run_config import RlConfig, RunConfig, load_run_config
-from weight_transfer.engines.registry import engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,13 @@ def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunCon
 
 
 def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> Any:
-    """The run's engines (the registry's ``launch_replicas`` hook of ``run.engine``: vLLM's
-    start from the trainers' weights): a launch handle owning them."""
-    return engine_spec(run.engine).tool("launch_replicas")(cfg, trainers, workdir)
-
-
-def launch_reference_replicas(cfg, trainers: list, workdir: Path) -> Any:
-    """The reference engine's replicas (they start with any weights: update 0 fills them)."""
-    return engine_spec("reference").launcher()(cfg)
+    """The run's engines, a launch handle owning them: the registry's ``launch_replicas``
+    hook of ``run.engine`` where it has one (vLLM starts from the trainers' weights), else
+    its launch function (engines that start with any weights: update 0 fills them)."""
+    spec = engine_spec(run.engine)
+    if spec.has_tool("launch_replicas"):
+        return spec.tool("launch_replicas")(cfg, trainers, workdir)
+    return spec.launcher()(cfg)
 
 
 def run_rl(run: RunConfig, console: Console) -> list[dict]:

@@ -43,7 +43,7 @@ from actors.demo.checks import capped
 from actors.demo.fleet import Fleet, transfer_config
 from actors.demo.verify import check_changed
 from actors.run_config import RunConfig
-from actors.vllm_engine import save_trainer_checkpoint
+from actors.vllm_engine import launch_vllm_engines, save_trainer_checkpoint
 from weight_transfer.types import EngineRankId
 
 ORACLE = "vllm.load_weights"
@@ -122,11 +122,9 @@ def launch_replicas(config: Any, trainers: Any, workdir: Path,
     """vLLM engines started from the trainers' current weights (saved under ``workdir``):
     the launch handle of :func:`actors.vllm_engine.launch_vllm_engines` (``env``: the
     engines' environment, default :data:`ENGINE_ENV`)."""
-    from weight_transfer.engines.registry import engine_spec
-
     first = save_trainer_checkpoint(list(trainers), workdir / "v0")
-    launch = engine_spec("vllm").launcher()
-    return launch(config, str(first), dtype="float32", env=ENGINE_ENV if env is None else env)
+    return launch_vllm_engines(config, str(first), dtype="float32",
+                               env=ENGINE_ENV if env is None else env)
 
 
 def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any,

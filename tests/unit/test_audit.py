@@ -111,3 +111,16 @@ def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_pa
     assert line["replicas"] == ["engine0", "engine1"] and line["torn"] == []
     assert line4["version"] == 4 and line4["outcome"] == "failed"
     assert line4["error"] == str(failed) and line4["torn"] == ["engine1"]
+
+
+def test_update_lines_carry_what_the_engines_refused(tmp_path):
+    from actors.audit import refused_counts
+
+    refused = refused_counts(["engine0/tp0", "engine0/tp1"],
+                             [{"refused_connections": 3, "refused_writes": 1},
+                              {"bytes_written": 5}])
+    assert refused == {"engine0/tp0": {"connections": 3, "writes": 1}}
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.record(UpdateAudit(version=1, started_at=0.0, finished_at=1.0, outcome="ok",
+                           refused=refused))
+    assert read_audit(tmp_path / "a.jsonl")[0]["refused"] == refused

@@ -7,8 +7,8 @@ import pytest
 
 from actors.bench.designs import _bench_class, run
 from actors.bench.designs_fleet import DesignBench, ReferenceBench
+from actors.engine_registry import engine_names, engine_spec
 from actors.run_config import ROOT
-from weight_transfer.engines.registry import engine_names, engine_spec
 
 
 def _run(**kw):

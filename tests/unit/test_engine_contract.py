@@ -9,18 +9,18 @@ import pickle
 import pytest
 
 from actors.engine_control import fan_out
+from actors.engine_registry import (
+    engine_names,
+    engine_spec,
+    register_engine,
+    unregister_engine,
+)
 from actors.handles import Launched
 from actors.inference import InferenceMixin
 from actors.testing.hooks import EngineFaultHooks, FaultyInferenceWorker, TrainerFaultHooks
 from actors.vllm_engine import VllmRankFacade
 from weight_transfer.engines.fence import KEEP, CommandFence
 from weight_transfer.engines.rank import ENGINE_RANK_METHODS, EngineRank, method_name
-from weight_transfer.engines.registry import (
-    engine_names,
-    engine_spec,
-    register_engine,
-    unregister_engine,
-)
 
 # What the controller and its helpers call on an engine rank.
 CONTROLLER_CALLS = {"wt_engine_meta", "wt_host", "wt_endpoints", "wt_connect_peers",

@@ -30,6 +30,7 @@ from weight_transfer.transport.handshake import (
     HostId,
     InfoRequest,
     Link,
+    answer_requests,
     requests_by_owner,
     route_answers,
 )
@@ -107,8 +108,9 @@ def test_wrong_answers_are_refused_naming_the_actor(answers, words):
 
 def test_plan_links_follow_the_replicas_each_rank_writes():
     def meta(replica, rank, nics):
-        regions = [SimpleNamespace(region=SimpleNamespace(owner=f"{replica}/tp{rank}", nic=n))
-                   for n in nics]
+        regions = [SimpleNamespace(region=SimpleNamespace(owner=f"{replica}/tp{rank}", nic=n,
+                                                          addr=100 + i))
+                   for i, n in enumerate(nics)]
         return SimpleNamespace(tensors=regions)
 
     engines = {"engine0": [meta("engine0", 0, ["a", "b", "a"])],
@@ -122,6 +124,48 @@ def test_plan_links_follow_the_replicas_each_rank_writes():
     assert [(str(k.writer), str(k.target)) for k in
             copy_links(engines["engine0"], [meta("engine9", 0, ["x", "y"])])] == [
         ("engine0/tp0@a", "engine9/tp0@x"), ("engine0/tp0@b", "engine9/tp0@y")]
+    assert all(k.grants is None for k in links)  # no regions given: no grants
+
+
+def test_links_grant_each_writer_the_regions_its_plan_writes():
+    def meta(replica, nics):
+        return SimpleNamespace(tensors=[SimpleNamespace(region=SimpleNamespace(
+            owner=f"{replica}/tp0", nic=n, addr=a)) for n, a in nics])
+
+    engines = {"engine0": [meta("engine0", [("a", 10), ("a", 11), ("b", 12)])]}
+    infos = [RankInfo(rank=0, node="x", nic="n0"), RankInfo(rank=1, node="x", nic="n1")]
+    regions = {0: (("engine0/tp0", "a", 10),), 1: (("engine0/tp0", "a", 11),
+                                                    ("engine0/tp0", "b", 12))}
+    links = plan_links(infos, {0: ("engine0",), 1: ("engine0",)}, engines, regions)
+    assert [(str(k.writer), k.target.nic, k.grants) for k in links] == [
+        ("trainer0@n0", "a", (10,)), ("trainer0@n0", "b", ()),
+        ("trainer1@n1", "a", (11,)), ("trainer1@n1", "b", (12,))]
+    requests = requests_by_owner(links)
+    assert {r.grants for r in requests["engine0/tp0"]} == {(10,), (), (11,), (12,)}
+    assert all(r.grants is None for r in requests["trainer0"])  # writers grant nothing
+    copies = copy_links(engines["engine0"], [meta("engine9", [("x", 20), ("x", 21), ("y", 22)])])
+    assert [k.grants for k in copies] == [(20, 21), (22,)]
+
+
+def test_answer_requests_grants_before_the_peer_info():
+    calls = []
+
+    class Nic:
+        def grant(self, owner, nic, regions):
+            calls.append(("grant", owner, nic, regions))
+
+        def peer_info(self, owner, nic):
+            calls.append(("info", owner, nic))
+            return PeerInfo(owner="e", nic="t", transport="x")
+
+    reqs = [InfoRequest(nic="t", remote=Endpoint(owner="trainer0", nic="n0"), grants=(5,)),
+            InfoRequest(nic="t", remote=Endpoint(owner="engine1/tp0", nic="m"))]
+    answer_requests({"t": Nic()}, reqs, owner="e")
+    assert calls == [("grant", "trainer0", "n0", (5,)), ("info", "trainer0", "n0"),
+                     ("info", "engine1/tp0", "m")]
+    with pytest.raises(ValueError, match="grants must be a tuple"):
+        answer_requests({"t": Nic()}, [InfoRequest(nic="t", remote=Endpoint(
+            owner="w", nic="n"), grants=["x"])], owner="e")
 
 
 # ------------------------------------------------------------------------ the actors' code path

@@ -21,6 +21,7 @@ neither torch nor ray was loaded on the way.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -134,6 +135,28 @@ def test_layer_imports_nothing_above_it(layer):
         if i.importer.split(".")[0] == layer and i.target.split(".")[0] in FORBIDDEN[layer]
     ]
     assert not bad, f"{layer}/ may not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
+
+
+MODULE_REF = re.compile(r"^[A-Za-z_]\w*(\.\w+)*(:\w+)?$")
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_names_no_module_above_it(layer):
+    """No lazy back door: a string naming a module (``"pkg.mod"`` or ``"pkg.mod:attr"``)
+    of a layer above, to be imported on use, is an import all the same."""
+    bad = []
+    for name, path in project_modules().items():
+        if name.split(".")[0] != layer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and MODULE_REF.match(node.value)):
+                continue
+            target = project_target(node.value.partition(":")[0])
+            if target and target.split(".")[0] in FORBIDDEN[layer]:
+                bad.append(f"{path}: line {node.lineno} names {node.value!r}")
+    assert not bad, f"{layer}/ may not name modules of {sorted(FORBIDDEN[layer])}:\n" + (
+        "\n".join(bad))
 
 
 def test_only_harnesses_import_the_test_scaffolding():

@@ -144,7 +144,7 @@ def test_write_outside_the_region_is_refused_before_any_byte_moves(make_simnic):
 def test_make_transport_knows_its_backends():
     with pytest.raises(ValueError, match=r"unknown transport 'ib'.*mooncake.*rdma.*simnic"):
         make_transport("ib", owner="x")
-    assert set(BACKENDS) == {"simnic", "rdma", "mooncake"}
+    assert set(BACKENDS) == {"simnic", "rdma", "mooncake", "tcp"}
     nic = make_transport("simnic", owner="x", nic="n3")
     try:
         assert isinstance(nic, Transport)

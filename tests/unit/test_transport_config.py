@@ -67,7 +67,7 @@ def test_options_are_typed_per_transport(cfg, transport, options, want):
     [
         ({"transport": "pigeon"}, "TransferConfig.transport",
          "unknown transport 'pigeon' (used by every trainer and engine NIC); known: "
-         "['mooncake', 'rdma', 'simnic']"),
+         "['mooncake', 'rdma', 'simnic', 'tcp']"),
         ({"transport": None}, "TransferConfig.transport", "unknown transport None"),
         ({"transport_options": {"bandwidth": 2}}, "TransferConfig.transport_options",
          "unknown option(s) ['bandwidth'] for transport 'simnic' (used by every trainer and "
@@ -114,7 +114,7 @@ def test_bad_transport_config_names_the_field(cfg, changes, field, words):
     [
         ({"transport": "pigeon"}, "transfer",
          "transfer.transport: unknown transport 'pigeon' (used by every trainer and "
-         "engine NIC); known: ['mooncake', 'rdma', 'simnic']"),
+         "engine NIC); known: ['mooncake', 'rdma', 'simnic', 'tcp']"),
         ({"transport_options": {"bandwidth_gbps": "fast"}}, "transfer",
          "transfer.transport_options.bandwidth_gbps: Input should be a valid number"),
         ({"transport": "mooncake", "transport_options": {"bogus": 1}}, "transfer",

@@ -192,7 +192,7 @@ def test_duplicate_registration_is_refused(memcpy):
 
 
 def test_unknown_names_list_the_registered_ones(memcpy):
-    known = r"known: \['memcpy-test', 'mooncake', 'rdma', 'simnic'\]"
+    known = r"known: \['memcpy-test', 'mooncake', 'rdma', 'simnic', 'tcp'\]"
     with pytest.raises(ValueError, match=rf"unknown transport 'pigeon'; {known}"):
         make_transport("pigeon", owner="a", nic="b")
     with pytest.raises(ValueError, match=rf"cfg\.transport: unknown transport 'pigeon'.*{known}"):

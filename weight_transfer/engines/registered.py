@@ -11,6 +11,7 @@ copies, checksums and statistics over the same NICs::
     mem.endpoints(requests); mem.connect(conns)        # two rounds of connection set-up
     mem.copy_to(other_meta)                            # this rank's bytes into another replica
     mem.checksum(ranges)                               # the controller's integrity check
+    mem.open_window(); mem.close_window()              # at the pause / resume of an update
     mem.stats(); mem.close()
 
 ``buffers`` are ``(buffer, entries)`` pairs, each entry ``(name, shape, dtype,
@@ -130,9 +131,21 @@ class RegisteredMemory:
         return self.buffers[t.region.addr][t.offset:t.offset + t.nbytes]
 
     def stats(self) -> dict[str, int]:
+        """Bytes and writes the NICs delivered, and connections and writes they refused."""
         nics = self.nics.values()
-        return {"bytes_written": sum(getattr(n, "bytes_written", 0) for n in nics),
-                "writes": sum(getattr(n, "writes", 0) for n in nics)}
+        return {key: sum(getattr(n, key, 0) for n in nics)
+                for key in ("bytes_written", "writes", "refused_connections", "refused_writes")}
+
+    def open_window(self) -> None:
+        """The engine paused for an update: NICs that enforce an update window (tcp)
+        accept planned writes until :meth:`close_window`."""
+        for nic in self.nics.values():
+            nic.open_window()
+
+    def close_window(self) -> None:
+        """The engine resumes: writes are refused again (returns once none is copied)."""
+        for nic in self.nics.values():
+            nic.close_window()
 
     def deregister(self) -> int:
         """Revoke every registered region (later writes into it fail); returns how many.

@@ -28,6 +28,10 @@ so callers never probe with ``getattr``:
   the NIC sends only from memory registered with it (long-lived staging buffers);
 - ``check_peer(info)``: checks a peer's endpoint fields before any connects;
 - ``bytes_written`` / ``writes``: what the NIC delivered;
+  ``refused_connections`` / ``refused_writes``: what its target side refused;
+- ``grant(owner, nic, regions)``: the regions the plan lets a writer NIC write
+  (called before ``peer_info`` for it); ``open_window`` / ``close_window``: the
+  engine paused for an update / resumes (tcp enforces both; others ignore them);
 - ``disconnect(owner, nic=None)``: closes the connections to a peer;
 - ``is_transient(exc)``: whether a failed WRITE may succeed when tried again
   (:mod:`weight_transfer.retry` asks it); by default an instance of
@@ -216,6 +220,8 @@ class TransportBase:
     supports_device_memory: bool = False
     bytes_written: int = 0
     writes: int = 0
+    refused_connections: int = 0  # connections the target side refused (tcp)
+    refused_writes: int = 0  # writes the target side refused (tcp)
     owner: str = ""
     nic: str = ""
     label: str = "NIC ?/?"
@@ -266,6 +272,17 @@ class TransportBase:
     def is_transient(self, exc: BaseException) -> bool:
         """Whether a WRITE that raised ``exc`` may succeed when tried again."""
         return isinstance(exc, TransientTransportError)
+
+    def grant(self, remote_owner: str, remote_nic: str, regions: Any = None) -> None:
+        """The plan lets NIC ``remote_nic`` of ``remote_owner`` write into ``regions``
+        (addresses of this NIC's regions); called before ``peer_info`` for it. Backends
+        that check writers per region (tcp) keep it; by default nothing."""
+
+    def open_window(self) -> None:
+        """The engine paused for an update (tcp: writes accepted until close_window)."""
+
+    def close_window(self) -> None:
+        """The engine resumes (tcp: writes refused from now on)."""
 
     def disconnect(self, owner: str, nic: str | None = None) -> int:
         """Close the connections to NIC ``nic`` of ``owner`` (None: every NIC of it);

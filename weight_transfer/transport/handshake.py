@@ -9,7 +9,9 @@ process does 2 and 4 on its own NICs):
 
 1. ``requests = requests_by_owner(links)``: for each process (owner), which of
    its NICs must describe itself to which remote NIC (the peer named);
-2. ``infos = answer_requests(nics, requests[owner])``: ``peer_info`` of each;
+2. ``infos = answer_requests(nics, requests[owner])``: ``peer_info`` of each (on
+   the target side of a link, after ``grant``: the regions the plan lets that
+   writer write, from ``Link.grants``);
 3. ``conns = route_answers(requests, infos)``: each info goes to the NIC it
    was made for, as a :class:`Connection`;
 4. ``connect_peers(nics, conns[owner])``: each NIC connects to its peers;
@@ -56,6 +58,8 @@ class Link:
 
     writer: Endpoint
     target: Endpoint
+    grants: tuple[int, ...] | None = None  # target region addresses the plan gives writer
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +68,8 @@ class InfoRequest:
 
     nic: str
     remote: Endpoint
+    grants: tuple[int, ...] | None = None  # set for the target side of a link: see Link
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,8 +97,10 @@ def requests_by_owner(links: Iterable[Link]) -> dict[str, tuple[InfoRequest, ...
     for link in links:
         if link.writer == link.target:
             raise ValueError(f"link from {link.writer} to itself")
-        for local, remote in ((link.writer, link.target), (link.target, link.writer)):
-            out.setdefault(local.owner, {})[InfoRequest(nic=local.nic, remote=remote)] = None
+        out.setdefault(link.writer.owner, {})[
+            InfoRequest(nic=link.writer.nic, remote=link.target)] = None
+        out.setdefault(link.target.owner, {})[
+            InfoRequest(nic=link.target.nic, remote=link.writer, grants=link.grants)] = None
     return {owner: tuple(reqs) for owner, reqs in out.items()}
 
 
@@ -113,8 +121,16 @@ def answer_requests(nics: Mapping[str, Any], requests: Sequence[InfoRequest],
         for name, value in (("nic", r.nic), ("remote owner", r.remote.owner),
                             ("remote nic", r.remote.nic)):
             check_str(value, f"{where}: {name}")
-    return tuple(_nic(nics, r.nic, owner).peer_info(r.remote.owner, r.remote.nic)
-                 for r in requests)
+        if r.grants is not None and not (isinstance(r.grants, tuple) and all(
+                type(a) is int and 0 <= a < 2**64 for a in r.grants)):
+            raise ValueError(f"{where}: grants must be a tuple of region addresses")
+    out = []
+    for r in requests:
+        nic = _nic(nics, r.nic, owner)
+        if r.grants is not None:  # the target side: what the plan lets that writer write
+            nic.grant(r.remote.owner, r.remote.nic, r.grants)
+        out.append(nic.peer_info(r.remote.owner, r.remote.nic))
+    return tuple(out)
 
 
 def route_answers(requests: Mapping[str, Sequence[InfoRequest]],

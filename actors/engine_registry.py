@@ -1,9 +1,13 @@
 """The engine registry: an inference engine's name, resolved once, to what launches it.
 
+It lives in ``actors`` because everything it names does: the launch functions that start
+engine-rank actors and the command line's hooks. The core (``weight_transfer.engines``)
+holds the engine-rank contract and its shared implementation, and names no engine.
+
 Every place that needs an engine by name (a run config's ``engine``, ``wt demo
 --engine``, ``wt bench designs``, the RL loop) asks :func:`engine_spec`; nothing
 else compares engine names. A spec names modules and attributes as strings and
-imports them on first use, so this module imports no engine, Ray or script::
+imports them on first use, so this module imports no engine or Ray::
 
     spec = engine_spec("vllm")               # ValueError listing the names if unknown
     handle = spec.launcher()(config, model_path=path)    # actors.vllm_engine.launch_vllm_engines
@@ -18,7 +22,9 @@ function returning a handle that owns what it started) and one call::
 
 ``tools`` are the optional hooks of the command line (``"module:attribute"``):
 ``start_fleet`` and ``check_bytes`` (``wt demo``), ``bench`` (``wt bench
-designs``' class), ``launch_replicas`` and ``sample_rollouts`` (the RL loop),
+designs``' class), ``launch_replicas`` (the RL loop's engines, where starting them needs more
+than the launch function: vLLM starts from the trainers' weights) and ``sample_rollouts``
+(the RL loop),
 ``corrupt_one_byte`` (``wt demo --corrupt-version``).
 """
 
@@ -104,7 +110,6 @@ register_engine(
     tools={"start_fleet": "actors.demo.fleet:start_fleet",
            "check_bytes": "actors.demo.verify:check_bytes",
            "bench": "actors.bench.designs_fleet:ReferenceBench",
-           "launch_replicas": "actors.demo.rl_loop:launch_reference_replicas",
            "sample_rollouts": "actors.demo.rl_loop:reference_rollouts",
            "corrupt_one_byte": "actors.demo.verify:corrupt_one_byte"})
 register_engine(
