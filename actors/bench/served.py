@@ -11,24 +11,20 @@ On a local Ray instance with the demo cluster (4 trainer ranks -> 2 replicas x T
   controller's process, less an idle window of the same length) and the CPU share that
   gives at a tick every ``--interval`` seconds.
 
-    python scripts/measure_served_check.py --model configs/models/tiny_llama.yaml --json out.json
+    wt bench served --model configs/models/tiny_llama.yaml --json out.json
 """
+
+from __future__ import annotations
 
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import ray
 
-import ray  # noqa: E402
-import typer  # noqa: E402
-
-from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers  # noqa: E402
+from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 
 TICK_S = os.sysconf("SC_CLK_TCK")
 
@@ -60,10 +56,8 @@ def pids_of(actors):
     return ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
 
 
-def main(model: Path = Path("configs/models/tiny_llama.yaml"),
-         cluster: Path = Path("configs/clusters/local_cpu.yaml"),
-         checks: int = 5, updates: int = 4, window_s: float = 20.0, interval: float = 10.0,
-         json_out: Path | None = typer.Option(None, "--json")) -> None:
+def run(model: Path, cluster: Path, *, checks: int = 5, updates: int = 4,
+        window_s: float = 20.0, interval: float = 10.0, json_out: Path | None = None) -> int:
     ray.init(address="local", num_cpus=16, include_dashboard=False)
     out = {"model": str(model), "cluster": str(cluster)}
     cfg = TransferConfig.from_files(model, cluster, integrity={"mode": "full"})
@@ -111,7 +105,4 @@ def main(model: Path = Path("configs/models/tiny_llama.yaml"),
     print(json.dumps(out, indent=2))
     if json_out is not None:
         json_out.write_text(json.dumps(out, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    typer.run(main)
+    return 0
