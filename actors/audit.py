@@ -1,4 +1,4 @@
-"""Audit log: one JSON line per update and per re-sync, appended to a file.
+"""Audit log: one JSON line per update, re-sync and check of served memory, appended to a file.
 
 The controller records every update, successful or not, and every re-sync of a
 replica from a peer, when the configuration names a file
@@ -12,10 +12,16 @@ replica from a peer, when the configuration names a file
                              outcome="ok"))
     read_audit("runs/audit.jsonl")       # the records, as dicts, in order
 
+A check of served memory between updates (``ctl.check_integrity()`` or the
+background check, :mod:`actors.served_check`) appends a ``check`` line:
+``mode``, ``versions`` (replica -> version it held), ``integrity``, ``bad``
+(replicas whose bytes differ), ``healed`` (re-synced from a peer), ``torn``
+(bad and not healed), ``unchecked`` (serving without checksums), ``outcome``.
+
 A ``refused`` line records an arrival at a trainers' barrier that no rank of the
 setup made (:class:`RefusedAudit`: what, rank, tag, reason, by whom).
 
-Every update or resync line: ``kind`` (update or resync), ``version``, ``started_at`` and
+Update and re-sync lines: ``kind`` (update or resync), ``version``, ``started_at`` and
 ``finished_at`` (Unix seconds), ``seconds``, ``bytes`` (total) and ``pairs``
 (``[{"src": "trainer0", "dst": "engine0/tp1", "bytes": n}, ...]``: landed bytes
 per source and destination rank), ``integrity`` (the checksum mode, ranges and
@@ -146,7 +152,37 @@ class RefusedAudit:
                 "at": self.at, "error": self.error}
 
 
-AuditEntry = UpdateAudit | ResyncAudit | RefusedAudit
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckAudit:
+    """One check of served memory between updates (``mode`` full or tick,
+    :mod:`actors.served_check`): ``bad`` replicas whose bytes differ from the checksums of
+    the version they hold, ``healed`` those re-synced from a peer, ``unchecked`` serving
+    replicas without checksums to compare with."""
+
+    mode: str
+    started_at: float
+    finished_at: float
+    versions: Mapping[str, int | None] = field(default_factory=dict, hash=False)
+    integrity: Any = None
+    bad: tuple[str, ...] = ()
+    healed: tuple[str, ...] = ()
+    unchecked: tuple[str, ...] = ()
+    error: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "kind": "check", "mode": self.mode, "versions": dict(sorted(self.versions.items())),
+            "started_at": self.started_at, "finished_at": self.finished_at,
+            "seconds": self.finished_at - self.started_at,
+            "integrity": None if self.integrity is None else self.integrity.as_dict(),
+            "outcome": "ok" if not self.bad and self.error is None else "failed",
+            "torn": sorted(set(self.bad) - set(self.healed)), "bad": sorted(self.bad),
+            "healed": sorted(self.healed), "unchecked": sorted(self.unchecked),
+            "error": self.error,
+        }
+
+
+AuditEntry = UpdateAudit | ResyncAudit | CheckAudit | RefusedAudit
 
 
 class AuditLog:

@@ -28,7 +28,9 @@ options (:mod:`weight_transfer.transport.options`) and typed from then on::
     cfg.transport_spec          # TransportSpec(kind="mooncake", options=MooncakeOptions(...))
 
 ``nic_gbps`` is a shortcut for the simnic option ``bandwidth_gbps``.
-``integrity``, ``retry`` and ``audit_path`` are typed here too
+``integrity``, ``retry`` and ``audit_path`` are typed here too (and
+``integrity_watch_s`` / ``integrity_watch_bytes``, the background check of
+served memory, :mod:`actors.served_check`)
 (:class:`~weight_transfer.integrity.IntegrityPolicy`,
 :class:`~weight_transfer.retry.RetryPolicy`); docs/configuration.md says what
 each field does.
@@ -51,6 +53,7 @@ import pydantic
 from pydantic import (
     BaseModel,
     ConfigDict,
+    NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
     SerializeAsAny,
@@ -139,6 +142,10 @@ class TransferSettings(_Frozen):
     # Transient WRITE errors (link down) retried under this policy (weight_transfer.retry).
     retry: RetryPolicy = DEFAULT_RETRY
     audit_path: Path | None = None  # one JSON line per update / re-sync (actors.audit)
+    # Background check of served memory against the last version's checksums, between
+    # updates (actors.served_check): seconds between ticks (0: off) and bytes hashed per tick.
+    integrity_watch_s: NonNegativeFloat = 0.0
+    integrity_watch_bytes: PositiveInt = 64 << 20
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@
     ctl.resync("engine1")            # a torn replica re-filled from a peer, serving again
     ctl.setup(trainers=new_trainers) # after a trainer was replaced: plan and connect again
     ctl.update(version=2, trace="v2.json")   # also a Chrome trace of the update (Perfetto)
+    ctl.check_integrity(heal=True)   # served memory against the held version's checksums
 
 Every update records metrics (:mod:`weight_transfer.metrics`, backend
 ``config.metrics``); ``ctl.progress = hook`` is called ``hook(phase, done,
@@ -60,8 +61,13 @@ trainer ranks, the replicas and their ranks, with each one's
 Where ``config.integrity`` hashed WRITEs, every engine rank of a replica must
 hold ranges that hash as the trainers' source bytes did before the replica
 resumes (:mod:`actors.integrity_check`): a mismatch tears it, and the error
-names the replica, rank, tensor, range and both checksums. With
-``config.audit_path``, every update and re-sync appends one JSON line
+names the replica, rank, tensor, range and both checksums. Between updates,
+:meth:`check_integrity` (and, with ``config.integrity_watch_s``, a background
+thread) compares served memory with the checksums of the version each replica
+holds and heals a replica that differs by a re-sync (:mod:`actors.served_check`);
+updates, re-syncs, set-ups and checks take one lock, so a check never runs
+while an update does. With
+``config.audit_path``, every update, re-sync and check appends one JSON line
 (:mod:`actors.audit`), recorded by one call where its outcome is known.
 """
 
@@ -70,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,6 +95,7 @@ from actors.ledger import ControlLedger
 from actors.messages import PlanSummary
 from actors.metrics_ray import actor_metrics
 from actors.reports import UpdateReport
+from actors.served_check import BackgroundCheck, ServedCheck, ServedWatch
 from actors.telemetry import ProgressHook
 from weight_transfer.engines.rank import EngineRank
 from weight_transfer.errors import UpdateError
@@ -123,8 +131,13 @@ class WeightTransferController:
         self._engine_handles = flat_actors(engines)
         self._replicas = ReplicaOps(self.state, self.calls, config, metrics=self.metrics,
                                     audit=self.audit)
+        self._served = ServedWatch(self.state, self.calls, config, metrics=self.metrics,
+                                   audit=self.audit, replicas=self._replicas)
         self._updates = UpdateSteps(self.state, self.calls, config, metrics=self.metrics,
-                                    replicas=self._replicas)
+                                    replicas=self._replicas, served=self._served)
+        # One operation at a time: an update, a re-sync, a set-up or a served-memory check.
+        self._busy = threading.RLock()
+        self.watch: BackgroundCheck | None = None  # the background check, after setup()
 
     # ------------------------------------------------------------------ views
 
@@ -168,12 +181,21 @@ class WeightTransferController:
         dropped, the versions the replicas hold are kept, and the plan and the
         connections are made anew.
         """
-        if trainers is not None:
-            if not trainers:
-                raise ValueError("setup(trainers=...) needs at least one trainer actor")
-            self.state.trainers = list(trainers)
-        return run_setup(self.state, self.calls, self.config,
-                         engine_handles=self._engine_handles)
+        if trainers is not None and not trainers:
+            raise ValueError("setup(trainers=...) needs at least one trainer actor")
+        with self._busy:
+            if trainers is not None:
+                self.state.trainers = list(trainers)
+            before = {n: list(m) for n, m in self.state.engine_metas.items()}
+            summary = run_setup(self.state, self.calls, self.config,
+                                engine_handles=self._engine_handles)
+            for name in self.state.served.replicas():  # regions registered again: other bytes
+                if self.state.engine_metas.get(name) != before.get(name):
+                    self.state.served.drop(name)
+        if self.config.integrity_watch_s > 0 and self.watch is None:
+            self.watch = BackgroundCheck(self._watch_tick, interval_s=self.config.integrity_watch_s,
+                                         lock=self._busy).start()
+        return summary
 
     def update(self, version: int, *, trace: bool | str | os.PathLike = False) -> UpdateReport:
         """Move the trainers' current weights into every replica as ``version``.
@@ -183,20 +205,21 @@ class WeightTransferController:
         Raises :class:`UpdateError` (see the module docstring) when a replica did
         not get the version; every attempted update leaves one audit line.
         """
-        check_version(self.state, version)  # a refused version number is not an update
-        self.state.attempted = version
-        started = time.time()
-        try:
-            outcome = self._updates.run(version, trace=trace, pause=self.pause_during_update,
-                                        auto_resync=self.auto_resync,
-                                        after_transfer=self.after_transfer)
-        except Exception as err:  # ended before it had reports: still one audit line
-            outcome = UpdateOutcome(version=version, replicas=tuple(self.state.replicas),
-                                    error=err, crashed=True)
-        for refused in outcome.refusals:  # barrier arrivals refused: a line each
-            self.audit.record(refused)
-        entry = outcome.audit(started_at=started, finished_at=time.time())
-        self.audit.record(dataclasses.replace(entry, refused=self._refused()))
+        with self._busy:
+            check_version(self.state, version)  # a refused version number is not an update
+            self.state.attempted = version
+            started = time.time()
+            try:
+                outcome = self._updates.run(version, trace=trace, pause=self.pause_during_update,
+                                            auto_resync=self.auto_resync,
+                                            after_transfer=self.after_transfer)
+            except Exception as err:  # ended before it had reports: still one audit line
+                outcome = UpdateOutcome(version=version, replicas=tuple(self.state.replicas),
+                                        error=err, crashed=True)
+            for refused in outcome.refusals:  # barrier arrivals refused: a line each
+                self.audit.record(refused)
+            entry = outcome.audit(started_at=started, finished_at=time.time())
+            self.audit.record(dataclasses.replace(entry, refused=self._refused()))
         if outcome.error is not None:
             raise outcome.error
         return outcome.report
@@ -220,20 +243,44 @@ class WeightTransferController:
 
     def add_replica(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""
-        return self._replicas.add(engine_actors)
+        with self._busy:
+            return self._replicas.add(engine_actors)
 
     def remove_replica(self, name: str) -> None:
         """Drop replica ``name``: out of the plan (the trainers get a new one), out of
         :meth:`weights_version`, its ranks' NICs closed (best effort: a dead rank has none)."""
-        self._replicas.remove(name)
+        with self._busy:
+            self._replicas.remove(name)
 
     def resync(self, name: str) -> int:
         """Re-fill torn replica ``name`` from a peer holding the newest version and let it
         serve again; returns that version (see :meth:`ReplicaOps.resync`)."""
-        return self._replicas.resync(name)
+        with self._busy:
+            return self._replicas.resync(name)
+
+    def check_integrity(self, mode: str = "full", *, heal: bool = False) -> ServedCheck:
+        """Compare what every serving replica holds with the checksums of the version it
+        last received (``mode`` ``full``: every byte; ``tick``: the background check's next
+        ``integrity_watch_bytes``). The result names each replica, rank, tensor and byte
+        range that differs; ``heal`` holds each bad replica and re-syncs it from a peer.
+        One audit line per check. Waits for an update in flight to end first."""
+        with self._busy:
+            result = self._served.check(mode=mode, heal=heal)
+        if not result.check.ok:
+            log.error("%s", result.message())
+        return result
+
+    def _watch_tick(self) -> None:
+        """One background tick (the lock is held): check the next slice, heal what differs."""
+        if self.state.summary is not None:
+            self._served.check(mode="tick", heal=True)
 
     def shutdown(self) -> None:
-        """Drop the schedule actor and the barrier store (actors stay the caller's)."""
+        """Stop the background check; drop the schedule actor and the barrier store (actors
+        stay the caller's)."""
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         if self.state.scheduler is not None:
             ray.kill(self.state.scheduler)
             self.state.scheduler = None

@@ -52,6 +52,7 @@ from actors.telemetry import replica_versions
 from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import FaultKind, IntegrityError
 from weight_transfer.metrics import TransferMetrics
+from weight_transfer.served import region_maps
 from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def hold(state: ControllerState, calls: ControlCalls, torn: Sequence[str],
     epoch, refs, labels, dead = next_epoch(), [], [], {}
     for name in torn:
         state.versions[name] = None
+        state.served.drop(name)
         silent = {f.rank for f in faults.get(name, ()) if f.kind.silent}
         for rank, actor in enumerate(state.replicas[name]):
             ref = calls.call(actor.wt_pause, HOLD_WAIT_S, epoch=epoch)
@@ -177,6 +179,7 @@ class ReplicaOps:
                           names=[name],
                           phase=f"resume {name}")
         st.versions[name] = current
+        self._copy_reference(source, name)
         log.info("replica %s filled with version %d from %s", name, current, source)
         return name
 
@@ -241,13 +244,22 @@ class ReplicaOps:
             error=None if error is None else f"{type(error).__name__}: {error}"))
         if error is not None:
             raise error
+        self._copy_reference(source, name)
         return version
+
+    def _copy_reference(self, source: str, target: str) -> None:
+        """``target`` now serves ``source``'s bytes: the same served-memory checksums, at
+        its own addresses (:mod:`actors.served_check`)."""
+        st = self.state
+        st.served.copy(source, target, addr_maps=region_maps(st.engine_metas[source],
+                                                             st.engine_metas[target]))
 
     def _resync_from(self, name: str, source: str, version: int
                      ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
         st, calls, timeout = self.state, self.calls, self.config.update_timeout_s
         deadline = time.monotonic() + timeout
         st.versions[name] = None
+        st.served.drop(name)
         st.paused.add(name)
         faults = fan_out(calls.ledger, st.replicas, [name], EngineRank.wt_pause, timeout,
                          epoch=next_epoch(), until=deadline)

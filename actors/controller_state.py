@@ -14,7 +14,8 @@ change it, and nothing else keeps state of its own::
 
 Replica names key every table: ``replicas`` (the actors of its TP ranks, in
 rank order), ``engine_metas`` (their metadata), ``versions`` (the version it
-holds completely, None while torn or never filled) and ``paused``.
+holds completely, None while torn or never filled), ``paused`` and ``served``
+(the checksums of what it serves, :mod:`weight_transfer.served`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from actors.connections import Connector
 from actors.messages import PlanSummary, TrainerRankMeta
 from weight_transfer.barrier import BarrierKey
+from weight_transfer.served import ServedBook
 from weight_transfer.types import EngineRankMeta, RankInfo
 
 
@@ -46,6 +48,8 @@ class ControllerState:
     store_host: str = ""
     barrier_key: BarrierKey | None = None  # this setup's barrier name and secret (Ray only)
     attempted: int | None = None  # the last version an update() started
+    # Per replica, checksums of every byte it serves (actors.served_check), where kept.
+    served: ServedBook = field(default_factory=ServedBook)
 
     def check_ready(self, what: str) -> None:
         if self.summary is None:
@@ -77,6 +81,7 @@ class ControllerState:
     def forget_replica(self, name: str) -> None:
         """Out of every table (its NIC owners and links too)."""
         self.drop_replica_entry(name)
+        self.served.drop(name)
         self.versions.pop(name, None)
         self.paused.discard(name)
 

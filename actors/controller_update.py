@@ -63,6 +63,7 @@ from actors.engine_control import (
 )
 from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, TrainerFault, UpdateReport
+from actors.served_check import ServedWatch
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
 from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import BarrierRefusedError, FaultKind, UpdateError
@@ -146,9 +147,10 @@ class UpdateSteps:
     """The steps of one update over the controller's state; see the module docstring."""
 
     def __init__(self, state: ControllerState, calls: ControlCalls, config: TransferConfig,
-                 *, metrics: TransferMetrics, replicas: ReplicaOps) -> None:
+                 *, metrics: TransferMetrics, replicas: ReplicaOps,
+                 served: ServedWatch | None = None) -> None:
         self.state, self.calls, self.config = state, calls, config
-        self.metrics, self.replica_ops = metrics, replicas
+        self.metrics, self.replica_ops, self.served = metrics, replicas, served
 
     def run(self, version: int, *, trace: bool | str | os.PathLike, pause: bool,
             auto_resync: bool, after_transfer: Callable[[int], None] | None = None
@@ -219,8 +221,15 @@ class UpdateSteps:
                           - time.monotonic()))
         _merge(faults, check_faults(check))  # ranks that did not answer the check
         torn.update(check.torn)
-        _merge(faults, self._finish(version, [n for n in names if n not in torn], deadline))
+        good = [n for n in names if n not in torn]
+        # Checksums of every served byte, for checks after the resume (still paused here).
+        sums = {} if self.served is None else self.served.reference(
+            version, good, list(reports.values()), timeout_s=max(
+                0.0, deadline - self.config.update_timeout_s * RESUME_SHARE - time.monotonic()))
+        _merge(faults, self._finish(version, good, deadline))
         torn.update(faults)
+        if self.served is not None:
+            self.served.commit(version, sums)
         return sorted(torn), check
 
     def _trace(self, version: int, clock: UpdateClock, reports: list[RankReport]):

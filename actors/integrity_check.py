@@ -42,6 +42,7 @@ from weight_transfer.integrity import (
     ALGORITHM,
     CHECKSUM,
     LENGTH,
+    NO_TASK,
     OFFSET,
     TASK,
     IntegrityPolicy,
@@ -69,8 +70,9 @@ class Mismatch:
 
     def describe(self) -> str:
         rank = EngineRankId(replica=self.replica, rank=self.rank)
+        task = f" (task {self.task})" if self.task >= 0 else ""  # -1: not one WRITE
         where = (f"{rank} tensor {self.tensor!r} bytes "
-                 f"[{self.tensor_offset}, {self.tensor_offset + self.length}) (task {self.task})")
+                 f"[{self.tensor_offset}, {self.tensor_offset + self.length}){task}")
         if self.actual is None:
             return f"{where}: not checked: {self.error}"
         return (f"{where}: {ALGORITHM} expected {self.expected:#018x}, "
@@ -120,6 +122,7 @@ def _mismatch(replica: str, rank: int, meta: EngineRankMeta | None, row: np.ndar
     task, addr, offset, length, expected = (int(v) for v in row[[TASK, ADDR, OFFSET, LENGTH,
                                                                   CHECKSUM]])
     tensor, at = _tensor_at(meta, addr, offset)
+    task = -1 if task == NO_TASK else task
     return Mismatch(replica=replica, rank=rank, tensor=tensor, tensor_offset=at, length=length,
                     task=task, expected=expected, actual=actual, error=error, fault=fault)
 
@@ -128,9 +131,9 @@ def _ray_pending(refs: list, timeout_s: float) -> list:
     return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1]
 
 
-def _answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
-             pending: Callable[[list, float], list]
-             ) -> list[tuple[np.ndarray | None, str, FaultKind]]:
+def answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
+            pending: Callable[[list, float], list] = _ray_pending
+            ) -> list[tuple[np.ndarray | None, str, FaultKind]]:
     """Each ref's checksums, or None, why (late, failed) and the rank's fault kind."""
     late, out = pending(refs, timeout_s), []
     for ref in refs:
@@ -157,14 +160,29 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
     start = time.perf_counter()
     rows = {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
             .items() if k[0] in replicas and len(v)}
-    if not policy.enabled or not rows:
-        return IntegrityResult(mode=policy.mode, ranges=0, bytes=0,
-                               seconds=time.perf_counter() - start)
+    if not policy.enabled:
+        rows = {}
+    return compare_rows(mode=policy.mode, rows=rows, replicas=replicas, metas=metas, call=call,
+                        get=get, timeout_s=timeout_s, pending=pending, start=start)
+
+
+def compare_rows(*, mode: str, rows: Mapping[tuple[str, int], np.ndarray],
+                 replicas: Mapping[str, Sequence[Any]],
+                 metas: Mapping[str, Sequence[EngineRankMeta]],
+                 call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
+                 pending: Callable[[list, float], list] = _ray_pending,
+                 start: float | None = None) -> IntegrityResult:
+    """Hash ``rows`` (``{(replica, rank): uint64 [n, 5]}``, :data:`COLUMNS`) on their engine
+    ranks, all at once, and compare with the rows' checksums (see :func:`verify_update`)."""
+    start = time.perf_counter() if start is None else start
+    rows = {k: v for k, v in rows.items() if len(v)}
+    if not rows:
+        return IntegrityResult(mode=mode, ranges=0, bytes=0, seconds=time.perf_counter() - start)
     keys = sorted(rows)
     refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
             for rep, rank in keys]
     found: list[Mismatch] = []
-    for (rep, rank), (got, why, fault) in zip(keys, _answers(refs, get, timeout_s, pending),
+    for (rep, rank), (got, why, fault) in zip(keys, answers(refs, get, timeout_s, pending),
                                               strict=True):
         want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
         if got is None or len(got) != len(want):
@@ -175,8 +193,7 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
         for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
             found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
     merged = np.concatenate([rows[k] for k in keys])
-    return IntegrityResult(mode=policy.mode, ranges=len(merged),
-                           bytes=int(merged[:, LENGTH].sum()),
+    return IntegrityResult(mode=mode, ranges=len(merged), bytes=int(merged[:, LENGTH].sum()),
                            seconds=time.perf_counter() - start, mismatches=tuple(found))
 
 
@@ -204,10 +221,10 @@ def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
                 for regions in (src_regions, dst_regions)]
         refs += [call(source[rank].wt_checksum, rows[0]), call(target[rank].wt_checksum, rows[1])]
         jobs.append((dst, dst_regions))
-    answers = _answers(refs, get, timeout_s, pending)
+    got_all = answers(refs, get, timeout_s, pending)
     found, nbytes = [], 0
     for k, (dst, regions) in enumerate(jobs):
-        (want, why_src, _), (got, why_dst, fault_dst) = answers[2 * k], answers[2 * k + 1]
+        (want, why_src, _), (got, why_dst, fault_dst) = got_all[2 * k], got_all[2 * k + 1]
         for i, region in enumerate(regions):
             nbytes += region.length
             tensor, _ = _tensor_at(dst, region.addr, 0)

@@ -230,6 +230,7 @@ class RankTransfer:
         self.retry = retry or RetryPolicy(attempts=1)
         self._task_spans: list[Span] = []
         self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
+        self.turns = 0  # runs started since this plan: the sample integrity mode's rotation
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
         self.device_memory = bool(transport.supports_device_memory)
         # A NIC that needs no source registration (simnic) writes a piece that already is a
@@ -351,8 +352,9 @@ class RankTransfer:
         spans: list[Span] = []
         barriers: list[Span] = []
         self._task_spans: list[Span] = []
-        self._run = run = RunLog(version=version,
-                                    writer=RetryingWriter(self.transport, self.retry))
+        self._run = run = RunLog(version=version, turn=self.turns,
+                                 writer=RetryingWriter(self.transport, self.retry))
+        self.turns += 1
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
         barrier_s = 0.0

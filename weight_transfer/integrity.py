@@ -8,16 +8,19 @@ compares the two (``actors.integrity_check``)::
 
     policy = IntegrityPolicy(mode="sample", fraction=0.1)   # or parse_integrity({...})
     log = ChecksumLog()
-    if policy.selects(task.task_id, version):              # sender, per WRITE
+    if policy.selects(task.task_id, turn):                 # sender, per WRITE (turn: run count)
         log.add(task, checksum(src_bytes))
     sums = log.ranges()          # one RangeSums per destination engine rank: compact rows
     actual = checksum_ranges(buffers_by_addr, sums[0].rows[:, ADDR:CHECKSUM])  # engine side
 
 Modes: ``off`` (nothing hashed), ``full`` (every WRITE), ``sample`` (a
-``fraction`` of the WRITEs: task ``t`` is hashed in version ``v`` when
-``(t + v) % n == 0`` with ``n = ceil(1 / fraction)``, so ``n`` consecutive
-versions hash every range once; the selection is a pure function of task id
-and version, the same on every process).
+``fraction`` of the WRITEs: task ``t`` is hashed in turn ``k`` when
+``(t + k) % n == 0`` with ``n = ceil(1 / fraction)``). The turn is the count
+of runs a sender made since it got its plan (0, 1, 2, ...), not the version
+number: versions 0, n, 2n, ... would revisit the same subset, while ``n``
+consecutive runs hash every range once whatever the versions are. Every
+trainer rank gets every "go" and a new plan starts every rank at turn 0, so
+the selection is the same on every process.
 
 A range is one WRITE: (destination replica and rank, region address, offset
 in the region, length) and its checksum. :class:`RangeSums` keeps them as one
@@ -40,6 +43,7 @@ MODES = ("off", "sample", "full")
 COLUMNS = ("task", "addr", "offset", "length", "checksum")
 TASK, ADDR, OFFSET, LENGTH, CHECKSUM = range(len(COLUMNS))
 ALGORITHM = "xxh3_64"
+NO_TASK = 2**64 - 1  # the task column of a row that is not one WRITE (an engine-side chunk)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,11 +69,12 @@ class IntegrityPolicy:
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    def selects(self, task_id: int, version: int) -> bool:
-        """Whether the WRITE of ``task_id`` is hashed in ``version``."""
+    def selects(self, task_id: int, turn: int) -> bool:
+        """Whether the WRITE of ``task_id`` is hashed in run ``turn`` (0, 1, 2, ...: the
+        sender's count of runs since its plan; see the module docstring)."""
         if self.mode == "off":
             return False
-        return self.mode == "full" or (task_id + version) % self.period == 0
+        return self.mode == "full" or (task_id + turn) % self.period == 0
 
     def describe(self) -> str:
         if self.mode == "sample":

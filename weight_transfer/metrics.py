@@ -9,6 +9,7 @@ backend; the backend is picked by name when the facade is made::
     m.watermark_in_use(rank=3, nbytes=1 << 28)    # wt_watermark_bytes{rank}
     m.nic_transfer(nic="tnode0/nic1", rank=3, nbytes=n, seconds=s)  # wt_nic_* {nic, rank}
     m.replica_version("engine0", 7)               # wt_replica_version{replica}; -1 = torn/none
+    m.integrity_mismatches("engine0", 1, check="tick")  # wt_integrity_mismatches{replica, check}
     m.snapshot()                                  # what this process recorded, for tests
 
 Backends: ``prometheus`` (:mod:`weight_transfer.metrics_prometheus`, the
@@ -38,6 +39,7 @@ WATERMARK_BYTES = "wt_watermark_bytes"
 NIC_BYTES = "wt_nic_bytes"
 NIC_GBPS = "wt_nic_throughput_gbps"
 REPLICA_VERSION = "wt_replica_version"
+INTEGRITY_MISMATCHES = "wt_integrity_mismatches"
 
 METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (UPDATE_SECONDS, "histogram", "Wall time of one weight update (pause, transfer, resume)", ()),
@@ -48,6 +50,9 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (NIC_GBPS, "gauge", "GB/s of a trainer NIC over its rank's last transfer", ("nic", "rank")),
     (REPLICA_VERSION, "gauge", "Weights version a replica holds completely (-1: none, torn)",
      ("replica",)),
+    (INTEGRITY_MISMATCHES, "counter",
+     "Ranges of served memory that differ from the held version's checksums, by check",
+     ("replica", "check")),
 )
 # Update seconds: 10 ms to 10 minutes.
 SECONDS_BUCKETS: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 600.0)
@@ -150,6 +155,10 @@ class TransferMetrics:
 
     def replica_version(self, replica: str, version: int | None) -> None:
         self._record(REPLICA_VERSION, -1 if version is None else version, replica=replica)
+
+    def integrity_mismatches(self, replica: str, count: int, *, check: str) -> None:
+        """``count`` ranges of ``replica``'s served memory differ (``check``: full, tick)."""
+        self._record(INTEGRITY_MISMATCHES, count, replica=replica, check=check)
 
     def snapshot(self) -> dict[str, dict[tuple[tuple[str, str], ...], Any]]:
         """``{metric: {((label, value), ...): value}}`` recorded in this process (histograms:

@@ -8,7 +8,7 @@ integrity policy selects it, the checksum of its source bytes
 (:mod:`weight_transfer.integrity`; a piece sent to several replicas is hashed
 once per run)::
 
-    run = RunLog(version=7, writer=RetryingWriter(nic, policy))
+    run = RunLog(version=7, turn=2, writer=RetryingWriter(nic, policy))  # turn: runs before
     await run.writer.write(src, task.region, task.region_offset)
     run.landed(task, src, integrity_policy)
     run.sums.ranges(), run.dest_bytes, run.hash_seconds, run.writer.retries
@@ -32,6 +32,7 @@ class RunLog:
 
     version: int
     writer: RetryingWriter
+    turn: int = 0  # runs this sender made before, since its plan: the sample mode's rotation
     sums: ChecksumLog = field(default_factory=ChecksumLog)
     dest_bytes: dict[str, int] = field(default_factory=dict)
     hash_seconds: float = 0.0
@@ -40,7 +41,7 @@ class RunLog:
     def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
         dest = str(EngineRankId(replica=task.dst_replica, rank=task.dst_rank))
         self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
-        if policy.selects(task.task_id, self.version):
+        if policy.selects(task.task_id, self.turn):
             value = self.piece_sums.get(task.piece)
             if value is None:  # a piece sent to several replicas is the same bytes: hashed once
                 start = time.perf_counter()

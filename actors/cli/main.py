@@ -239,6 +239,24 @@ def bench_integrity(
     raise typer.Exit(run(config, model, modes, fraction, updates, rounds, json_path))
 
 
+@bench_app.command("served")
+def bench_served(
+    model: Path = typer.Option(Path("configs/models/tiny_llama.yaml"), help="Model YAML."),
+    cluster: Path = typer.Option(Path("configs/clusters/local_cpu.yaml"), help="Cluster YAML."),
+    checks: int = typer.Option(5, min=1, help="Full checks to time."),
+    updates: int = typer.Option(4, min=1, help="Updates per setting (reference on, off)."),
+    window_s: float = typer.Option(20.0, help="Seconds of each CPU window (idle, ticking)."),
+    interval: float = typer.Option(10.0, help="Background tick interval the share is for."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """The cost of checking served memory: a full check, the sample-mode reference, a
+    background tick's CPU share."""
+    from actors.bench.served import run
+
+    raise typer.Exit(run(model, cluster, checks=checks, updates=updates, window_s=window_s,
+                         interval=interval, json_out=json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),

@@ -149,21 +149,18 @@ def registered():
     unregister_engine(ENGINE)
 
 
-def test_an_engine_registered_here_runs_an_update_through_the_unchanged_controller(registered):
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                        CONFIGS / "clusters" / "local_cpu.yaml",
-                                        update_timeout_s=120, barrier_timeout_s=60,
-                                        integrity="full")
-        with launch_trainers(cfg) as trainers, engine_spec(ENGINE).launcher()(cfg) as replicas:
-            ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-            ctl.setup()
-            report = ctl.update(1)
-            assert report.bytes > 0
-            assert ctl.weights_version() == {"engine0": 1, "engine1": 1}
-            assert engine_mismatches(cfg.model, trainers, replicas) == []
-            assert ray.get([a.wt_paused.remote() for r in replicas for a in r]) == [False] * 4
-            ctl.shutdown()
-    finally:
-        ray.shutdown()
+def test_an_engine_registered_here_runs_an_update_through_the_unchanged_controller(
+        registered, ray_job):  # on the shared cluster
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                    CONFIGS / "clusters" / "local_cpu.yaml",
+                                    update_timeout_s=120, barrier_timeout_s=60,
+                                    integrity="full")
+    with launch_trainers(cfg) as trainers, engine_spec(ENGINE).launcher()(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        ctl.setup()
+        report = ctl.update(1)
+        assert report.bytes > 0
+        assert ctl.weights_version() == {"engine0": 1, "engine1": 1}
+        assert engine_mismatches(cfg.model, trainers, replicas) == []
+        assert ray.get([a.wt_paused.remote() for r in replicas for a in r]) == [False] * 4
+        ctl.shutdown()

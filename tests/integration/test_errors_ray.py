@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import ray
 
-from actors.demo.fleet import LOCAL_NODE_IP
 from weight_transfer.errors import BarrierTimeoutError, FaultKind, UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -26,11 +25,8 @@ class Raiser:
 
 
 @pytest.fixture(scope="module")
-def raiser():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             _node_ip_address=LOCAL_NODE_IP)
-    yield Raiser.remote()
-    ray.shutdown()
+def raiser(ray_job):  # on the shared cluster
+    return Raiser.remote()
 
 
 def test_an_update_error_raised_in_an_actor_keeps_its_class_and_fields(raiser):

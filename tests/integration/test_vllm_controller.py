@@ -30,7 +30,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, ray_job):  # on the shared cluster
     from actors import TransferConfig, WeightTransferController, launch_trainers
     from actors.vllm_engine import launch_vllm_engines
 
@@ -40,13 +40,14 @@ def env(tmp_path_factory):
                                     update_timeout_s=120, barrier_timeout_s=60)
     cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
     _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     trainers = launch_trainers(cfg)
     replicas = launch_vllm_engines(  # the oracle runs in the workers as a callable
         cfg, str(start), env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     yield cfg, trainers, replicas, replicas.owners, ctl, root
-    ray.shutdown()
+    ctl.shutdown()
+    replicas.close()
+    trainers.close()
 
 
 def _trainer_checkpoint(cfg, trainers, root, version):

@@ -122,7 +122,7 @@ def test_reported_checksums_match_the_engine_memory_they_landed_in(mode):
         merged = merge_ranges([x for rep in reports for x in rep.checksums])
         hashed = sorted(int(t) for rows in merged.values() for t in rows[:, TASK])
         assert all(rep.hash_seconds > 0 for rep in reports if rep.checksums)
-        assert hashed == sorted(t for t in tasks if policy.selects(t, 3))
+        assert hashed == sorted(t for t in tasks if policy.selects(t, 0))  # first run: turn 0
         for (replica, rank), rows in merged.items():
             buf = s.buffers[(replica, rank)]
             base = {e.tensors[0].region.addr for e in s.engines
@@ -139,6 +139,31 @@ def test_reported_checksums_match_the_engine_memory_they_landed_in(mode):
                 dest[k] = dest.get(k, 0) + n
         assert sum(dest.values()) == s.plan.bytes_total
         assert set(dest) == {f"{e.replica}/tp{e.rank}" for e in s.engines}
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_sample_rotation_covers_every_range_in_n_updates_whatever_the_versions(fraction):
+    """Versions 0, N, 2N, ...: keyed by version, every update would hash the same tasks
+    (t + kN = t mod N); keyed by the sender's run count, N updates hash every task."""
+    s = Setup("tiny_llama", fp8=False)
+    policy = IntegrityPolicy(mode="sample", fraction=fraction)
+    n = policy.period
+    try:
+        transfers = [s.transfer(r.rank, watermark_bytes=8 << 20, integrity=policy)
+                     for r in s.trainer_meta.ranks]
+        tasks = sorted(t.task_id for r in s.trainer_meta.ranks for t in s.plan.tasks_for(r.rank))
+        per_update = []
+        for k in range(n):
+            reports = [asyncio.run(t.run(version=k * n)) for t in transfers]
+            merged = merge_ranges([x for rep in reports for x in rep.checksums])
+            per_update.append({int(t) for rows in merged.values() for t in rows[:, TASK]})
+        assert sorted(set().union(*per_update)) == tasks  # every range within N updates
+        assert sum(map(len, per_update)) == len(tasks)  # each once
+        assert all(per_update)
+        by_version = {t for t in tasks if (t + 0) % n == 0}  # what version keying hashed
+        assert by_version != set(tasks)
     finally:
         s.close()
 
