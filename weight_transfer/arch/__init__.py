@@ -30,7 +30,14 @@ import importlib
 
 from weight_transfer.arch.base import Architecture
 
-__all__ = ["Architecture", "architecture_names", "get_architecture", "register_architecture"]
+__all__ = [
+    "Architecture",
+    "architecture_for_hf",
+    "architecture_names",
+    "get_architecture",
+    "register_architecture",
+    "register_hf_model_type",
+]
 
 _BUILTIN: dict[str, tuple[str, str]] = {
     "llama": ("weight_transfer.arch.llama", "LLAMA"),
@@ -41,6 +48,20 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "mixtral": ("weight_transfer.arch.mixtral", "MIXTRAL"),
 }
 _REGISTRY: dict[str, tuple[str, str]] = dict(_BUILTIN)
+
+# A Hugging Face config's ``model_type`` and its ``*ForCausalLM`` class -> the registered
+# architecture that has the same tensor names and shapes (one table for both keys).
+_HF_BUILTIN: tuple[tuple[str, str, str], ...] = (
+    ("llama", "LlamaForCausalLM", "llama"),
+    ("mistral", "MistralForCausalLM", "llama"),  # Llama's tensors; sliding window changes none
+    ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3"),
+    ("kimi_k2", "DeepseekV3ForCausalLM", "deepseek_v3"),  # Kimi-K2's config.json
+    ("mixtral", "MixtralForCausalLM", "mixtral"),
+)
+_HF_TABLE: list[tuple[str, str, str]] = list(_HF_BUILTIN)
 _LOADED: dict[str, Architecture] = {}
 
 
@@ -56,6 +77,28 @@ def register_architecture(name: str, module: str, attribute: str) -> None:
             f"{_REGISTRY[name][1]}"
         )
     _REGISTRY[name] = (module, attribute)
+
+
+def register_hf_model_type(model_type: str, hf_class: str, name: str) -> None:
+    """Let a Hugging Face config of ``model_type`` (or ``architectures: [hf_class]``) pick
+    the registered architecture ``name`` (registered before or after)."""
+    _HF_TABLE.append((model_type, hf_class, name))
+
+
+def architecture_for_hf(model_type: str | None, hf_classes: list[str] | tuple[str, ...] = ()
+                        ) -> str | None:
+    """The registered architecture of a Hugging Face ``model_type``, else of the first of
+    ``hf_classes`` (a config's ``architectures``) the table knows; None if neither is known."""
+    by_type = {t: n for t, _, n in _HF_TABLE}
+    by_class = {c: n for _, c, n in _HF_TABLE}
+    if model_type in by_type:
+        return by_type[model_type]
+    return next((by_class[c] for c in hf_classes if c in by_class), None)
+
+
+def hf_model_types() -> tuple[str, ...]:
+    """Every Hugging Face ``model_type`` the table maps, sorted."""
+    return tuple(sorted({t for t, _, _ in _HF_TABLE}))
 
 
 def architecture_names() -> tuple[str, ...]:
