@@ -211,3 +211,18 @@ def test_fp8_engines_hold_the_reference_quantization(env):
     got = ray.get([a.logits.remote(ids) for a in fp8_replicas[0]])[0]
     rel = (got - want).abs().max() / want.abs().max()
     assert rel < 0.1, f"FP8 logits differ by {rel:.3f} of the largest logit"
+
+
+def test_no_model_or_cluster_file_with_live_actors(env):
+    """TransferConfig() alone: the model from trainer 0's live model, the cluster from the
+    actors (4 trainer ranks, 2 replicas x TP2); the same exact bytes land."""
+    cfg, trainers, replicas, _ = env
+    ctl = WeightTransferController(trainers=trainers, engines=replicas,
+                                   config=TransferConfig(update_timeout_s=120))
+    assert ctl.config.model is None and ctl.config.cluster.trainer_world == 4
+    assert (ctl.config.cluster.inference.replicas, ctl.config.cluster.inference.tensor_parallel,
+            ctl.config.cluster.source) == (2, 2, "")
+    summary = ctl.setup()
+    train(trainers, 11)
+    assert ctl.update(11).bytes == summary.bytes_total
+    assert mismatches(cfg, trainers, replicas) == []
