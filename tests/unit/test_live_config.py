@@ -113,5 +113,5 @@ def test_the_trainer_describes_its_live_model():
     assert live.architecture == "mixtral" and live.torch_dtype == "bfloat16"
     assert trainer_param_specs(live, expert_naming="stacked") == trainer_param_specs(
         yaml_cfg, expert_naming="stacked")
-    with pytest.raises(ValueError, match="no Hugging Face .config; give TransferConfig"):
+    with pytest.raises(ValueError, match=r"no Hugging Face \.config; give TransferConfig"):
         _Trainer(torch.nn.Linear(2, 2)).wt_model_config()
