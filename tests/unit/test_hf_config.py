@@ -132,3 +132,12 @@ def test_our_own_yaml_stays_strict(tmp_path):
     path.write_text((ROOT / "configs/models/tiny_llama.yaml").read_text() + "hidden_sise: 5\n")
     with pytest.raises(ValueError, match="hidden_sise"):
         load_model_config(path)
+
+
+def test_wt_config_check_knows_a_config_json(tmp_path):
+    from actors.cli.config_cmd import check
+
+    hf_config("mixtral").save_pretrained(tmp_path)
+    kind, cfg, facts = check(tmp_path / "config.json")
+    assert (kind, cfg.architecture) == ("model", "mixtral")
+    assert ("trainer parameters", str(len(trainer_param_specs(cfg)))) in facts
