@@ -141,3 +141,15 @@ def test_wt_config_check_knows_a_config_json(tmp_path):
     kind, cfg, facts = check(tmp_path / "config.json")
     assert (kind, cfg.architecture) == ("model", "mixtral")
     assert ("trainer parameters", str(len(trainer_param_specs(cfg)))) in facts
+
+
+def test_the_model_type_table_of_the_registry(monkeypatch):
+    import weight_transfer.arch as registry
+
+    assert registry.architecture_for_hf("kimi_k2") == "deepseek_v3"
+    assert registry.architecture_for_hf(None, ["MistralForCausalLM"]) == "llama"
+    assert registry.architecture_for_hf("gpt2", ["GPT2LMHeadModel"]) is None
+    monkeypatch.setattr(registry, "_HF_TABLE", list(registry._HF_TABLE))
+    registry.register_hf_model_type("my_llama", "MyLlamaForCausalLM", "llama")
+    data = {**transformers.LlamaConfig(**SMALL).to_dict(), "model_type": "my_llama"}
+    assert model_config_from_hf(data).architecture == "llama"

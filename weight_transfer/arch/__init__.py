@@ -4,7 +4,10 @@ Each module (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``,
 ``mixtral``) holds everything the project knows about its architecture as one
 :class:`~weight_transfer.arch.base.Architecture` object: trainer parameters,
 engine rule table, MoE layers, required config fields, the transformers config.
-The registry maps a name to ``(module, attribute)`` and imports the module on
+A second table maps a Hugging Face ``model_type`` (and its ``*ForCausalLM``
+class) to a registered name, so a ``config.json`` picks its architecture
+(``architecture_for_hf("kimi_k2") == "deepseek_v3"``; ``register_hf_model_type``
+adds a row). The registry maps a name to ``(module, attribute)`` and imports the module on
 first use (as vLLM's ``WeightTransferEngineFactory.register_engine`` does)::
 
     arch = get_architecture("mixtral")     # ValueError listing the known names
@@ -16,7 +19,9 @@ To add an architecture:
    (override only what differs from a Llama-style layer; shared tables and
    parameter lists are in :mod:`weight_transfer.arch.common`) and one instance;
 2. register it: a line in ``_BUILTIN`` below, or ``register_architecture(name,
-   module, attribute)`` from outside the package;
+   module, attribute)`` from outside the package, and its Hugging Face
+   ``model_type`` in ``_HF_BUILTIN`` (or ``register_hf_model_type``) so its
+   ``config.json`` is read as it is;
 3. add a tiny ``configs/models/tiny_<name>.yaml`` and tests: names and shapes
    against the transformers model, plans equal to ``weight_transfer.engines.reference.loader``, and
    generations equal to the transformers model (see tests/unit/test_mixtral.py).
@@ -35,6 +40,7 @@ __all__ = [
     "architecture_for_hf",
     "architecture_names",
     "get_architecture",
+    "hf_model_types",
     "register_architecture",
     "register_hf_model_type",
 ]
