@@ -12,7 +12,12 @@ so YAML and Python set the same names with the same defaults::
 
 :class:`TransferSettings` is the knobs alone (what a run file's ``transfer:``
 sets); :class:`TransferConfig` adds the loaded ``model`` and ``cluster`` and
-``fp8`` (``None`` takes the cluster's ``inference.fp8``). Both are frozen,
+``fp8`` (``None`` takes the cluster's ``inference.fp8``). With live actors both
+may stay None: the model comes from the trainers' live model at ``setup()``
+and a simulated cluster from the actors (:mod:`actors.live_config`)::
+
+    ctl = WeightTransferController(trainers=trainers, engines=replicas,
+                                   config=TransferConfig()) Both are frozen,
 picklable and refuse unknown fields; a bad value is a ``ValueError`` naming
 the field (``TransferConfig.watermark_bytes: ...``), and in a run file the file
 and ``transfer``. Timeouts bound each phase the controller waits for; a phase
@@ -200,10 +205,14 @@ class TransferSettings(_Frozen):
 
 
 class TransferConfig(TransferSettings):
-    """The settings with the model and cluster they apply to; see the module docstring."""
+    """The settings with the model and cluster they apply to; see the module docstring.
 
-    model: ModelConfig
-    cluster: ClusterConfig
+    ``model`` None: trainer rank 0's live model describes it at ``setup()``; ``cluster``
+    None: the controller derives a simulated one from the actors it is given
+    (:mod:`actors.live_config`). The launch helpers need both."""
+
+    model: ModelConfig | None = None
+    cluster: ClusterConfig | None = None
     fp8: bool | None = None
 
     @classmethod
@@ -220,7 +229,21 @@ class TransferConfig(TransferSettings):
 
     @property
     def engine_fp8(self) -> bool:
-        return self.cluster.inference.fp8 if self.fp8 is None else self.fp8
+        if self.fp8 is not None or self.cluster is None:
+            return bool(self.fp8)
+        return self.cluster.inference.fp8
+
+    def require(self, what: str, fields: tuple[str, ...] = ("model", "cluster")
+                ) -> TransferConfig:
+        """This config, or ValueError if ``what`` (a launch helper) lacks the ``fields``
+        (model, cluster) that describe the actors it starts."""
+        missing = [f for f in fields if getattr(self, f) is None]
+        if missing:
+            raise ValueError(
+                f"{what} starts the actors TransferConfig.{' and '.join(missing)} "
+                f"describe{'s' if len(missing) == 1 else ''}, and it is None: give it (a "
+                "cluster in code: scheduling.cluster_defaults.simulated_cluster(...))")
+        return self
 
     def with_replicas(self, replicas: int) -> TransferConfig:
         """The same config with the cluster's inference side grown to ``replicas``."""

@@ -92,6 +92,7 @@ from actors.controller_setup import run_setup
 from actors.controller_state import ControllerState
 from actors.controller_update import UpdateOutcome, UpdateSteps, check_version
 from actors.ledger import ControlLedger
+from actors.live_config import with_cluster
 from actors.messages import PlanSummary
 from actors.metrics_ray import actor_metrics
 from actors.reports import UpdateReport
@@ -115,6 +116,7 @@ class WeightTransferController:
             raise ValueError("WeightTransferController needs at least one trainer actor")
         if not engines:
             raise ValueError("WeightTransferController needs at least one engine actor")
+        config = with_cluster(config, trainers, engines)  # derived, or checked: both sides
         self.config = config
         self.pause_during_update = config.pause_during_update  # may change between updates
         self.auto_resync = True  # re-fill torn replicas from a peer right after a failure

@@ -7,7 +7,9 @@
 
 :func:`run_setup` gathers every trainer's and engine's metadata and host (the
 engines register their weight buffers with NICs of ``config.transport``),
-refuses a transport that cannot reach a peer (naming the actors and hosts),
+refuses a transport that cannot reach a peer (naming the actors and hosts) and a
+cluster that disagrees with the actors (trainer ranks, TP ranks of each replica),
+reads the model from trainer 0's live model when ``config.model`` is None,
 makes a new barrier store and barrier key (random name, secret; carried by Ray
 only), then :func:`replan`: the schedule actor plans over
 every replica, and every (trainer NIC, engine NIC) pair the plan writes through
@@ -30,9 +32,11 @@ from actors.controller_calls import ControlCalls
 from actors.controller_state import ControllerState
 from actors.engine_control import dead_replicas, describe_faults, fan_out
 from actors.groups import host_store, node_ip
+from actors.live_config import check_actors
 from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
 from actors.schedule_actor import ScheduleActor
+from scheduling.cluster_defaults import check_cluster
 from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.rank import EngineRank
 from weight_transfer.transport.handshake import Connection
@@ -45,6 +49,7 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
               engine_handles: Sequence[Any]) -> PlanSummary:
     """Gather metadata, plan, send every trainer its part, connect NICs (module docstring)."""
     again = state.summary is not None
+    check_actors(config.cluster, trainers=state.trainers)  # setup(trainers=new) too
     metas = calls.gather([calls.call(t.wt_param_metas) for t in state.trainers],
                          [f"trainer {i}" for i in range(len(state.trainers))],
                          phase="gather trainer metadata")
@@ -59,6 +64,7 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
         refresh_engines(state, calls, config)
     else:
         first_engines(state, engine_handles)
+    check_cluster(config.cluster, replica_ranks={n: len(a) for n, a in state.replicas.items()})
     state.connector.check_engines([m.rank for m in state.trainer_metas], state.engine_list())
     state.rank_infos = trainer_rank_infos(config.cluster, [m.node for m in state.trainer_metas])
     # The trainers' barrier store, on the address other nodes reach this one by; a new
@@ -68,9 +74,18 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
     state.store = host_store(host=state.store_host, timeout_s=config.setup_timeout_s)
     state.barrier_key = BarrierKey.new()
     if state.scheduler is None:
-        state.scheduler = ScheduleActor.remote(config.model, config.cluster,
-                                               fp8=config.engine_fp8)
+        model = config.model or live_model_config(state, calls)
+        state.scheduler = ScheduleActor.remote(model, config.cluster, fp8=config.engine_fp8)
     return replan(state, calls, config)
+
+
+def live_model_config(state: ControllerState, calls: ControlCalls) -> Any:
+    """The ModelConfig trainer rank 0's live model gives (``TransferConfig.model`` None)."""
+    model = calls.gather([calls.call(state.trainers[0].wt_model_config)], ["trainer 0"],
+                         phase="read the live model's config")[0]
+    log.info("model from trainer 0's live model: %s (%s, %d layers)", model.name or "-",
+             model.architecture, model.num_hidden_layers)
+    return model
 
 
 def first_engines(state: ControllerState, engine_handles: Sequence[Any]) -> None:

@@ -32,6 +32,7 @@ import ray
 from actors.config import DemoActorConfig, TransferConfig
 from actors.handles import Launched
 from actors.inference import InferenceActor
+from actors.live_config import check_actors
 from actors.placement import (
     ENGINE_NODE_RESOURCE,
     bundle_options,
@@ -58,7 +59,7 @@ def launch_trainers(config: TransferConfig, *, demo: DemoActorConfig = DemoActor
     """One trainer actor per rank, packed per node; gloo group and FSDP2 model ready
     (``demo``: the ready-made actors' seed, learning rate and CPUs). The handle owns the
     actors and placement groups (closed too when the start fails)."""
-    t = config.cluster.trainer
+    t = config.require("launch_trainers").cluster.trainer
     groups = node_placement_groups(t.nodes, t.gpus_per_node, cpus=demo.actor_cpus,
                                    timeout_s=config.setup_timeout_s)
     handle = Launched([], groups=groups, what="trainers")
@@ -81,10 +82,14 @@ def launch_engines(
     replicas: Sequence[int] | None = None,
     demo: DemoActorConfig = DemoActorConfig(),
     actor_cls: Any = InferenceActor,
+    trainers: Sequence[Any] | None = None,
 ) -> Launched:
     """Engine actors of ``replicas`` (default: every replica of the cluster config): a handle
     that is the list of replicas (each its TP ranks' actors) and owns them and their
-    placement groups (one per replica; all closed when one replica fails to start)."""
+    placement groups (one per replica; all closed when one replica fails to start).
+    ``trainers``: the trainer actors, if started: their count is checked against the
+    cluster before any engine starts."""
+    check_actors(config.require("launch_engines").cluster, trainers=trainers)
     inf = config.cluster.inference
     replicas = list(range(inf.replicas)) if replicas is None else list(replicas)
     out = Launched([], what="engines")

@@ -60,6 +60,7 @@ from scheduling.serialize import loads_trainer_plan
 from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.executor import RankTransfer, check_trainer_plan
 from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
+from weight_transfer.models import ModelConfig, model_config_from_hf
 from weight_transfer.naming import canonical_trainer_name
 from weight_transfer.trace import rank_trace_of
 from weight_transfer.transport.handshake import (
@@ -120,6 +121,17 @@ class TrainerMixin:
             params=tuple(param_metas_from_module(model)),
             host=self.wt_host(),
         )
+
+    def wt_model_config(self) -> ModelConfig:
+        """The ModelConfig of this rank's live model (its Hugging Face ``.config`` and
+        parameter dtype): what the controller plans with when ``TransferConfig.model`` is
+        None. ValueError if the model has no Hugging Face config."""
+        model = self._wt_require_model()
+        if getattr(model, "config", None) is None:
+            raise ValueError(
+                f"trainer rank {self._wt_rank}: the attached {type(model).__name__} has no "
+                "Hugging Face .config; give TransferConfig(model=...) (a model file)")
+        return model_config_from_hf(model, source=f"trainer rank {self._wt_rank}")
 
     def wt_host(self) -> HostId:
         """The host this rank runs on (hostname and address; a simnic reaches only its own)."""

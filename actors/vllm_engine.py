@@ -35,6 +35,7 @@ import ray
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.handles import Launched
+from actors.live_config import check_actors
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -220,10 +221,14 @@ VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
                         replicas: list[int] | None = None, env: dict[str, str] | None = None,
-                        rank_cls: Any = None) -> Launched:
+                        rank_cls: Any = None, trainers: Any = None) -> Launched:
     """One vLLM engine per replica of the cluster: a handle that is the list of replicas
     (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
-    first by ``close()``; all closed when an engine fails to start)."""
+    first by ``close()``; all closed when an engine fails to start). ``trainers``: the
+    trainer actors, if started: their count is checked against the cluster before any vLLM
+    starts (ClusterMismatchError naming both)."""
+    check_actors(config.require("launch_vllm_engines", ("cluster",)).cluster,
+                 trainers=trainers)
     reps = list(range(config.cluster.inference.replicas)) if replicas is None else replicas
     # env reaches the owner's process before it imports vLLM (its logging reads it then)
     opts = {"num_cpus": 0, **({"runtime_env": {"env_vars": dict(env)}} if env else {})}

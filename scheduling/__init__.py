@@ -10,7 +10,8 @@ plan takes on a cluster::
     plan.validate()
     result = simulate(plan, cluster)   # seconds, per-NIC busy time, lower bound
 
-Modules: cluster (YAML configs), config_metadata (metas from a model config),
+Modules: cluster (YAML configs), cluster_defaults (``simulated_cluster``: no file for a
+CPU run; ``check_cluster`` against the actors), config_metadata (metas from a model config),
 compute (``compute_plan``: match, then build), match (engine tensors -> pieces),
 assign (pure balancing steps), build (tasks and their order), plan (the Plan's
 data types), validate, tables (numpy columns for build and validate), serialize
@@ -18,6 +19,7 @@ data types), validate, tables (numpy columns for build and validate), serialize
 """
 
 from scheduling.cluster import ClusterConfig, load_cluster_config
+from scheduling.cluster_defaults import simulated_cluster
 from scheduling.compute import compute_plan
 from scheduling.plan import Plan, TrainerGroup, TrainerPlan
 from scheduling.simulate import SimResult, simulate
@@ -31,4 +33,5 @@ __all__ = [
     "compute_plan",
     "load_cluster_config",
     "simulate",
+    "simulated_cluster",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from weight_transfer.config_files import load_yaml, validate_mapping
 from weight_transfer.types import MeshDesc, NicId, Placement, RankInfo, ShardSpec
@@ -177,6 +177,12 @@ class ClusterConfig(_Strict):
     trainer: TrainerCluster
     inference: InferenceCluster
     sim: SimConfig = SimConfig()
+    _source: str = PrivateAttr(default="")
+
+    @property
+    def source(self) -> str:
+        """The file this description was read from ("" when built in code): errors name it."""
+        return self._source
 
     # ------------------------------------------------------------------ trainer side
 
@@ -316,9 +322,13 @@ class ClusterConfig(_Strict):
 
 def cluster_from_dict(data: object, *, source: str = "<dict>") -> ClusterConfig:
     """Validate a parsed mapping; errors name ``source`` and the field."""
-    return validate_mapping(ClusterConfig, data, kind="cluster", source=source)
+    cluster = validate_mapping(ClusterConfig, data, kind="cluster", source=source)
+    cluster._source = "" if source == "<dict>" else source
+    return cluster
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:
-    """Read and validate a cluster YAML file."""
-    return load_yaml(ClusterConfig, path, kind="cluster")
+    """Read and validate a cluster YAML file (``cluster.source`` names it)."""
+    cluster = load_yaml(ClusterConfig, path, kind="cluster")
+    cluster._source = str(path)
+    return cluster

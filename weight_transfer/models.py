@@ -7,6 +7,16 @@ decide tensor names and shapes, plus ``architecture``: a name registered in
 :func:`load_model_config`, which turns any problem into a ``ValueError`` naming
 the file and the field.
 
+A Hugging Face ``config.json`` is accepted as it is (a ``.json`` or YAML file, a
+``save_pretrained`` folder, a mapping, a ``PretrainedConfig``): unknown keys are
+kept in ``hf_extra`` and ignored, keys that change tensors are honoured or
+refused by name (:mod:`weight_transfer.hf_config`). The trainer's own model
+describes itself::
+
+    cfg = model_config_from_hf(model)          # the live nn.Module (its .config and dtype)
+    cfg = model_config_from_hf(LlamaConfig(...))
+    cfg = load_model_config("ckpt/config.json")
+
 :func:`trainer_param_specs` lists every trainer parameter with its Hugging Face
 checkpoint name and global shape without allocating any tensor (Kimi-K2, 1T
 parameters: well under a second). Two namings of MoE experts are accepted:
@@ -45,7 +55,8 @@ from pydantic import (
 
 from weight_transfer.arch import Architecture, get_architecture
 from weight_transfer.arch.common import TrainerParamSpec
-from weight_transfer.config_files import load_yaml
+from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.hf_config import fields_from_hf, is_hf_config
 from weight_transfer.types import DTYPE_SIZES
 
 ExpertNaming = Literal["per_expert", "stacked"]
@@ -56,9 +67,11 @@ class ModelConfig(BaseModel):
     """An architecture and the ``config.json`` fields that fix names and shapes.
 
     Fields that do not change any tensor (rope, eps, routing constants) are
-    accepted so a ``config.json`` can be copied as it is; unknown fields are an
-    error. ``ignore_params`` lists fnmatch patterns of trainer or engine tensor
-    names that the mapping may leave without a destination or a source.
+    accepted; in our own YAML unknown fields are an error, while a Hugging Face
+    mapping (with ``model_type``) is read by :func:`weight_transfer.hf_config.fields_from_hf`
+    (its other keys land in ``hf_extra``). ``ignore_params`` lists fnmatch
+    patterns of trainer or engine tensor names that the mapping may leave
+    without a destination or a source.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -107,8 +120,16 @@ class ModelConfig(BaseModel):
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int | None = None
     ignore_params: tuple[str, ...] = ()
+    hf_extra: dict[str, Any] = {}  # a config.json's keys that change no tensor, not read
 
     _cache: dict[Any, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf(cls, data: Any) -> Any:
+        if is_hf_config(data):
+            return fields_from_hf(data, known=cls.model_fields)
+        return data
 
     @field_validator("architecture")
     @classmethod
@@ -210,8 +231,44 @@ class ModelConfig(BaseModel):
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read a ``configs/models/*.yaml``; ValueError names the file and the field."""
-    return load_yaml(ModelConfig, path, kind="model")
+    """Read a ``configs/models/*.yaml``, a Hugging Face ``config.json`` or a folder holding
+    one (``save_pretrained``); ValueError names the file and the field (or the refused key)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    return model_config_from_mapping(read_yaml(path, kind="model"), source=str(path))
+
+
+def model_config_from_mapping(data: Any, *, source: str = "<dict>") -> ModelConfig:
+    """A model config from a parsed mapping, ours or a Hugging Face one (errors name
+    ``source``)."""
+    if is_hf_config(data):
+        data = fields_from_hf(data, known=ModelConfig.model_fields, source=source)
+    return validate_mapping(ModelConfig, data, kind="model", source=source)
+
+
+def model_config_from_hf(model_or_config: Any, *, source: str | None = None,
+                         **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a live model or a Hugging Face config.
+
+    ``model_or_config``: a ``torch.nn.Module`` with a ``.config`` (its parameters' dtype
+    wins over the config's), a ``PretrainedConfig``, a mapping, or a path
+    (:func:`load_model_config`). ``overrides`` set fields (``name``, ``ignore_params``).
+    """
+    obj, extra = model_or_config, {}
+    if isinstance(obj, str | Path):
+        path = Path(obj) / "config.json" if Path(obj).is_dir() else Path(obj)
+        obj, source = read_yaml(path, kind="model"), source or str(path)
+    if hasattr(obj, "named_parameters") and hasattr(obj, "config"):
+        dtypes = [p.dtype for _, p in obj.named_parameters() if p.is_floating_point()]
+        if dtypes:
+            extra["torch_dtype"] = str(dtypes[0]).removeprefix("torch.")
+        obj = obj.config
+    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
+    where = source or f"<{type(model_or_config).__name__}>"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: not a model, a Hugging Face config or a mapping")
+    return model_config_from_mapping({**data, **extra, **overrides}, source=where)
 
 
 # --------------------------------------------------------------------------- trainer params

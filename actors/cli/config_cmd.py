@@ -1,7 +1,8 @@
 """``wt config check FILE [--kind model|cluster|run]``: validate a config file, show the result.
 
 The kind is taken from ``--kind`` or from the content (a model config names an
-``architecture``; a cluster config has ``trainer`` and ``inference``; a run
+``architecture``, or is a Hugging Face ``config.json`` with ``model_type``; a
+cluster config has ``trainer`` and ``inference``; a run
 config names a ``model`` file). The file goes through the same loader the
 library uses (:mod:`weight_transfer.config_files`), so every error names the
 file, the field and what was expected; the command exits 2 on an invalid file
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from actors.cli.progress import command_console
 from weight_transfer.config_files import read_yaml
+from weight_transfer.hf_config import is_hf_config
 
 KINDS = ("model", "cluster", "run")
 
@@ -30,7 +32,7 @@ KINDS = ("model", "cluster", "run")
 def detect_kind(data: Any, path: Path) -> str:
     """The kind of a parsed config file, from its keys; ValueError naming the file if unclear."""
     if isinstance(data, dict):
-        if "architecture" in data:
+        if "architecture" in data or is_hf_config(data):  # ours, or a config.json as it is
             return "model"
         if "trainer" in data or "inference" in data:
             return "cluster"

@@ -10,6 +10,7 @@ from a peer without the trainers, a revoked engine region, and FP8 engines.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,22 @@ def test_fp8_engines_hold_the_reference_quantization(env):
     got = ray.get([a.logits.remote(ids) for a in fp8_replicas[0]])[0]
     rel = (got - want).abs().max() / want.abs().max()
     assert rel < 0.1, f"FP8 logits differ by {rel:.3f} of the largest logit"
+
+
+def test_no_model_or_cluster_file_with_live_actors(env):
+    """docs/embedding.md's TransferConfig() alone: the model from trainer 0's live model,
+    the cluster from the actors (4 trainer ranks, 2 replicas x TP2); exact bytes land."""
+    cfg, trainers, replicas, _ = env
+    text = (Path(__file__).resolve().parents[2] / "docs" / "embedding.md").read_text()
+    snippet = re.search(r"```python\n(from actors import TransferConfig, "
+                        r"WeightTransferController\n\ncfg = TransferConfig\(.*?)```",
+                        text, flags=re.S).group(1)
+    train(trainers, 11)
+    ns = {"trainers": trainers, "replicas": replicas, "step": 11}
+    exec(snippet, ns)
+    ctl = ns["ctl"]
+    assert ctl.config.model is None and ctl.config.cluster.trainer_world == 4
+    assert (ctl.config.cluster.inference.replicas, ctl.config.cluster.inference.tensor_parallel,
+            ctl.config.cluster.source) == (2, 2, "")
+    assert ns["report"].bytes == ctl.summary.bytes_total > 0
+    assert mismatches(cfg, trainers, replicas) == []

@@ -69,7 +69,7 @@ def local_ray(ray_job):  # a Ray job of its own on the shared cluster
 
 def test_simnic_to_an_engine_on_another_host_fails_at_setup_naming_them(local_ray):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml", setup_timeout_s=60)
+                                    CONFIGS / "clusters" / "vllm_cpu.yaml", setup_timeout_s=60)
     far = HostId(hostname="far-away", address="10.99.0.7")
     trainers = [SmallTrainer.remote(r, 2) for r in range(2)]
     engines = [SmallEngine.remote("engine0", 0), SmallEngine.remote("engine0", 1, far)]

@@ -4,7 +4,10 @@ Each module (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``,
 ``mixtral``) holds everything the project knows about its architecture as one
 :class:`~weight_transfer.arch.base.Architecture` object: trainer parameters,
 engine rule table, MoE layers, required config fields, the transformers config.
-The registry maps a name to ``(module, attribute)`` and imports the module on
+A second table maps a Hugging Face ``model_type`` (and its ``*ForCausalLM``
+class) to a registered name, so a ``config.json`` picks its architecture
+(``architecture_for_hf("kimi_k2") == "deepseek_v3"``; ``register_hf_model_type``
+adds a row). The registry maps a name to ``(module, attribute)`` and imports the module on
 first use (as vLLM's ``WeightTransferEngineFactory.register_engine`` does)::
 
     arch = get_architecture("mixtral")     # ValueError listing the known names
@@ -16,7 +19,9 @@ To add an architecture:
    (override only what differs from a Llama-style layer; shared tables and
    parameter lists are in :mod:`weight_transfer.arch.common`) and one instance;
 2. register it: a line in ``_BUILTIN`` below, or ``register_architecture(name,
-   module, attribute)`` from outside the package;
+   module, attribute)`` from outside the package, and its Hugging Face
+   ``model_type`` in ``_HF_BUILTIN`` (or ``register_hf_model_type``) so its
+   ``config.json`` is read as it is;
 3. add a tiny ``configs/models/tiny_<name>.yaml`` and tests: names and shapes
    against the transformers model, plans equal to ``weight_transfer.engines.reference.loader``, and
    generations equal to the transformers model (see tests/unit/test_mixtral.py).
@@ -30,7 +35,15 @@ import importlib
 
 from weight_transfer.arch.base import Architecture
 
-__all__ = ["Architecture", "architecture_names", "get_architecture", "register_architecture"]
+__all__ = [
+    "Architecture",
+    "architecture_for_hf",
+    "architecture_names",
+    "get_architecture",
+    "hf_model_types",
+    "register_architecture",
+    "register_hf_model_type",
+]
 
 _BUILTIN: dict[str, tuple[str, str]] = {
     "llama": ("weight_transfer.arch.llama", "LLAMA"),
@@ -41,6 +54,20 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "mixtral": ("weight_transfer.arch.mixtral", "MIXTRAL"),
 }
 _REGISTRY: dict[str, tuple[str, str]] = dict(_BUILTIN)
+
+# A Hugging Face config's ``model_type`` and its ``*ForCausalLM`` class -> the registered
+# architecture that has the same tensor names and shapes (one table for both keys).
+_HF_BUILTIN: tuple[tuple[str, str, str], ...] = (
+    ("llama", "LlamaForCausalLM", "llama"),
+    ("mistral", "MistralForCausalLM", "llama"),  # Llama's tensors; sliding window changes none
+    ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3"),
+    ("kimi_k2", "DeepseekV3ForCausalLM", "deepseek_v3"),  # Kimi-K2's config.json
+    ("mixtral", "MixtralForCausalLM", "mixtral"),
+)
+_HF_TABLE: list[tuple[str, str, str]] = list(_HF_BUILTIN)
 _LOADED: dict[str, Architecture] = {}
 
 
@@ -56,6 +83,28 @@ def register_architecture(name: str, module: str, attribute: str) -> None:
             f"{_REGISTRY[name][1]}"
         )
     _REGISTRY[name] = (module, attribute)
+
+
+def register_hf_model_type(model_type: str, hf_class: str, name: str) -> None:
+    """Let a Hugging Face config of ``model_type`` (or ``architectures: [hf_class]``) pick
+    the registered architecture ``name`` (registered before or after)."""
+    _HF_TABLE.append((model_type, hf_class, name))
+
+
+def architecture_for_hf(model_type: str | None, hf_classes: list[str] | tuple[str, ...] = ()
+                        ) -> str | None:
+    """The registered architecture of a Hugging Face ``model_type``, else of the first of
+    ``hf_classes`` (a config's ``architectures``) the table knows; None if neither is known."""
+    by_type = {t: n for t, _, n in _HF_TABLE}
+    by_class = {c: n for _, c, n in _HF_TABLE}
+    if model_type in by_type:
+        return by_type[model_type]
+    return next((by_class[c] for c in hf_classes if c in by_class), None)
+
+
+def hf_model_types() -> tuple[str, ...]:
+    """Every Hugging Face ``model_type`` the table maps, sorted."""
+    return tuple(sorted({t for t, _, _ in _HF_TABLE}))
 
 
 def architecture_names() -> tuple[str, ...]:

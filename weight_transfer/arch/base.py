@@ -51,6 +51,8 @@ class Architecture:
     expert_size_field: str = "moe_intermediate_size"  # intermediate size of one expert
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
     moe_keys: MoeKeys = MoeKeys()
+    # a Hugging Face config.json key -> the ModelConfig field it is (when they differ)
+    hf_key_aliases: tuple[tuple[str, str], ...] = ()
 
     def __repr__(self) -> str:
         return f"<architecture {self.name}>"

@@ -28,6 +28,8 @@ class Qwen3Moe(Qwen3):
     hf_config_class = "Qwen3MoeConfig"
     required_fields = ("num_experts", "moe_intermediate_size")
     experts_field = "num_experts"
+    # transformers 5's Qwen3MoeConfig says num_local_experts; the Hub's config.json num_experts
+    hf_key_aliases = (("num_local_experts", "num_experts"),)
 
     def is_moe_layer(self, cfg: ModelShape, layer: int) -> bool:
         return layer not in cfg.mlp_only_layers and (layer + 1) % cfg.decoder_sparse_step == 0
