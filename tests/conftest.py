@@ -4,7 +4,9 @@ Tiers, chosen with markers (declared in pyproject.toml)::
 
     pytest -m "not slow"       # the fast unit tier alone: pure, no Ray, well under a minute
     pytest -m integration      # tests/integration/: local Ray, simulated NICs, spawned targets
-    pytest                     # everything (what scripts/test.sh and CI run)
+    pytest                     # everything, one process
+    pytest -n 2 --dist loadfile   # everything on two workers, a module per worker
+                               # (what scripts/test.sh and CI run)
 
 - ``slow``: starts Ray, spawns a process that imports the project (torch, Ray),
   or takes more than a few seconds. :func:`pytest_collection_modifyitems` puts
@@ -45,6 +47,16 @@ INTEGRATION_DIR = Path(__file__).parent / "integration"
 # Unit tests that take more than a few seconds of CPU on the 2-core machines, or
 # start a fresh interpreter that imports torch or Ray: node ids without their
 # parameters, or whole modules.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ray's token exists (mode 0600) before any test starts a cluster: with pytest-xdist
+    (``scripts/test.sh`` runs two workers) two workers starting their first local clusters
+    at once would otherwise both generate one. Done once, in the controlling process."""
+    if not hasattr(config, "workerinput"):
+        from actors.ray_token import private_token
+
+        private_token(new_cluster=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects on the markers added here
@@ -135,7 +147,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if "vllm" in sys.modules and _EXIT_STATUS:
+    # Not in a pytest-xdist worker: its results travel to the controller over a channel
+    # that os._exit could cut before the last message is out.
+    if "vllm" in sys.modules and _EXIT_STATUS and not hasattr(config, "workerinput"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])

@@ -15,9 +15,15 @@ several nodes (multinode, two hosts), a ``ray start`` cluster (job submit), Ray'
 metrics agent on a known port (observability), and a ``wt`` command run as a
 subprocess. :func:`pytest_collection_modifyitems` runs the modules on the shared
 cluster first and the cluster stops after the last of them
-(:func:`pytest_runtest_teardown`), before any of those others starts: no two Ray
-clusters run at once, and ``ray.init()``/``address="auto"`` of a later test cannot
-find the shared one.
+(:func:`pytest_runtest_teardown`), before any of those others starts.
+
+"Session-wide" is per pytest process: under pytest-xdist (``scripts/test.sh``: two
+workers, a whole module per worker) each worker starts its own shared cluster when
+its first such module runs, so two Ray clusters can run at once on the machine. No
+test joins a cluster it did not start: every ``ray.init`` names its address (the
+shared cluster's, one it started, or ``"local"`` for a new instance), never
+``"auto"`` or nothing, and Ray's token exists before the workers start
+(``tests/conftest.py``).
 """
 
 from __future__ import annotations

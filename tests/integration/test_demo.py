@@ -1,5 +1,6 @@
 """The main job end to end on a local Ray instance: tiny_llama, 4 FSDP2 trainer actors ->
-2 replicas x TP2 over simnic, bf16 and FP8 engines, and a forced mismatch through ``wt demo``.
+2 replicas x TP2 over simnic, bf16 and FP8 engines, and a forced mismatch through ``wt demo``
+(on the bf16 run's own fleet: one fleet start per engine kind).
 
 Each run's own checks compare every engine byte with the reference layout of
 the trainers' weights (and tokens or logits with the trainer model); these
@@ -62,21 +63,6 @@ def _check_common(doc, *, fp8, updates):
     assert all(u["checks"]["tensors_changed_since_previous"] > 0 for u in later)
 
 
-def test_bf16_updates_are_byte_exact_and_generate_the_trainers_tokens(tmp_path, local_ray):
-    trace = tmp_path / "trace.json"
-    rc, doc = _run(tmp_path, local_ray, trace_path=trace, updates=2, fp8=False)
-    assert rc == 0, doc
-    updates = read_chrome_trace(trace)["otherData"]["updates"]  # `wt demo --trace PATH`
-    assert [u["version"] for u in updates] == [1, 2] and len(updates[0]["ranks"]) == 4
-    assert doc["verified"] is True
-    _check_common(doc, fp8=False, updates=2)
-    for u in doc["updates"]:
-        assert u["verified"] is True and u["problems"] == []
-        assert u["checks"]["bytes"] is True and u["checks"]["generations"] is True
-        assert u["checks"]["tensors"] == 4 * 15  # 4 engine ranks, 15 tensors each
-        assert len(u["checks"]["generation_sample"]) == 8
-
-
 def test_fp8_updates_equal_the_reference_quantization_with_close_logits(tmp_path, local_ray):
     rc, doc = _run(tmp_path, local_ray, updates=2, fp8=True)
     assert rc == 0, doc
@@ -103,20 +89,29 @@ def test_moe_run_moves_the_stacked_experts_and_generates_the_trainers_tokens(tmp
     assert u["bytes"] == doc["plan"]["bytes"] > 0
 
 
-def test_one_flipped_engine_byte_fails_verification_and_the_exit_code(tmp_path, local_ray,
-                                                                      monkeypatch):
-    # `wt demo` itself (its typer command, in this process: it joins the module's Ray)
-    out = tmp_path / "bad.json"
+def test_bf16_updates_are_byte_exact_and_one_flipped_engine_byte_fails_the_exit_code(
+        tmp_path, local_ray, monkeypatch):
+    # `wt demo` itself (its typer command, in this process: it joins the module's Ray):
+    # three bf16 updates on one fleet, one engine byte flipped after the second
+    out, trace = tmp_path / "demo.json", tmp_path / "trace.json"
     monkeypatch.chdir(ROOT)  # the command's default --config is relative
-    proc = CliRunner().invoke(app, ["demo", "--updates", "2", "--corrupt-version", "1",
-                                    "--json", str(out)], env={"COLUMNS": "160"})
+    proc = CliRunner().invoke(app, ["demo", "--updates", "3", "--corrupt-version", "2",
+                                    "--json", str(out), "--trace", str(trace)],
+                              env={"COLUMNS": "160"})
     assert not isinstance(proc.exception, Exception), proc.output  # an exit, not a crash
     assert proc.exit_code == 1, proc.output
+    assert "verification FAILED" in proc.output and "NO" in proc.output
     doc = json.loads(out.read_text())
     assert doc["verified"] is False
-    first, second = doc["updates"]
-    assert first["verified"] is False and first["checks"]["bytes"] is False
-    assert first["problems"] == ["engine0/tp0: tensor model.layers.0.self_attn.qkv_proj.weight "
-                                 "bytes differ from the reference layout"]
-    assert second["verified"] is True  # the next update rewrites every byte
-    assert "verification FAILED" in proc.output and "NO" in proc.output
+    _check_common(doc, fp8=False, updates=3)
+    updates = read_chrome_trace(trace)["otherData"]["updates"]  # `wt demo --trace PATH`
+    assert [u["version"] for u in updates] == [1, 2, 3] and len(updates[0]["ranks"]) == 4
+    first, flipped, third = doc["updates"]
+    for u in (first, third):  # the update after the flip rewrites every byte
+        assert u["verified"] is True and u["problems"] == []
+        assert u["checks"]["bytes"] is True and u["checks"]["generations"] is True
+        assert u["checks"]["tensors"] == 4 * 15  # 4 engine ranks, 15 tensors each
+        assert len(u["checks"]["generation_sample"]) == 8
+    assert flipped["verified"] is False and flipped["checks"]["bytes"] is False
+    assert flipped["problems"] == ["engine0/tp0: tensor model.layers.0.self_attn.qkv_proj.weight "
+                                   "bytes differ from the reference layout"]
