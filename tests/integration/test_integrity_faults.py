@@ -26,9 +26,8 @@ import yaml
 from actors import TransferConfig, UpdateError, WeightTransferController
 from actors.audit import read_audit
 from actors.launch import launch_engines, launch_trainers
+from actors.testing.engine_bytes import engine_mismatches
 from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
-from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -61,15 +60,8 @@ def train(trainers, step):
 
 
 def stale(cfg, trainers, replica):
-    """Tensors of ``replica`` whose bytes differ from the trainer's current weights."""
-    state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    bad = []
-    for actor in replica:
-        meta = ray.get(actor.wt_engine_meta.remote())
-        got = ray.get(actor.engine_state_bytes.remote())
-        want = load_engine_shard(cfg.model, state, meta.shard, fp8=False)
-        bad += [(meta.rank, n) for n in want if not torch.equal(got[n], as_bytes(want[n]))]
-    return bad
+    """(rank, tensor) of ``replica`` whose bytes differ from the trainer's current weights."""
+    return [(rank, name) for _, rank, name in engine_mismatches(cfg.model, trainers, [replica])]
 
 
 def update(ctl, outcomes, version):
