@@ -3,7 +3,7 @@
 The writer compresses each chunk and sends it raw (codec 0) when that does not
 make it smaller; the target decompresses into at most the declared raw length
 (no decompression bomb: the bound is checked before). ``lz4`` and ``zstandard``
-are imported on first use (the ``compression`` extra)."""
+are imported on first use (``lz4`` and ``zstandard``, dependencies of the project)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class CodecError(Exception):
 
 
 def load_codec(name: str) -> Any:
-    """The module behind ``name`` (imported now); ValueError naming the extra if missing."""
+    """The module behind ``name`` (imported now); ValueError naming the package if missing."""
     try:
         if name == "lz4":
             import lz4.block as mod
@@ -27,8 +27,8 @@ def load_codec(name: str) -> Any:
         else:
             return None
     except ImportError as exc:
-        raise ValueError(f"tcp option compression={name!r} needs the package of the "
-                         f"'compression' extra (pip install lz4 zstandard): {exc}") from None
+        raise ValueError(f"tcp option compression={name!r} needs its package, a dependency "
+                         f"of this project (pip install lz4 zstandard): {exc}") from None
     return mod
 
 

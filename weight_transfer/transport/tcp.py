@@ -156,7 +156,7 @@ class TcpTransport(TransportBase):
         self.host, self.port = check_bind_host(host), port
         self.encrypt, self.compression = encrypt, compression
         self.compression_level = compression_level
-        load_codec(compression)  # ValueError naming the extra, now rather than at a write
+        load_codec(compression)  # ValueError naming the package, now rather than at a write
         self.chunk_bytes, self.max_inflight, self.timeout_s = chunk_bytes, max_inflight, timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._listen = dict(handshake_timeout_s=handshake_timeout_s, max_pending=max_pending)
