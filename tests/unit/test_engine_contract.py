@@ -118,3 +118,24 @@ def test_a_launch_handle_is_a_sequence_and_closes_what_it_owns(monkeypatch):
     assert killed == [a, b, c] and removed == ["pg0", "pg1"]
     h.close()  # idempotent
     assert killed == [a, b, c]
+
+
+def test_the_vllm_backend_opens_the_update_window_only_for_the_writes():
+    """vLLM's update hooks in our backend open the NICs' update window (tcp) at
+    start_weight_update and close it at finish_weight_update, before reprocessing."""
+    from types import SimpleNamespace
+
+    from actors.testing.vllm_oracle import vllm_missing
+
+    if (why := vllm_missing()) is not None:
+        pytest.skip(why)
+    from weight_transfer.engines.vllm.backend import OneSidedBackend
+
+    calls: list[str] = []
+    mem = SimpleNamespace(open_window=lambda: calls.append("open"),
+                          close_window=lambda: calls.append("close"))
+    rank = SimpleNamespace(mem=mem, owner="engine0/tp0", _repack=[], finished=0)
+    OneSidedBackend.start_weight_update(rank)
+    assert calls == ["open"]
+    OneSidedBackend.finish_weight_update(rank)
+    assert calls == ["open", "close"] and rank.finished == 1

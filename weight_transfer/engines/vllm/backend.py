@@ -21,10 +21,11 @@ The NICs, regions, connection set-up, copies, checksums and statistics are the
 engine-neutral :class:`~weight_transfer.engines.registered.RegisteredMemory`,
 as for every engine rank.
 
-An update: ``start_weight_update`` (nothing to do: the driver has stopped
-scheduling steps), the trainers' one-sided writes (this code does not run),
-``finish_weight_update``: reprocess the repacked layers with vLLM's own
-functions. ``update_weights`` carries no data and is a no-op.
+An update: ``start_weight_update`` (the driver has stopped scheduling steps;
+NICs that enforce an update window, tcp, open it), the trainers' one-sided writes
+(this code does not run), ``finish_weight_update``: the window closes, then the
+repacked layers are reprocessed with vLLM's own functions. ``update_weights``
+carries no data and is a no-op.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     # ------------------------------------------------------------------ vLLM's update hooks
 
     def start_weight_update(self) -> None:
+        self.mem.open_window()  # tcp: planned writes accepted from now until the finish
         log.debug("%s: update started (the trainers write now)", self.owner)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -190,6 +192,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         pass
 
     def finish_weight_update(self) -> None:
+        self.mem.close_window()  # tcp: no write lands once the update is finished
         t0 = time.perf_counter()
         if self._repack:
             reprocess(self._repack)
