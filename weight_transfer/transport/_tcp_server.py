@@ -15,7 +15,6 @@ logged by the table.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from weight_transfer.listen import check_listen_address
 from weight_transfer.transport._tcp_codec import Codec, CodecError
 from weight_transfer.transport._tcp_target import TargetTable
 from weight_transfer.transport._tcp_wire import (
@@ -78,16 +78,7 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
 
 def check_bind_host(host: str) -> str:
     """``host`` if it names one address; ValueError for an empty or wildcard one."""
-    if not host:
-        raise ValueError("tcp: an empty host would listen on every interface")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host  # a host name: it resolves to that host's address
-    if ip.is_unspecified:
-        raise ValueError(f"tcp: refusing to listen on the wildcard address {host!r}; "
-                         "advertise the address writers reach this host by")
-    return host
+    return check_listen_address(host, what="tcp transport")
 
 
 class _Session:
