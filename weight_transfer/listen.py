@@ -25,6 +25,16 @@ from typing import Any
 WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "0", "any"})
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` names this host only (``localhost``, 127.0.0.0/8, ::1)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def is_wildcard(address: str) -> bool:
     """Whether binding ``address`` would listen on every interface."""
     text = address.strip().lower()

@@ -7,7 +7,6 @@ reads as the data path; everything here runs without Mooncake installed.
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import logging
 import os
 import queue
@@ -138,13 +137,3 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` names this host only (``localhost``, 127.0.0.0/8, ::1)."""
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False

@@ -73,13 +73,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from weight_transfer.listen import is_loopback
 from weight_transfer.transport._mooncake_calls import (
     UNAUTHENTICATED_RISK,
     CallThread,
     _first_error,
     _new_rkey,
     chunk_deadline_s,
-    is_loopback,
     load_engine_class,
     parse_session_id,
     split_chunks,

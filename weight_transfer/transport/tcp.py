@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from weight_transfer.transport._mooncake_calls import is_loopback
+from weight_transfer.listen import is_loopback
 from weight_transfer.transport._tcp_client import (
     Channel,
     ChannelLost,
