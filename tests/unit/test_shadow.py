@@ -193,5 +193,7 @@ def test_the_reference_rank_implements_the_shadow_contract_with_its_parameters()
     assert {"wt_stage", "wt_flip", "wt_rollback", "wt_discard_shadow"} <= SHADOW_RANK_METHODS
     for name in SHADOW_RANK_METHODS:
         want = list(inspect.signature(getattr(ShadowEngineRank, name)).parameters)
-        assert list(inspect.signature(getattr(InferenceMixin, name)).parameters) == want, name
+        got = [p for p in inspect.signature(getattr(InferenceMixin, name)).parameters
+               if p != "_ray_trace_ctx"]  # added by ray.remote's tracing wrapper
+        assert got == want, name
         assert method_name(getattr(ShadowEngineRank, name)) == name
