@@ -312,6 +312,11 @@ class InferenceWorker(InferenceMixin, GroupMember):
         """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
         return self.engine.forward(torch.as_tensor(ids, dtype=torch.long))
 
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """``time.time()`` at the start of each recent generation step after ``since``
+        (``wt bench stall``: the gaps between steps)."""
+        return [t for t in list(self._wt_adapter.step_starts) if t > since]
+
     def engine_state_bytes(self) -> dict[str, torch.Tensor]:
         """Every engine tensor's bytes (for verification only)."""
         return self.engine.state_bytes()
