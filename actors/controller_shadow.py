@@ -40,7 +40,13 @@ from actors.engine_control import RankFault, describe_faults, fan_out, next_epoc
 from actors.integrity_check import verify_update
 from actors.reports import UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success
-from actors.update_outcome import RESUME_SHARE, UpdateOutcome, merge_faults, refusals_of
+from actors.update_outcome import (
+    RESUME_SHARE,
+    UpdateOutcome,
+    check_faults,
+    merge_faults,
+    refusals_of,
+)
 from weight_transfer.engines.rank import ShadowEngineRank
 from weight_transfer.errors import FaultKind
 
@@ -94,12 +100,13 @@ class ShadowSteps:
             timeout_s=max(0.0, deadline - cfg.update_timeout_s * RESUME_SHARE
                           - time.monotonic()))
         failed |= set(check.torn)
+        merge_faults(faults, check_faults(check))  # ranks that did not answer the check
         good = [n for n in names if n not in failed]
         sums = {} if s.served is None else s.served.reference(
             version, good, list(reports.values()), timeout_s=max(0.0, deadline - time.monotonic()))
         torn = self._flip(version, good, deadline, faults)
         failed |= {n for n in good if n in faults and n not in torn}  # no rank flipped
-        self._discard([n for n in names if n in failed])
+        merge_faults(faults, self._discard([n for n in names if n in failed]))
         if s.served is not None:
             s.served.commit(version, sums)
         done = UpdateOutcome(version=version, replicas=tuple(names),
@@ -107,18 +114,16 @@ class ShadowSteps:
                              refusals=refusals_of(version, errors))
         if errors or failed or torn:
             kept = {n: st.versions.get(n) for n in names if n in failed and n not in torn}
-            for name, why in fence.pending.items():
-                if name not in faults:
-                    faults[name] = [RankFault(replica=name, rank=-1, kind=FaultKind.FAILED,
-                                              method="completion fence", error=why)]
             merge_faults(faults, hold(st, s.calls, torn, faults))
             record_failure(s.metrics, errors, reports, torn, st.versions)
             err = s._fail(version, reports, errors, faults, torn, check, auto_resync)
+            kept = {n: v for n, v in kept.items() if n not in err.lost}
             err.kept = kept  # replica -> the complete version it still serves
             if kept:
+                fenced = "".join(f" {n}: {why}." for n, why in sorted(fence.pending.items()))
                 err.args = (f"{err.args[0]} Shadow mode: replicas {sorted(kept)} were not "
                             f"touched and keep serving versions "
-                            f"{[kept[n] for n in sorted(kept)]}.",)
+                            f"{[kept[n] for n in sorted(kept)]}.{fenced}",)
             return dataclasses.replace(done, error=err)
         nbytes, calls = ledger.since(snap)
         end = time.perf_counter()
@@ -152,15 +157,17 @@ class ShadowSteps:
             st.paused.discard(name)
         return sorted(torn)
 
-    def _discard(self, names: list[str]) -> None:
+    def _discard(self, names: list[str]) -> dict[str, list[RankFault]]:
         """Shadows of a failed transfer hold nothing complete (best effort, not waited for
-        beyond :data:`DISCARD_WAIT_S`): no rollback onto them."""
+        beyond :data:`DISCARD_WAIT_S`): no rollback onto them. The faults of ranks that
+        did not discard (a dead one: its replica is dropped)."""
         st = self.steps.state
         for name in names:
             st.previous[name] = None
-        if names:
-            _fan(self.steps.calls.ledger, st, names, ShadowEngineRank.wt_discard_shadow,
-                 epoch=next_epoch(), until=time.monotonic() + DISCARD_WAIT_S)
+        if not names:
+            return {}
+        return _fan(self.steps.calls.ledger, st, names, ShadowEngineRank.wt_discard_shadow,
+                    epoch=next_epoch(), until=time.monotonic() + DISCARD_WAIT_S)
 
 
 def rollback(state: ControllerState, calls: ControlCalls, config: Any, audit: Any,

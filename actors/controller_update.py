@@ -69,12 +69,13 @@ from actors.update_outcome import (
     PAUSE_SHARE,
     RESUME_SHARE,
     UpdateOutcome,
+    check_faults,
     refusals_of,
 )
 from actors.update_outcome import (
     merge_faults as _merge,
 )
-from weight_transfer.engines.rank import EngineRank, method_name
+from weight_transfer.engines.rank import EngineRank
 from weight_transfer.errors import FaultKind, UpdateError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import write_chrome_trace
@@ -93,19 +94,6 @@ def check_version(state: ControllerState, version: int) -> None:
     if state.attempted is not None and version <= state.attempted:
         raise ValueError(f"version {version} must be greater than {state.attempted}, "
                          "the last version attempted")
-
-
-def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
-    """The engine ranks that could not be checked (no answer, died, failed) as faults of
-    their replicas, so they are held like ranks that missed a pause or a resume."""
-    out: dict[str, list[RankFault]] = {}
-    for m in check.mismatches:
-        if m.actual is not None or any(f.rank == m.rank for f in out.get(m.replica, ())):
-            continue
-        out.setdefault(m.replica, []).append(RankFault(
-            replica=m.replica, rank=m.rank, kind=m.fault,
-            method=method_name(EngineRank.wt_checksum), error=m.error))
-    return out
 
 
 class UpdateSteps:

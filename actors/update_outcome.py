@@ -12,6 +12,7 @@ from actors.audit import RefusedAudit, UpdateAudit
 from actors.engine_control import RankFault
 from actors.integrity_check import IntegrityResult
 from actors.reports import RankReport, TrainerFault, UpdateReport
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import BarrierRefusedError, UpdateError
 
 PAUSE_SHARE = 0.25  # of update_timeout_s: the most the pause may take
@@ -57,3 +58,16 @@ def refusals_of(version: int, errors: Mapping[int, TrainerFault]
 def merge_faults(into: dict[str, list[RankFault]], more: Mapping[str, list[RankFault]]) -> None:
     for name, faults in more.items():
         into.setdefault(name, []).extend(faults)
+
+
+def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
+    """The engine ranks that could not be checked (no answer, died, failed) as faults of
+    their replicas, so they are held like ranks that missed a pause or a resume."""
+    out: dict[str, list[RankFault]] = {}
+    for m in check.mismatches:
+        if m.actual is not None or any(f.rank == m.rank for f in out.get(m.replica, ())):
+            continue
+        out.setdefault(m.replica, []).append(RankFault(
+            replica=m.replica, rank=m.rank, kind=m.fault,
+            method=method_name(EngineRank.wt_checksum), error=m.error))
+    return out

@@ -79,13 +79,15 @@ def chaos(
                    "nic-link-down, nic-transient-error."),
     update_timeout_s: float = typer.Option(15.0, help="The controller's update timeout."),
     nic_gbps: float = typer.Option(0.01, help="NIC cap in GB/s, so a fault lands mid-write."),
+    apply: str = typer.Option("in_place", help="in_place|shadow: how updates land (shadow: "
+                              "every fault judged as a transaction, a client generating)."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Inject each fault (dead, stopped, revoked, NIC) into the demo cluster; did it heal?"""
     from actors.demo.chaos import run
 
     raise typer.Exit(run(config=config, faults=faults, update_timeout_s=update_timeout_s,
-                         nic_gbps=nic_gbps, json_path=json_path))
+                         nic_gbps=nic_gbps, json_path=json_path, apply=apply))
 
 
 @app.command("soak")

@@ -40,6 +40,7 @@ from rich.table import Table
 from actors.cli.progress import command_console, emit_json, json_to_stdout, steps
 from scheduling import ClusterConfig, Plan, compute_plan, load_cluster_config, simulate
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
+from scheduling.flip import flip_seconds, shadow_need
 from scheduling.simulate import lower_bounds
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.shard_geometry import gc_paused
@@ -209,6 +210,28 @@ def _sweep(p: Planned) -> list[dict[str, Any]]:
     return out
 
 
+def flip_summary(p: Planned, transfer_s: float) -> dict[str, Any]:
+    """Shadow mode on this cluster: the flip's stall per replica (a swap of the largest
+    rank's weights at ``inference.device_copy_gbps``; ranks flip in parallel) beside the
+    in-place stall (the whole transfer), and whether the shadow fits the GPU memory."""
+    need = shadow_need(p.model, p.cluster, fp8=p.cluster.inference.fp8)
+    gbps = p.cluster.inference.device_copy_gbps
+    return {"rank_bytes": need.rank_bytes, "extra_bytes_per_rank": need.extra_bytes,
+            "device_copy_gbps": gbps, "flip_s_per_replica": flip_seconds(need.rank_bytes, gbps),
+            "in_place_stall_s_per_replica": transfer_s, "fits": need.fits,
+            "memory": need.message()}
+
+
+def flip_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    flip = f["flip_s_per_replica"]
+    stall = ("not modelled (inference.device_copy_gbps not set)" if flip is None else
+             f"[bold]{flip * 1e3:.1f} ms[/bold] (swap of {_gb(f['rank_bytes'])} at "
+             f"{f['device_copy_gbps']:g} GB/s) vs {f['in_place_stall_s_per_replica']:.3f} s "
+             "in place (pause for the whole transfer)")
+    return [("shadow flip: stall per replica", stall),
+            ("shadow memory per rank", f["memory"])]
+
+
 def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
                  gather_order: str, inflight: int | None, resolution: float,
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
@@ -255,6 +278,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     })
     if calibration is not None:
         s["calibration"] = calibration
+    s["flip"] = flip_summary(p, r.seconds)
     if sweep:
         s["sweep"] = _sweep(p)
     extra = [
@@ -267,6 +291,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         ("busy per stage, critical rank", ", ".join(
             f"{k} {v:.4f}" for k, v in r.stage_seconds.items())),
         ("binding stage", r.binding),
+        *flip_rows(s["flip"]),
         ("simulation", f"{r.events:,} events in {s['simulate_seconds']:.1f} s"),
         *[(f"watermark {w['watermark_bytes'] / 2**20:,.0f} MiB",
            f"{w['predicted_s']:.4f} s (+{w['over_bound']:.1%}, {w['binding']})")

@@ -13,6 +13,7 @@ update verified byte for byte against the trainers' weights::
     wt chaos                           # a table: fault, outcome, detect s, torn, healed
     wt chaos --json chaos.json         # rows with fault, ok, detect_s, healed, ...
     wt chaos --faults nic-link-down,region-revoked
+    wt chaos --apply shadow            # the same faults, judged as transactions
 
 A row is ``ok`` when the update ended within its bound (``update_timeout_s``
 plus the hold wait and a re-plan margin) in a clear outcome: an
@@ -26,6 +27,7 @@ code is 0 only when every row is ok and healed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -39,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.cli.progress import command_console, emit_json, json_to_stdout
+from actors.demo.chaos_shadow import ServingProbe, judge_shadow
 from actors.demo.fleet import Fleet, fleet_session, token_batch
 from actors.demo.verify import check_bytes
 from actors.run_config import RunConfig, load_run_config
@@ -89,6 +92,8 @@ class Chaos:
         self.version = max((v for v in self.ctl.weights_version().values() if v), default=0)
         self.injected_at = 0.0
         self.pid = 0
+        self.apply = fleet.config.apply
+        self.kept: dict[int, dict] = {}  # version -> engine digests when it was verified
 
     def engine(self, rank: int = 1) -> Any:
         return self.ctl.replicas[VICTIM][rank]
@@ -136,7 +141,9 @@ class Chaos:
                      if (s := self.serving(n)) != [(False, self.version)] * len(s)]
         self.fleet.replicas = {n: self.ctl.replicas[n] for n in sorted(self.ctl.replicas)}
         self.fleet.trainers = list(self.ctl.trainers)
-        check_bytes(self.fleet, {}, problems, None)
+        got = check_bytes(self.fleet, {}, problems, None)
+        if not problems:
+            self.kept[self.version] = got
         return problems
 
 
@@ -282,17 +289,20 @@ def run_fault(ch: Chaos, name: str, fault: Fault) -> ChaosRow:
         fault.before(ch)
     if fault.during is not None:
         _during(ch, fault.during)
-    start, err = time.monotonic(), None
-    ch.injected_at = ch.injected_at if fault.before is not None else start
-    try:
-        ch.ctl.update(ch.version)
-    except Exception as exc:  # judged below: the kind of error is part of the outcome
-        err = exc
-    end = time.monotonic()
+    probe = ServingProbe(ch.fleet) if ch.apply == "shadow" else contextlib.nullcontext()
+    with probe:
+        start, err = time.monotonic(), None
+        ch.injected_at = ch.injected_at if fault.before is not None else start
+        try:
+            ch.ctl.update(ch.version)
+        except Exception as exc:  # judged below: the kind of error is part of the outcome
+            err = exc
+        end = time.monotonic()
     ch.ctl.progress = None
     if fault.after is not None:
         fault.after(ch)
-    ok, outcome, torn = _judge(ch, fault, err, end - start)
+    ok, outcome, torn = (judge_shadow(ch, fault, err, end - start, probe)
+                         if ch.apply == "shadow" else _judge(ch, fault, err, end - start))
     problems = []
     try:
         fault.recover(ch)
@@ -329,8 +339,9 @@ def render(rows: list[ChaosRow]) -> Table:
 
 
 def run(*, config: Path, faults: str | None, update_timeout_s: float, nic_gbps: float,
-        json_path: Path | None, fleet: Fleet | None = None) -> int:
-    """``wt chaos``; ``fleet``: run on these actors (tests) instead of starting the demo's."""
+        json_path: Path | None, fleet: Fleet | None = None, apply: str = "in_place") -> int:
+    """``wt chaos``; ``fleet``: run on these actors (tests) instead of starting the demo's;
+    ``apply``: ``shadow`` judges each fault as a transaction (:mod:`actors.demo.chaos_shadow`)."""
     console = command_console(json_path)
     names = list(FAULTS) if not faults else [f.strip() for f in faults.split(",") if f.strip()]
     unknown = [n for n in names if n not in FAULTS]
@@ -339,7 +350,7 @@ def run(*, config: Path, faults: str | None, update_timeout_s: float, nic_gbps: 
         return 2
     run_cfg: RunConfig = load_run_config(config)
     with fleet_session(run_cfg, fleet, update_timeout_s=update_timeout_s, nic_gbps=nic_gbps,
-                       actor_classes=FAULTY_ACTORS) as active:
+                       actor_classes=FAULTY_ACTORS, apply=apply) as active:
         rows = run_faults(active, names, console)
     console.print(render(rows))
     if json_path is not None:

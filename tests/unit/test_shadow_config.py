@@ -84,3 +84,13 @@ def test_a_replica_is_torn_by_a_flip_only_if_some_rank_may_have_swapped():
     assert none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.FAILED)], 2)
     assert not none_flipped([fault(0, FaultKind.REFUSED)], 2)  # rank 1 flipped
     assert not none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.UNRESPONSIVE)], 2)
+
+
+def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
+    from actors.bench.stall import idle_gap, stall_of
+
+    steps = [0.0, 0.1, 0.2, 1.5, 1.6, 1.7]
+    assert stall_of(steps, 0.25, 1.4) == pytest.approx(1.3)  # 0.2 -> 1.5 spans it
+    assert stall_of(steps, 1.55, 1.58) == pytest.approx(0.1)
+    assert stall_of([0.5], 0.0, 1.0) == 0.0
+    assert idle_gap(steps, [(0.25, 1.4)]) == pytest.approx(0.1)
