@@ -129,21 +129,24 @@ def test_no_flip_before_every_write_completed_and_was_seen(land_early):
             reports[0] = seen(run)
 
         job = asyncio.create_task(trainer())
-        for _ in range(3):
-            for _spin in range(50):
+        try:
+            for step in range(3):
+                for _spin in range(50):
+                    await asyncio.sleep(0)
+                assert fabric.held and not job.done()  # writes posted, completions held
+                fence = completion_fence(planned, reports, replicas=["engine0"])
+                assert fence.cleared == () and "no report seen" in fence.pending["engine0"]
+                partial = completion_fence(planned, {0: seen(run)}, replicas=["engine0"])
+                assert partial.cleared == () and f"of {N} B into engine0/tp0" in \
+                    partial.pending["engine0"]
+                assert torch.equal(live, torch.zeros(N, dtype=torch.uint8))  # serves the old
+                if step == 0:  # landed (or not) before any completion: not cleared either way
+                    assert bool(shadow.any()) is land_early
+                release(fabric, 2)  # two completions arrive; the rest still outstanding
+        finally:  # complete everything, so that the writer's window can end
+            while not job.done():
+                release(fabric)
                 await asyncio.sleep(0)
-            assert fabric.held and not job.done()  # writes posted, completions held
-            fence = completion_fence(planned, reports, replicas=["engine0"])
-            assert fence.cleared == () and "no report seen" in fence.pending["engine0"]
-            partial = completion_fence(planned, {0: seen(run)}, replicas=["engine0"])
-            assert partial.cleared == () and f"of {N} B into engine0/tp0" in \
-                partial.pending["engine0"]
-            assert torch.equal(live, torch.zeros(N, dtype=torch.uint8))  # serves the old
-            assert bool(shadow.any()) is land_early  # landed (or not): not completed
-            release(fabric, 2)  # two completions arrive; the rest still outstanding
-        while not job.done():
-            release(fabric)
-            await asyncio.sleep(0)
         await job
         return reports
 

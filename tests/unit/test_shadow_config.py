@@ -94,3 +94,22 @@ def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
     assert stall_of(steps, 1.55, 1.58) == pytest.approx(0.1)
     assert stall_of([0.5], 0.0, 1.0) == 0.0
     assert idle_gap(steps, [(0.25, 1.4)]) == pytest.approx(0.1)
+
+
+def test_an_adapter_without_a_second_copy_is_refused_by_the_rank_naming_the_engine():
+    from actors.inference import InferenceMixin
+    from weight_transfer.types import NicId, ShardSpec
+
+    class PlainAdapter:  # an engine that exposes its buffers, with no shadow
+        engine_name = "my-engine"
+        paused = False
+
+    rank = InferenceMixin()
+    rank.wt_attach_engine(adapter=PlainAdapter(), replica="engine0", rank=1,
+                          shard=ShardSpec(tp_rank=1, tp_size=2),
+                          nics=[NicId(node="inode0", index=0)])
+    with pytest.raises(ShadowError, match="engine0/tp1: the my-engine engine cannot hold a "
+                                          "shadow copy"):
+        rank.wt_shadow_setup()
+    with pytest.raises(ShadowError, match="shadow mode is not set up"):
+        rank.wt_stage(3, epoch=1)
