@@ -115,13 +115,12 @@ def _stream_checks(fleet: Fleet, version: int, checks: dict, problems: list[str]
     from weight_transfer.engines.vllm.stream import StreamingClient, versions_seen
 
     clients = [h for h in fleet.handles if isinstance(h, StreamingClient)]
-    done, deadline = [], time.monotonic() + STREAM_WAIT_S
-    while time.monotonic() < deadline:
-        for c in clients:
-            done += c.take()
-        if str(version) in versions_seen(done):
-            break
-        time.sleep(0.2)
+    done = []
+    for c in clients:
+        try:
+            done += c.wait_for_version(version, timeout_s=STREAM_WAIT_S)
+        except TimeoutError:
+            done += c.last_taken
     seen = versions_seen(done)
     errors = [e for c in clients for e in c.errors]
     checks.update(versions_seen=seen, streamed=len(done),

@@ -61,12 +61,12 @@ class HttpLink:
 
     def __init__(self, url: str, *, key: bytes | str, reply_host: str = "127.0.0.1",
                  pause_mode: str = "keep", recompute: bool = True,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, reply_timeout_s: float = 60.0) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: one of {', '.join(PAUSE_MODES)}")
         self.url, self.pause_mode, self.recompute = url.rstrip("/"), pause_mode, recompute
         self.timeout_s = timeout_s
-        self.box = ReplyChannel(reply_host, key)
+        self.box = ReplyChannel(reply_host, key, timeout_s=reply_timeout_s)
         self.gate = PauseFlag()
         self._updating = False
         self._lock = threading.Lock()

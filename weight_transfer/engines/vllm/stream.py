@@ -115,6 +115,7 @@ class StreamingClient:
         self._stop = threading.Event()
         self.errors: list[str] = []
         self.requests = 0
+        self.last_taken: list[Completion] = []
         self._threads = [threading.Thread(target=self._loop, name=f"wt-stream-{i}", daemon=True)
                          for i in range(concurrency)]
         for t in self._threads:
@@ -141,6 +142,25 @@ class StreamingClient:
         with self._lock:
             done, self._done = self._done, []
         return done
+
+    def wait_for_version(self, version: Any, *, timeout_s: float = 120.0) -> list[Completion]:
+        """The completions finished since the previous take, once one sampled (in part) by
+        ``version`` is among them; TimeoutError naming the versions seen otherwise (the
+        completions stay taken: :attr:`last_taken`)."""
+        import time
+
+        want, done = str(version), []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done += self.take()
+            self.last_taken = done
+            if any(want in c.versions for c in done):
+                return done
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}: no completion sampled by version {want} "
+                                   f"within {timeout_s:g} s (seen: {versions_seen(done)}; "
+                                   f"errors: {self.errors[-3:]})")
+            time.sleep(0.1)
 
     def close(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
