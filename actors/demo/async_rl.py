@@ -59,6 +59,7 @@ class AsyncRlSettings:
     rollout_tokens: int = 16
     workers_per_replica: int = 2
     is_clip: float = 2.0
+    take_timeout_s: float = 300.0  # for the next sample (the rollout workers failing)
     lr: float = 1e-3
     seed: int = 0
 
@@ -106,7 +107,11 @@ def take_batch(q: queue.Queue, s: AsyncRlSettings, version: int, tally: Tally) -
     """``s.batch`` samples no staler than ``s.max_lag``; staler ones are dropped."""
     batch = []
     while len(batch) < s.batch:
-        c = q.get()
+        try:
+            c = q.get(timeout=s.take_timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{len(batch)} of {s.batch} samples after "
+                               f"{s.take_timeout_s:g} s: no rollout arrived") from None
         tally.produced += 1
         lag = version - min(version_number(v) for v in c.versions)
         tally.staleness[lag] += 1
