@@ -153,6 +153,14 @@ class VllmEngineOwner:
             return self.link.generate(prompts, max_new_tokens, temperature=temperature,
                                       seed=seed)
 
+    def sample(self, prompts: list[list[int]], params: dict) -> list[list[dict]]:
+        """Your full ``SamplingParams`` (a dict): per prompt its choices, with logprobs and
+        weight-version spans (:func:`weight_transfer.engines.vllm.sampling.sample`)."""
+        from weight_transfer.engines.vllm.sampling import sample
+
+        with self._generating:
+            return sample(self.link, prompts, params)
+
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
         """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
         return self.link.llm.collective_rpc(fn, args=args)

@@ -55,6 +55,16 @@ class VllmServedOwner(VllmEngineOwner):
         return self.link.post("/collective_rpc", {"method": method,
                                                   "args": [str(a) for a in args]})["results"]
 
+    def sample(self, prompts: list[list[int]], params: dict) -> list[list[dict]]:
+        """Your full ``SamplingParams`` (a dict), streamed from the server: per prompt its
+        choices, as :func:`weight_transfer.engines.vllm.sampling.sample` gives them."""
+        from weight_transfer.engines.vllm.stream import stream_generate
+
+        return [[{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
+                  "finish_reason": c.finish_reason,
+                  "weight_versions": [(s.version, s.start, s.end) for s in c.spans]}
+                 for c in stream_generate(self.url, p, params)] for p in prompts]
+
     def weight_info(self) -> str:
         return self.link.version()
 

@@ -2,15 +2,16 @@
 replica of the unchanged controller: docs/embedding.md's snippet runs as written. Sampled
 requests are in flight when the update starts; vLLM pauses them in mode ``keep``, they
 continue with the new weights, and their outputs' ``weight_versions`` spans cover every
-token; a request after the update is sampled by the new version alone. After the update the registered bytes hash as the
-controller's integrity check expects, greedy generations equal the trainers' model, and
-vLLM reports the version.
+token; a request after the update is sampled by the new version alone. After the update
+the registered bytes hash as the controller's integrity check expects, greedy generations
+equal the trainers' model, and vLLM reports the version.
 
 One engine start for the module (inside the user's actor).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def test_doc_snippet_updates_your_own_asyncllm_while_requests_run(trainers):
         for tokens_out, spans in ns["results"]:  # in flight across the update, or before it
             assert len(tokens_out) == 128
             assert spans[0][1] == 0 and spans[-1][2] == 128
-            assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+            assert all(a[2] == b[1] for a, b in itertools.pairwise(spans))
             assert {s[0] for s in spans} <= {"default", "1"}
         _, after = ray.get(actor.generate.remote(PROMPTS[0], ns["sampled"]))
         assert after == [("1", 0, 128)]

@@ -64,7 +64,8 @@ def _oracle(owner, trainers, root, version):
 
 def _spans_cover(c) -> bool:
     ends = [s.start for s in c.spans] + [len(c.token_ids)]
-    return c.spans[0].start == 0 and all(s.end == e for s, e in zip(c.spans, ends[1:]))
+    return c.spans[0].start == 0 and all(s.end == e for s, e in zip(c.spans, ends[1:],
+                                                                  strict=True))
 
 
 def test_doc_snippet_updates_a_served_vllm_while_requests_stream(served):
@@ -89,6 +90,10 @@ def test_doc_snippet_updates_a_served_vllm_while_requests_stream(served):
             want = ray.get([t.reference_generate.remote(PROMPTS, 6) for t in trainers])[0]
             assert ray.get(replicas[0][0].generate.remote(PROMPTS, 6)) == want
         assert ctl.weights_version() == {"engine0": 2}
+        params = {"n": 2, "max_tokens": 5, "temperature": 1.0, "logprobs": 0, "seed": 3}
+        (choices,) = ray.get(owner.sample.remote(PROMPTS[:1], params))
+        assert [(len(c["token_ids"]), len(c["logprobs"]), c["weight_versions"])
+                for c in choices] == [(5, 5, [("2", 0, 5)])] * 2
         events = ray.get(replicas[0][0].wt_events.remote())
         assert [e[0] for e in events] == ["pause", "resume", "pause", "resume"]
         assert client.errors == []

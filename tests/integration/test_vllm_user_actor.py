@@ -58,7 +58,7 @@ def test_doc_snippet_updates_your_own_llm_actor(trainers):
           "step": 1, "prompts": PROMPTS}
     try:
         run_snippet(DOC, "vllm-offline-actor", ns)
-        ctl, replicas, (actor,) = ns["ctl"], ns["replicas"], ns["llm_actors"]
+        ctl, (actor,) = ns["ctl"], ns["llm_actors"]
         assert ns["report"].version == 1 and ns["report"].bytes == ctl.summary.bytes_total > 0
         assert ns["report"].integrity.mismatches == ()
         (answer,) = _oracle(actor, handle, root)
@@ -67,6 +67,11 @@ def test_doc_snippet_updates_your_own_llm_actor(trainers):
         assert ns["outs"] == want
         assert ray.get(actor.wt_vllm.remote("vllm_version")) == "1"
         assert ctl.weights_version() == {"engine0": 1}
+        params = {"n": 2, "max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 5}
+        (choices,) = ray.get(actor.__ray_call__.remote(
+            lambda self, p: self._wt_vllm_owner.sample(p, params), PROMPTS[:1]))
+        assert [(len(c["token_ids"]), len(c["logprobs"]), c["weight_versions"])
+                for c in choices] == [(8, 8, [("1", 0, 8)])] * 2
         with pytest.raises(ValueError, match="unknown method 'shutdown_now'"):
             ray.get(actor.wt_vllm.remote("shutdown_now"))
     finally:

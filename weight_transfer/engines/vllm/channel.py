@@ -31,6 +31,7 @@ themselves authenticated where the transport is ``tcp``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -237,7 +238,5 @@ class ReplyChannel:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
