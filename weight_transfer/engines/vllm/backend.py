@@ -31,6 +31,7 @@ carries no data and is a no-op.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,9 @@ def _request(info: OneSidedInitInfo) -> Any:
     """The driver's request: signed in ``info`` (another host) or in the mailbox."""
     if info.reply:
         return channel.open_request(info, channel.env_key())
+    if os.environ.get(channel.KEY_ENV):  # a server meant for remote control: signed only
+        raise ValueError(f"unsigned request {info.op!r} refused: this vLLM holds "
+                         f"{channel.KEY_ENV}, so every request must be signed")
     return read_request(info.mailbox, info.seq)
 
 
