@@ -5,7 +5,7 @@ streams sampled requests (pause mode ``keep``). After each update every byte our
 registered equals vLLM's own load_weights of the trainers' weights (in the server's worker,
 through a worker extension reached by name), greedy generations equal the trainers' model,
 the server reports the version, and the streamed completions carry weight_versions spans
-that cover their tokens. A request signed with another key is refused.
+that cover their tokens. A request signed with another key, or not signed, is refused.
 
 One server start for the module (about 40-90 s here).
 """
@@ -104,15 +104,24 @@ def test_doc_snippet_updates_a_served_vllm_while_requests_stream(served):
 
 def test_a_request_signed_with_another_key_is_refused(served):
     from weight_transfer.engines.vllm.channel import new_key
-    from weight_transfer.engines.vllm.http_link import HttpLink
+    from weight_transfer.engines.vllm.http_link import HttpError, HttpLink
 
-    _, _, server, _, _ = served
+    _, _, server, key, root = served
     link = HttpLink(server.url, key=new_key(), reply_timeout_s=5)
     try:
         with pytest.raises(TimeoutError, match=r"ranks \[0\] sent no reply to 'stats'.*"
                                                r"WT_VLLM_KEY"):
             link.call("stats")
+        unsigned = {"op": "stats", "mailbox": str(root), "seq": 1, "rank": 0}
+        with pytest.raises(HttpError, match="init_weight_transfer_engine: HTTP 500"):
+            link.post("/init_weight_transfer_engine", {"init_info": unsigned})
+        assert list(root.glob("1.rank0.*")) == []  # nothing written where it said
     finally:
         link.box.close()
     with pytest.raises(ValueError, match="pause_mode 'later'"):
         HttpLink(server.url, key=new_key(), pause_mode="later")
+    good = HttpLink(server.url, key=key)  # the server still serves the key holder
+    try:
+        assert good.call("stats")[0]["refused_writes"] == 0
+    finally:
+        good.box.close()

@@ -77,9 +77,6 @@ def _request(info: OneSidedInitInfo) -> Any:
     """The driver's request: signed in ``info`` (another host) or in the mailbox."""
     if info.reply:
         return channel.open_request(info, channel.env_key())
-    if os.environ.get(channel.KEY_ENV):  # a server meant for remote control: signed only
-        raise ValueError(f"unsigned request {info.op!r} refused: this vLLM holds "
-                         f"{channel.KEY_ENV}, so every request must be signed")
     return read_request(info.mailbox, info.seq)
 
 
@@ -117,6 +114,11 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
         if init_info.rank not in (-1, self.shard.tp_rank):
             return
+        if not init_info.reply and os.environ.get(channel.KEY_ENV):
+            # A vLLM meant for remote control takes signed requests only; no reply is
+            # written where an unsigned request says.
+            raise ValueError(f"unsigned request {init_info.op!r} refused: this vLLM holds "
+                             f"{channel.KEY_ENV}, so every request must be signed")
         handler = _OPS.get(init_info.op)
         try:
             if handler is None:
