@@ -33,11 +33,13 @@ def sample(link: Any, prompts: Sequence[Sequence[int]], params: dict[str, Any]
     """Per prompt, its choices (see the module docstring); ValueError naming a bad field."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     try:
         sp = SamplingParams(**{"detokenize": False, **params})
     except TypeError as exc:
         raise ValueError(f"SamplingParams: {exc}") from None
+    sp.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: all n choices at once
     engine = link.llm.llm_engine
     ids = [f"wt-sample-{next(_ids)}" for _ in prompts]
     for rid, p in zip(ids, prompts, strict=True):
