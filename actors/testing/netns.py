@@ -96,6 +96,15 @@ def pick_subnet(seed: int | None = None) -> ipaddress.IPv4Network:
     raise NetnsError(f"every /24 of {SUBNET_BASE} overlaps a route of this host")
 
 
+def link_counters(ns: str, dev: str = SITE_DEV) -> dict[str, int]:
+    """Bytes the link ``dev`` of namespace ``ns`` carried so far: ``{"in": ..., "out": ...}``
+    (interface counters: every protocol counts, Ray's control traffic too). Works from any
+    namespace (root reads them through ``ip -n``)."""
+    stats = json.loads(_ip("-n", ns, "-j", "-s", "link", "show", "dev", dev).stdout)[0]
+    stats = stats["stats64"]
+    return {"in": int(stats["rx"]["bytes"]), "out": int(stats["tx"]["bytes"])}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shaping:
     """A token-bucket rate limit (``tc qdisc ... tbf``) on one site's link, both ways."""
@@ -215,11 +224,8 @@ class NetnsNetwork:
         self.shaped.pop(label, None)
 
     def link_bytes(self, label: str) -> dict[str, int]:
-        """Bytes the site's link carried so far: ``{"in": ..., "out": ...}`` (the counters
-        of its ``wt0``, so every protocol counts, Ray's control traffic too)."""
-        stats = json.loads(_ip("-n", self.site(label).ns, "-j", "-s", "link", "show",
-                               "dev", SITE_DEV).stdout)[0]["stats64"]
-        return {"in": int(stats["rx"]["bytes"]), "out": int(stats["tx"]["bytes"])}
+        """Bytes the site's link carried so far (:func:`link_counters`)."""
+        return link_counters(self.site(label).ns)
 
     # ------------------------------------------------------------------ processes
 

@@ -21,6 +21,7 @@ after a grace period) and then every process left in the namespaces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -178,7 +179,5 @@ class NetnsRay:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
