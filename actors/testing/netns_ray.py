@@ -88,6 +88,11 @@ class NetnsRay:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def temp_dir(self) -> Path | None:
+        """The nodes' files (sessions, sockets, logs) while the cluster runs."""
+        return self._tmp
+
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of every process in the sites: Ray's token, the project, the
         cluster's address; no proxy, no inherited Ray address."""
