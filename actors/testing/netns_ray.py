@@ -101,7 +101,10 @@ class NetnsRay:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path()),
                    RAY_ADDRESS=self.address,
                    PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0",
-                   PYTHONUNBUFFERED="1", **extra)
+                   PYTHONUNBUFFERED="1",
+                   # Ray's memory monitor counts the whole machine's memory: on a shared
+                   # test host other jobs' memory would make it kill this cluster's workers.
+                   RAY_memory_monitor_refresh_ms="0", **extra)
         return env
 
     def _ray_argv(self, label: str) -> list[str]:
