@@ -143,7 +143,12 @@ def replan(state: ControllerState, calls: ControlCalls, config: TransferConfig) 
     """Plan over every replica the trainers write (all but the followers of
     ``config.replica_groups``, :mod:`actors.replica_groups`); connect the NIC pairs it
     writes through (both ways) while each trainer gets its blob."""
-    planned = ReplicaGroups(groups=config.replica_groups).planned(list(state.replicas))
+    groups = ReplicaGroups(groups=config.replica_groups)
+    absent = sorted({n for g in groups.groups for n in g} - set(state.replicas))
+    if absent:
+        log.warning("replica_groups name replicas %s that this controller does not hold "
+                    "(yet); replicas: %s", absent, sorted(state.replicas))
+    planned = groups.planned(list(state.replicas))
     result = calls.gather(
         [calls.call(state.scheduler.plan, state.trainer_metas, state.rank_infos,
                     [m for n in planned for m in state.engine_metas[n]])],

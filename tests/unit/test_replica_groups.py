@@ -86,3 +86,29 @@ def test_site_labels_are_checked_before_anything_is_made():
     assert [s.ns for s in net.sites.values()] == ["wtXa", "wtXb"]
     with pytest.raises(ValueError, match=r"no site 'nope'; sites: \['engines', 'trainers'\]"):
         net.site("nope")
+
+
+def test_wt_bench_groups_without_namespaces_says_why(monkeypatch, capsys):
+    import actors.bench.groups as groups
+
+    monkeypatch.setattr(groups, "netns_unavailable", lambda: "network namespaces need root")
+    assert groups.run(rate_mbit=40, updates=1, transport="tcp", json_path=None) == 2
+    assert "wt bench groups: network namespaces need root" in capsys.readouterr().out
+
+
+def test_the_groups_bench_table_puts_the_modes_side_by_side():
+    from actors.bench.groups import mode_rows
+
+    def update(seconds, link, trainer, peer):
+        return {"seconds": seconds, "trainer_bytes": trainer, "peer_bytes": peer,
+                "link_in": {"site0": link, "site1": link - 10}, "verified": True}
+
+    result = {"modes": [
+        {"mode": "direct", "updates": [update(2.0, 8_000_000, 16, 0), update(1.0, 8_000_000,
+                                                                           16, 0)]},
+        {"mode": "grouped", "updates": [update(1.0, 4_000_000, 8, 8)]}]}
+    direct, grouped = mode_rows(result, Shaping(rate_mbit=40))
+    assert direct["seconds"] == 1.5 and direct["best_seconds"] == 1.0
+    assert direct["bound_seconds"] == 1.6 and grouped["bound_seconds"] == 0.8
+    assert grouped["link_bytes"] == {"site0": 4_000_000, "site1": 3_999_990}
+    assert grouped["peer_bytes"] == 8 and direct["verified"] and grouped["verified"]
