@@ -10,8 +10,9 @@ namespace and no process of it is left. Drivers run in the head's namespace
 
 1. ``wt demo --transport tcp`` (our authenticated transport) across the sites,
    every update verified, the weights counted on site0's link;
-2. ``wt demo`` over Mooncake TCP, which crosses hosts only with
-   ``allow_unauthenticated: true`` (set here on purpose), verified;
+2. ``wt demo --transport mooncake`` is refused at setup (Mooncake TCP authenticates
+   nothing), naming the option and the hosts; with ``allow_unauthenticated: true``
+   (set here on purpose) it runs across the sites, verified;
 3. replica groups behind links shaped with ``tc tbf``: the controllers' barrier
    store on the head's site address, every replica's bytes verified, a site's
    link carrying one copy per group instead of one per replica, the update
@@ -83,6 +84,15 @@ def test_demo_over_tcp_across_namespaces_is_verified(sites):
     assert all(u["verified"] for u in doc["updates"])
     # The engines are on site0: every update's bytes came in over its link.
     assert net.link_bytes("site0")["in"] - before >= sum(u["bytes"] for u in doc["updates"])
+
+
+def test_demo_over_mooncake_tcp_is_refused_across_namespaces_by_default(sites):
+    net, cluster = sites
+    out = cluster.run_driver([sys.executable, "-m", "actors.cli.main", "demo", "--updates", "1",
+                              "--transport", "mooncake"], timeout=900)
+    assert out.returncode != 0
+    text = " ".join((out.stdout + out.stderr).split())  # rich wraps lines
+    assert "allow_unauthenticated: true" in text and net.addr("trainers") in text, text[-3000:]
 
 
 def test_demo_over_mooncake_tcp_across_namespaces_when_allowed(sites, tmp_path):
