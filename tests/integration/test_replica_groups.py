@@ -5,7 +5,9 @@ One fleet (4 trainer ranks -> 2 replicas x TP2) with ``replica_groups`` =
 plan over both), engine1 is filled from engine0 by the peer copy after every
 update, and every byte of both equals the reference layout of the trainers'
 weights. When the leader misses bytes (a trainer rank's link down), the follower
-is torn too, and the error names why; the next update fills both again. The same
+is torn too, and the error names why; the next update fills both again. The check
+of served memory knows the follower's bytes too (its leader's checksums at its own
+addresses): a flipped byte in the follower is found and healed. The same
 across network namespaces behind a shaped link: tests/integration/test_netns.py.
 """
 
@@ -19,7 +21,7 @@ import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.testing.engine_bytes import engine_mismatches
-from actors.testing.hooks import FaultyTrainerActor
+from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,7 +37,7 @@ def fleet(ray_job):
                                     integrity={"mode": "full"}, update_timeout_s=60,
                                     retry={"attempts": 1})
     with launch_trainers(cfg, actor_cls=FaultyTrainerActor) as trainers, \
-            launch_engines(cfg) as replicas:
+            launch_engines(cfg, actor_cls=FaultyInferenceActor) as replicas:
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
         ctl.setup()
         yield cfg, ctl, trainers, list(replicas)
@@ -74,4 +76,18 @@ def test_a_torn_leader_tears_its_followers_and_the_next_update_heals_both(fleet)
     _step(trainers)
     ctl.update(4)
     assert ctl.weights_version() == {"engine0": 4, "engine1": 4}
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
+
+
+def test_the_served_check_covers_the_follower_s_bytes(fleet):
+    cfg, ctl, trainers, replicas = fleet
+    _step(trainers)
+    ctl.update(5)
+    assert ctl.check_integrity().check.ok
+    name = "model.layers.1.mlp.down_proj.weight"
+    ray.get(replicas[1][1].wt_flip_byte.remote(name, 7))  # engine1/tp1: the follower
+    found = ctl.check_integrity(heal=True)
+    assert not found.check.ok and list(found.check.torn) == ["engine1"]
+    assert found.healed == ("engine1",)
+    assert ctl.check_integrity().check.ok
     assert engine_mismatches(cfg.model, trainers, replicas) == []
