@@ -59,8 +59,14 @@ def fill_followers(state: ControllerState, calls: ControlCalls, *, groups: Repli
     links = [ln for f, lead in todo.items()
              for ln in copy_links(state.engine_metas[lead], state.engine_metas[f])
              if ln not in state.connector.links]
-    if links:
-        state.connector.connect(links, phase=f"connect group peers for version {version}")
+    try:
+        if links:
+            state.connector.connect(links, phase=f"connect group peers for version {version}")
+    except (RuntimeError, TimeoutError, ValueError) as err:  # no copy: every follower torn
+        for f in todo:
+            faults[f] = [_fault(f, r, f"connecting to its leader {todo[f]}: {err}")
+                         for r in range(len(state.replicas[f]))]
+        return faults, {}
     refs, labels = [], []
     for f, lead in todo.items():
         for r, dst in enumerate(state.engine_metas[f]):
