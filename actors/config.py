@@ -151,6 +151,9 @@ class TransferSettings(_Frozen):
     # updates (actors.served_check): seconds between ticks (0: off) and bytes hashed per tick.
     integrity_watch_s: NonNegativeFloat = 0.0
     integrity_watch_bytes: PositiveInt = 64 << 20
+    # Replicas that share a site (actors.replica_groups): the trainers write one of each
+    # group, the others are filled from it by a peer copy inside the group.
+    replica_groups: tuple[tuple[str, ...], ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -165,6 +168,13 @@ class TransferSettings(_Frozen):
     @classmethod
     def _integrity(cls, value: Any) -> IntegrityPolicy:
         return parse_integrity(value, where=f"{_where(cls)}.integrity")
+
+    @field_validator("replica_groups", mode="before")
+    @classmethod
+    def _replica_groups(cls, value: Any) -> tuple[tuple[str, ...], ...]:
+        from actors.replica_groups import ReplicaGroups
+
+        return ReplicaGroups.parse(value, where=f"{_where(cls)}.replica_groups").groups
 
     @field_validator("retry", mode="before")
     @classmethod
