@@ -113,3 +113,8 @@ def test_an_adapter_without_a_second_copy_is_refused_by_the_rank_naming_the_engi
         rank.wt_shadow_setup()
     with pytest.raises(ShadowError, match="shadow mode is not set up"):
         rank.wt_stage(3, epoch=1)
+
+
+def test_shadow_mode_does_not_combine_with_replica_groups():
+    with pytest.raises(ValueError, match="apply='shadow' does not combine with replica_groups"):
+        TransferConfig(apply="shadow", replica_groups=[["engine0", "engine1"]])

@@ -37,7 +37,6 @@ from weight_transfer.engine_adapter import TensorEntry
 from weight_transfer.engines.reference.buffer import EngineBuffer
 from weight_transfer.engines.reference.engine import ReferenceEngine
 
-
 STEPS_KEPT = 100_000  # step start times kept (a bounded record, for measurements)
 
 
