@@ -52,7 +52,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from pydantic import (
@@ -151,6 +151,9 @@ class TransferSettings(_Frozen):
     # updates (actors.served_check): seconds between ticks (0: off) and bytes hashed per tick.
     integrity_watch_s: NonNegativeFloat = 0.0
     integrity_watch_bytes: PositiveInt = 64 << 20
+    # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
+    # them with no collective (scheduling.direct); full: every parameter gathered first.
+    gather: Literal["shard_direct", "full"] = "shard_direct"
 
     @model_validator(mode="before")
     @classmethod
