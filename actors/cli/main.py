@@ -340,6 +340,14 @@ def simulate(
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
 
+    if gather == "both":
+        from actors.cli.gather_modes import run_both
+
+        raise typer.Exit(run_both(model=model, cluster=cluster, json_path=json_path,
+                                  expert_naming=expert_naming, gather_order=gather_order,
+                                  inflight=inflight, resolution=resolution,
+                                  nic_model=nic_model))
+
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,

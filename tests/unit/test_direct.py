@@ -200,7 +200,7 @@ def test_validate_refuses_a_direct_task_from_a_rank_without_the_block():
     src = plan.task_src.copy()
     src[row] = (src[row] + 1) % len(plan.trainer_ranks)
     bad = dataclasses.replace(plan, task_src=src)
-    with pytest.raises(ValueError, match="shard-direct piece .* source rank"):
+    with pytest.raises(ValueError, match=r"shard-direct piece .* source rank"):
         bad.validate()
 
 
