@@ -266,3 +266,28 @@ def test_simulate_gather_modes_side_by_side():
     assert rows["shard_direct"]["gathered_params"] < rows["full"]["gathered_params"]
     for s in rows.values():
         assert s["predicted_s"] >= s["lower_bound_s"] > 0 and s["binding"]
+
+
+def test_plan_blobs_with_inconsistent_direct_fields_are_refused():
+    import msgpack
+
+    from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, \
+        loads_trainer_plan
+
+    plan, _ = _plan("local_cpu.yaml")
+    back = loads_plan(dumps_plan(plan))
+    assert (back.gather, back.direct_params, back.fallback) == (
+        plan.gather, plan.direct_params, plan.fallback)
+    raw = msgpack.unpackb(dumps_plan(plan), strict_map_key=False)
+    raw["direct_params"] = list(reversed(raw["direct_params"]))
+    with pytest.raises(ValueError, match="direct_params must be ascending"):
+        loads_plan(msgpack.packb(raw))
+    raw = msgpack.unpackb(dumps_plan(plan), strict_map_key=False)
+    raw["strings"].append("full")
+    raw["gather"] = len(raw["strings"]) - 1
+    with pytest.raises(ValueError, match="'full' lists direct_params"):
+        loads_plan(msgpack.packb(raw))
+    raw = msgpack.unpackb(dumps_trainer_plan(plan.trainer_plan(0)), strict_map_key=False)
+    raw["groups"][0][4] = raw["groups"][0][4] + raw["groups"][0][4][:1]
+    with pytest.raises(ValueError, match="listed twice in local"):
+        loads_trainer_plan(msgpack.packb(raw))
