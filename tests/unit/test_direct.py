@@ -271,8 +271,7 @@ def test_simulate_gather_modes_side_by_side():
 def test_plan_blobs_with_inconsistent_direct_fields_are_refused():
     import msgpack
 
-    from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, \
-        loads_trainer_plan
+    from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, loads_trainer_plan
 
     plan, _ = _plan("local_cpu.yaml")
     back = loads_plan(dumps_plan(plan))
