@@ -48,8 +48,8 @@ def demo(
     transport: str | None = typer.Option(
         None, help="simnic (one host), mooncake (TCP) or rdma [default: from --config]."),
     engine: str | None = typer.Option(
-        None, help="reference (our decoder) or vllm (a real vLLM, the `vllm` extra) "
-        "[default: from --config]."),
+        None, help="reference (our decoder), vllm (a real vLLM, the `vllm` extra) or "
+        "vllm-server (`vllm serve` driven over HTTP) [default: from --config]."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show vLLM's own INFO logs (--engine vllm) "
         "[default: WARNING and above]."),
@@ -139,6 +139,21 @@ def bench_transport(
     from actors.bench.transport import run
 
     raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))
+
+
+@bench_app.command("groups")
+def bench_groups(
+    rate_mbit: float = typer.Option(40.0, min=0.1, help="Each remote site's link (tc tbf)."),
+    updates: int = typer.Option(2, min=1, help="Updates per mode (direct, grouped)."),
+    transport: str = typer.Option("tcp", help="tcp, or mooncake (allow_unauthenticated)."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Replica groups behind slow links (network namespaces, root): one copy per site over
+    the link and peer copies inside it, against a copy per replica over it."""
+    from actors.bench.groups import run
+
+    raise typer.Exit(run(rate_mbit=rate_mbit, updates=updates, transport=transport,
+                         json_path=json_path))
 
 
 @bench_app.command("pipeline")
