@@ -62,6 +62,7 @@ from weight_transfer.types import (
     PeerInfo,
     ShardSpec,
 )
+from weight_transfer.versions import Generation
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +238,18 @@ class InferenceWorker(InferenceMixin, GroupMember):
         self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
                               replica=self.replica_name, rank=self.local, shard=self.shard,
                               nics=self.nic_names, transport=self.config.transport_spec)
+        self.engine.version_of = self.wt_version  # generate_tagged: the version of each step
         return self.node_id()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy generations (all TP ranks of the replica call together)."""
         return self.engine.generate(prompts, max_new_tokens)
+
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int
+                        ) -> list[Generation]:
+        """:meth:`generate`, each sequence with the weight versions that produced its tokens
+        (:class:`weight_transfer.versions.Generation`)."""
+        return self.engine.generate_tagged(prompts, max_new_tokens)
 
     def logits(self, ids: Any) -> torch.Tensor:
         """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
