@@ -37,6 +37,7 @@ offers ``generate`` and ``logits`` (every TP rank of the replica calls together)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -238,7 +239,8 @@ class InferenceWorker(InferenceMixin, GroupMember):
         self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
                               replica=self.replica_name, rank=self.local, shard=self.shard,
                               nics=self.nic_names, transport=self.config.transport_spec)
-        self.engine.version_of = self.wt_version  # generate_tagged: the version of each step
+        # generate_tagged: the version of each step (a pause does not clear it: no step runs)
+        self.engine.version_of = lambda: self._wt_fence.served
         return self.node_id()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -254,6 +256,13 @@ class InferenceWorker(InferenceMixin, GroupMember):
     def logits(self, ids: Any) -> torch.Tensor:
         """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
         return self.engine.forward(torch.as_tensor(ids, dtype=torch.long))
+
+    def tagged_logits(self, ids: Any) -> tuple[Any, torch.Tensor]:
+        """(version held, :meth:`logits`) computed as one engine step: held back while the
+        engine is paused, so never from a version being written (all TP ranks together)."""
+        guard = self.engine.step_guard
+        with guard() if guard is not None else contextlib.nullcontext():
+            return self._wt_fence.served, self.logits(ids)
 
     def engine_state_bytes(self) -> dict[str, torch.Tensor]:
         """Every engine tensor's bytes (for verification only)."""

@@ -135,6 +135,14 @@ class VllmEngineOwner:
             return self.link.generate(prompts, max_new_tokens, temperature=temperature,
                                       seed=seed)
 
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int,
+                        temperature: float = 0.0, seed: int | None = None) -> list:
+        """:meth:`generate`, each a :class:`weight_transfer.versions.Generation` (vLLM's own
+        per-span weight versions)."""
+        with self._generating:
+            return self.link.generate_tagged(prompts, max_new_tokens, temperature=temperature,
+                                             seed=seed)
+
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
         """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
         return self.link.llm.collective_rpc(fn, args=args)
@@ -213,6 +221,12 @@ class VllmRankFacade:
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
         """Greedy (or, with ``temperature`` > 0, vLLM-sampled) continuations."""
         return self._get(self.owner.generate.remote(prompts, max_new_tokens, temperature, seed))
+
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int,
+                        temperature: float = 0.0, seed: int | None = None) -> list:
+        """:meth:`generate` with the weight versions that produced each sequence's tokens."""
+        return self._get(self.owner.generate_tagged.remote(prompts, max_new_tokens,
+                                                           temperature, seed))
 
 
 VllmEngine = ray.remote(max_concurrency=8)(VllmEngineOwner)

@@ -127,14 +127,15 @@ def launch_replicas(config: Any, trainers: Any, workdir: Path,
                                env=ENGINE_ENV if env is None else env)
 
 
-def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any,
-                    gen: Any) -> list[list[int]]:
+def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any, gen: Any) -> list:
     """``rl.rollout_tokens`` new tokens per prompt: a vLLM replica samples itself, once
-    (seeded from ``gen``)."""
+    (seeded from ``gen``); each a :class:`weight_transfer.versions.Generation` with vLLM's
+    own version spans."""
     import torch
 
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature, seed))
+    return ray.get(replica[0].generate_tagged.remote(prompts, rl.rollout_tokens,
+                                                     rl.temperature, seed))
 
 
 def _require_cuda(what: str) -> None:
