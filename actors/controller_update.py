@@ -47,9 +47,11 @@ from dataclasses import dataclass
 import ray
 
 from actors.audit import RefusedAudit, UpdateAudit
+from actors.completion_fence import completion_fence
 from actors.config import TransferConfig
 from actors.controller_calls import ControlCalls
 from actors.controller_replicas import HOLD_WAIT_S, ReplicaOps, hold
+from actors.controller_shadow import ShadowSteps
 from actors.controller_state import ControllerState
 from actors.engine_control import (
     RankFault,
@@ -158,6 +160,9 @@ class UpdateSteps:
         """Move the trainers' weights into every replica as ``version`` (checked by
         :func:`check_version` first); ``after_transfer(version)``, a test hook, runs
         between the writes and the check."""
+        if self.config.apply == "shadow":
+            return ShadowSteps(self).run(version, trace=bool(trace), auto_resync=auto_resync,
+                                         after_transfer=after_transfer)
         st, ledger = self.state, self.calls.ledger
         offset = UpdateClock.wall_offset()
         snap, start = ledger.snapshot(), time.perf_counter()
@@ -213,6 +218,15 @@ class UpdateSteps:
             torn.update(st.summary.replicas_by_rank.get(rank, names))
         for rep in reports.values():
             torn.update(rep.failed_replicas)
+        # The completion fence: no resume before every WRITE into the replica completed and
+        # its report is here (a replica of a rank that failed is torn above already).
+        for name, why in completion_fence(st.summary.dest_bytes_by_rank, reports,
+                                          replicas=[n for n in names if n not in torn]
+                                          ).pending.items():
+            torn.add(name)
+            faults.setdefault(name, []).append(RankFault(
+                replica=name, rank=-1, kind=FaultKind.FAILED, method="completion fence",
+                error=why))
         check = verify_update(
             policy=self.config.integrity, reports=list(reports.values()),
             replicas={n: st.replicas[n] for n in names if n not in torn},

@@ -100,6 +100,12 @@ class PlanSummary:
     # a target that checks writers per region (tcp) is told at the connection set-up
     regions_by_rank: dict[int, tuple[tuple[str, str, int], ...]] = field(
         default_factory=dict, hash=False)
+    # trainer rank -> replica -> engine rank -> bytes it writes there (the completion fence,
+    # actors.completion_fence)
+    dest_bytes_by_rank: dict[int, dict[str, dict[int, int]]] = field(
+        default_factory=dict, hash=False)
+    # engine rank ("engine0/tp1") -> bytes of its shadow copy (shadow mode; empty in place)
+    shadow_bytes: dict[str, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

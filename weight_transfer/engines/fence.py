@@ -126,3 +126,30 @@ class CommandFence:
                 apply(version)
             self.record("version")
         return True
+
+    def swap(self, what: str, epoch: int | None, deadline: float | None,
+             run: Callable[[Any], Any]) -> bool:
+        """A flip or a rollback (shadow mode): ``run(version held)`` returns the version
+        held after it and becomes it; refused (False, nothing changes) when stale or past
+        ``deadline``. An error ``run`` raises (a refused flip) leaves the version as it was."""
+        with self._lock:
+            if not self._admit(epoch, what):
+                return False
+            if deadline is not None and time.time() > deadline:
+                log.warning("%s refused a %s that came %.3f s after its deadline", self.owner,
+                            what, time.time() - deadline)
+                self.record(f"late {what}")
+                return False
+            self.version = run(self.version)
+            self.record(what)
+        return True
+
+    def fenced(self, what: str, epoch: int | None, run: Callable[[], Any]) -> bool:
+        """Run ``run`` under the lock unless the command is stale (a stage or a discard of
+        the shadow: the version held does not change)."""
+        with self._lock:
+            if not self._admit(epoch, what):
+                return False
+            run()
+            self.record(what)
+        return True

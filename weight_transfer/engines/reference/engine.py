@@ -95,6 +95,11 @@ class ReferenceEngine:
         """``(name, shape, dtype, byte offset)`` of every tensor in :attr:`buffer`."""
         return self._mem.specs()
 
+    def slots(self) -> list:
+        """The layout of :attr:`buffer` (``TensorSlot`` per tensor): a second buffer built
+        from it has the same offsets (shadow mode)."""
+        return list(self._mem.slots)
+
     def load_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Initial weights: this shard of a Hugging Face state dict (reference loader)."""
         self._mem.fill(load_engine_shard(self.cfg, hf_state, self.shard, fp8=self.fp8))
