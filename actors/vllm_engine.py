@@ -19,7 +19,8 @@ prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
 fenced by the controller's epochs with the reference engine's fence
 (:class:`weight_transfer.engines.fence.CommandFence`): a stale one is ignored, a resume
 past its deadline refused (the replica stays paused); one fence per replica.
-The facade is an :class:`~weight_transfer.engines.rank.EngineRank`.
+The facade is an :class:`~weight_transfer.engines.rank.EngineRank` and a
+:class:`~weight_transfer.engines.rank.ShadowEngineRank` (shadow mode: :mod:`actors.vllm_shadow`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.handles import Launched
 from actors.live_config import check_actors
+from actors.vllm_shadow import VllmShadow
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -71,18 +73,56 @@ class VllmEngineOwner:
         self._resumed: set[int] = set()
         # The controller gives every rank of a replica the same epoch: one fence per replica.
         self.fence = CommandFence(self.replica)
+        self.shadow = VllmShadow(self.replica, self.link, self.fence)
 
-    def engine_meta(self, rank: int, transport: Any = None):
+    def engine_meta(self, rank: int, transport: Any = None, apply: str | None = None):
+        """Rank ``rank``'s registered memory (registered once for the replica; ``apply``
+        "shadow": the shadow is registered, replacing an in-place registration)."""
         from weight_transfer.engines.vllm.mailbox import SetupRequest
 
         with self._lock:
+            if self._metas is not None and apply is not None and apply != self.link.apply:
+                self.link.call("close")  # registered in place: expose the shadow instead
+                self._metas = None
             if self._metas is None:
                 spec = transport or self.config.transport_spec
                 self._metas = self.link.setup(SetupRequest(
                     replica=self.replica, nics=self.nics, transport=spec,
                     node=ray.get_runtime_context().get_node_id(),
-                    address=this_host().address))
+                    address=this_host().address, apply=apply or self.config.apply))
+                self.shadow.memory = self.link.memory()
             return self._metas[rank]
+
+    # ------------------------------------------------------------------ shadow mode
+
+    def shadow_setup(self, rank: int, transport: Any = None):
+        self.engine_meta(rank, transport, apply="shadow")
+        return self.shadow.info(rank)
+
+    def shadow_info(self, rank: int):
+        if self.link.apply != "shadow":
+            from weight_transfer.engines.shadow import ShadowError
+
+            raise ShadowError(f"{self.replica}: shadow mode is not set up on this vLLM engine "
+                              "(wt_shadow_setup() first)")
+        return self.shadow.info(rank)
+
+    def stage(self, version: Any, epoch: int | None = None) -> bool:
+        return self.shadow.stage(version, epoch)
+
+    def flip(self, version: Any, epoch: int | None = None, deadline: float | None = None
+             ) -> bool:
+        return self.shadow.flip(version, epoch, deadline)
+
+    def rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        return self.shadow.rollback(epoch, deadline)
+
+    def discard_shadow(self, epoch: int | None = None) -> bool:
+        return self.shadow.discard(epoch)
+
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """Monotonic (host-wide) times of vLLM's engine steps that produced tokens."""
+        return self.link.clock.times(since)
 
     def call(self, op: str, request: Any, rank: int) -> Any:
         self.engine_meta(rank)
@@ -207,6 +247,30 @@ class VllmRankFacade:
     def wt_checksum(self, ranges: Any) -> Any:
         """Hashes of (region address, offset, length) rows of this rank's registered memory."""
         return self._get(self.owner.call.remote("checksum", ranges, self.rank))
+
+    # ---- shadow mode (ShadowEngineRank; actors.vllm_shadow)
+    def wt_shadow_setup(self, transport: Any = None):
+        return self._get(self.owner.shadow_setup.remote(self.rank, transport))
+
+    def wt_shadow_info(self):
+        return self._get(self.owner.shadow_info.remote(self.rank))
+
+    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+        return self._get(self.owner.stage.remote(version, epoch))
+
+    def wt_flip(self, version: Any, epoch: int | None = None,
+                deadline: float | None = None) -> bool:
+        return self._get(self.owner.flip.remote(version, epoch, deadline))
+
+    def wt_rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        return self._get(self.owner.rollback.remote(epoch, deadline))
+
+    def wt_discard_shadow(self, epoch: int | None = None) -> bool:
+        return self._get(self.owner.discard_shadow.remote(epoch))
+
+    def wt_live_checksum(self, ranges: Any) -> Any:
+        """Hashes of the same rows in the version served (vllm shadow: see the backend)."""
+        return self._get(self.owner.call.remote("live_checksum", ranges, self.rank))
 
     def wt_nic_stats(self) -> dict:
         return self._get(self.owner.call.remote("stats", None, self.rank))

@@ -140,7 +140,7 @@ class CommandFence:
                             what, time.time() - deadline)
                 self.record(f"late {what}")
                 return False
-            self.version = run(self.version)
+            self.version = self.served = run(self.version)
             self.record(what)
         return True
 

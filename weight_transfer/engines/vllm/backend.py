@@ -18,7 +18,8 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
 * ``stats``, ``deregister`` (fault injection, :mod:`actors.testing.hooks`), ``close``;
 * shadow mode (``SetupRequest.apply="shadow"``, :mod:`.shadow`): ``discard`` (the update
   in progress ends without touching live memory), ``rollback`` (back to the version
-  before the last flip), ``memory`` (the bytes each copy costs).
+  before the last flip), ``memory`` (the bytes each copy costs), ``live_checksum`` (the
+  integrity hashes of the version served).
 
 The NICs, regions, connection set-up, copies, checksums and statistics are the
 engine-neutral :class:`~weight_transfer.engines.registered.RegisteredMemory`,
@@ -98,6 +99,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._standby: Standby | None = None
         self._discard = False  # the update in progress ends without a flip
         self._complete = False  # the registered memory holds a whole version (flipped)
+        self._staging = False  # vLLM's update session is open: the trainers may write
 
     @property
     def meta(self) -> EngineRankMeta | None:
@@ -145,6 +147,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                                  pieces=layout.pieces)
         if apply == "shadow":
             self._standby = Standby([buf for buf, _ in buffers])
+            self._standby.bind(list(self.mem.buffers))
         log.info("%s: %d tensors (%d in the repack arena) registered in %.2f s, apply=%s, "
                  "memory %s", self.owner, len(meta.tensors), len(self._arena or ()),
                  time.perf_counter() - t0, apply, self._memory())
@@ -192,7 +195,25 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         return self.mem.connect(conns)
 
     def _copy_to(self, dst: EngineRankMeta) -> int:
+        """The version served into ``dst``: in shadow mode while a transfer writes the
+        registered memory, from the standby (which holds it then)."""
+        if self._staging and self._standby is not None:
+            return self.mem.copy_to(dst, lambda addr: self._standby.by_region[addr].data_ptr())
         return self.mem.copy_to(dst)
+
+    def _live_checksum(self, ranges) -> Any:
+        """:meth:`_checksum` of the version served, at the registered offsets: the direct
+        parameters themselves; the repacked layers in loading format (vLLM computes with
+        their repacked form): the registered arena, or the standby while a transfer
+        writes the arena."""
+        if self._standby is None:
+            return self.mem.checksum(ranges)
+        buffers = dict(self._standby.by_region if self._staging else self.mem.buffers)
+        if self._shadow is not None:
+            addr = next(a for a, b in self.mem.buffers.items()
+                        if b.data_ptr() == self._shadow.arena.buffer.data_ptr())
+            buffers[addr] = self._shadow.live_bytes()
+        return self.mem.checksum(ranges, buffers=buffers)
 
     def _stats(self, _req=None) -> dict[str, int]:
         return {**self.mem.stats(), "finished": self.finished}
@@ -260,6 +281,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
 
     def start_weight_update(self) -> None:
         self._discard = False
+        self._staging = True
         if self._standby is not None:  # shadow: keep the version served, for a rollback
             self._standby.save(complete=self._complete)
         self.mem.open_window()  # tcp: planned writes accepted from now until the finish
@@ -273,6 +295,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
 
     def finish_weight_update(self) -> None:
         self.mem.close_window()  # tcp: no write lands once the update is finished
+        self._staging = False
         if self._discard:
             self._standby.restore()
             self._standby.held = self._discard = False
@@ -297,6 +320,7 @@ _OPS = {
     "checksum": OneSidedBackend._checksum,
     "deregister": OneSidedBackend._deregister,
     "memory": OneSidedBackend._memory,
+    "live_checksum": OneSidedBackend._live_checksum,
     "discard": OneSidedBackend._discard_update,
     "rollback": OneSidedBackend._rollback,
     "close": OneSidedBackend._close,

@@ -206,6 +206,8 @@ class VllmLink:
         return self._paused(back, label)
 
     def _paused(self, fn, version: Any) -> float:
+        """``fn`` with vLLM's scheduler paused (a step boundary), then the prefix cache reset;
+        the engine serves afterwards (also one held by :meth:`pause` before)."""
         t0 = time.perf_counter()
         self._scheduler(pause=True)
         try:
@@ -213,6 +215,7 @@ class VllmLink:
             self._reset_prefix_cache(version)
         finally:
             self._scheduler(pause=False)
+            self.gate.resume()
         return time.perf_counter() - t0
 
     def _finish(self, version: Any) -> None:

@@ -50,6 +50,15 @@ class DirectShadow:
     def nbytes(self) -> int:
         return self.arena.buffer.numel()
 
+    def live_bytes(self) -> torch.Tensor:
+        """The live parameters' bytes in the shadow's layout (a new buffer: for checks)."""
+        out = torch.zeros_like(self.arena.buffer)
+        with torch.no_grad():
+            for name, t in self.live.items():
+                off, n = self.arena.offsets[name], self.arena.specs[name].nbytes
+                out[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        return out
+
     def flip(self) -> None:
         """The live parameters receive the shadow's bytes (their storage stays)."""
         with torch.no_grad():
@@ -64,6 +73,13 @@ class Standby:
         self.buffers = buffers
         self.copies = [torch.zeros_like(b) for b in buffers]  # pre-faulted once
         self.held = False  # a complete previous version is held
+        self.by_region: dict[int, torch.Tensor] = {}  # registered region addr -> its copy
+
+    def bind(self, region_addrs: list[int]) -> None:
+        """The registered regions' addresses, in buffer order."""
+        if len(region_addrs) != len(self.copies):
+            raise ValueError(f"{len(region_addrs)} regions for {len(self.copies)} buffers")
+        self.by_region = dict(zip(region_addrs, self.copies, strict=True))
 
     @property
     def nbytes(self) -> int:
