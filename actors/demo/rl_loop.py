@@ -23,7 +23,7 @@ rollout tokens in ``[rl.target_start, rl.target_end)``. Run it with::
 Every rollout says which weight versions produced its tokens
 (:class:`weight_transfer.versions.Generation`). With ``--overlap`` the next
 iteration's rollouts are sampled while the policy step and the update run
-(asynchronous RL: a rollout may straddle an update); ``--max-lag N`` drops the
+(asynchronous RL, one step off-policy: a rollout may straddle an update); ``--max-lag N`` drops the
 rollouts whose oldest token is more than N versions behind the trainers' weights
 before the policy step, and each iteration prints how many it dropped.
 
@@ -117,7 +117,7 @@ def draw_rollouts(it: int, replicas: list[list], run: RunConfig, vocab: int,
 def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunConfig,
                  vocab: int, gen: torch.Generator, drawn: Future | None = None,
                  ahead: ThreadPoolExecutor | None = None) -> tuple[dict, Future | None]:
-    """Rollouts (``drawn``: sampled ahead, during the last update), rewards, one
+    """Rollouts (``drawn``: sampled ahead, during the last step and update), rewards, one
     policy-gradient step on the rollouts at most ``rl.max_lag`` versions old, one weight
     update; with ``ahead`` the next iteration's rollouts are sampled meanwhile (returned)."""
     rl = run.rl
@@ -127,15 +127,15 @@ def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunCon
                      else (list(range(len(gens))), 0))
     rollouts = [list(g.tokens) for g in gens]
     rewards = [toy_reward(r, rl) for r in rollouts]
+    nxt = None  # asynchronous RL: the next rollouts sample during the step and the update
+    if ahead is not None and it + 1 < rl.iterations:
+        nxt = ahead.submit(draw_rollouts, it + 1, replicas, run, vocab, gen)
     loss = None
     if kept:  # the trainers hold version ``it``: staleness is measured against it
         tokens = [prompts[i] + rollouts[i] for i in kept]
         adv = advantages_of([rewards[i] for i in kept])
         loss = ray.get([t.train_step.remote(tokens, advantages=adv, prompt_len=rl.prompt_len)
                         for t in trainers])[0]
-    nxt = None
-    if ahead is not None and it + 1 < rl.iterations:
-        nxt = ahead.submit(draw_rollouts, it + 1, replicas, run, vocab, gen)
     report = ctl.update(version=it + 1)                                         # wt
     return {"iteration": it + 1, "mean_reward": sum(rewards) / len(rewards),
             "rewards": rewards, "loss": loss, "update_seconds": report.seconds,

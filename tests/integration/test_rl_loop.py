@@ -35,13 +35,14 @@ def test_two_iterations_advance_the_replicas_version(ray_job):  # on the shared 
 
 
 def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job):
-    """Rollouts sampled during the update (``overlap``) may start at the version before it;
-    with ``max_lag=0`` exactly those are dropped, and the count is printed."""
+    """Rollouts sampled during the policy step and the update (``overlap``) start at the
+    version before it; with ``max_lag=0`` exactly those are dropped, the count printed."""
     run = load_run_config("configs/runs/rl_loop.yaml")
     run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 3, "overlap": True,
                                  "max_lag": 0})
     console = Console(record=True, width=200)
     history = run_rl(run, console)
+    text = console.export_text()
     for it, h in enumerate(history):
         assert len(h["versions"]) == run.rl.prompts == h["kept"] + h["dropped"]
         for versions in h["versions"]:  # each rollout: versions it-1 then it, in order
@@ -49,6 +50,8 @@ def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job):
         stale = sum(min(v) < it for v in h["versions"])
         assert h["dropped"] == stale
         assert (h["loss"] is None) == (stale == run.rl.prompts)
-        assert f"iteration {it + 1}: " in console.export_text()
+        assert f"iteration {it + 1}: " in text
+        assert f"dropped {h['dropped']} of {run.rl.prompts} rollouts more than 0" in text
     assert history[0]["dropped"] == 0  # sampled after update 0, before the first step
-    assert "rollouts more than 0 versions old" in console.export_text()
+    # iteration 2's rollouts began while the trainers stepped (version 0 still served)
+    assert history[1]["dropped"] > 0
