@@ -121,8 +121,10 @@ class VllmEngineOwner:
         return self.shadow.discard(epoch)
 
     def step_times(self, since: float = 0.0) -> list[float]:
-        """Monotonic (host-wide) times of vLLM's engine steps that produced tokens."""
-        return self.link.clock.times(since)
+        """Wall-clock times (``time.time()``) of vLLM's engine steps that produced tokens
+        since ``since`` (vLLM stamps them with the host-wide monotonic clock)."""
+        offset = time.time() - time.monotonic()
+        return [t + offset for t in self.link.clock.times() if t + offset >= since]
 
     def call(self, op: str, request: Any, rank: int) -> Any:
         self.engine_meta(rank)
