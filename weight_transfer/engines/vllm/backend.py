@@ -250,7 +250,8 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         t0 = time.perf_counter()
         self._standby.swap()
         self._standby.held = False
-        self._flip()
+        flip_live(self._shadow, self._repack)
+        self._complete = True
         log.info("%s: rolled back in %.3f s", self.owner, time.perf_counter() - t0)
         return True
 
@@ -259,14 +260,6 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
             raise ValueError(f"{self.owner}: {what} needs apply='shadow' at setup "
                              f"(this engine was registered with apply={self.apply!r})")
 
-    def _flip(self) -> None:
-        """Live memory receives the registered version: the direct copy, then vLLM's
-        reprocessing of the repacked layers."""
-        if self._shadow is not None:
-            self._shadow.flip()
-        if self._repack:
-            reprocess(self._repack)
-        self._complete = True
 
     def _deregister(self, _req=None) -> int:
         return self.mem.deregister()
@@ -302,13 +295,23 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
             log.info("%s: update discarded; live memory untouched", self.owner)
             return
         t0 = time.perf_counter()
-        self._flip()
+        flip_live(self._shadow, self._repack)
+        self._complete = True
         self.finished += 1
         log.info("%s: update finished, %d layers reprocessed in %.3f s", self.owner,
                  len(self._repack), time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         self._close()
+
+
+def flip_live(shadow: DirectShadow | None, repack: dict) -> None:
+    """Live memory receives the registered version: the direct parameters' copy (shadow
+    mode), then vLLM's reprocessing of the repacked layers from the arena."""
+    if shadow is not None:
+        shadow.flip()
+    if repack:
+        reprocess(repack)
 
 
 _OPS = {
