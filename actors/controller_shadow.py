@@ -40,6 +40,7 @@ from actors.engine_control import RankFault, describe_faults, fan_out, next_epoc
 from actors.integrity_check import verify_update
 from actors.reports import UpdateReport
 from actors.telemetry import UpdateClock, record_failure, record_success
+from actors.update_outcome import RESUME_SHARE, UpdateOutcome, merge_faults, refusals_of
 from weight_transfer.engines.rank import ShadowEngineRank
 from weight_transfer.errors import FaultKind
 
@@ -69,8 +70,6 @@ class ShadowSteps:
 
     def run(self, version: int, *, trace: bool, auto_resync: bool,
             after_transfer: Any = None) -> Any:
-        from actors.controller_update import RESUME_SHARE, UpdateOutcome, refusals_of
-
         s = self.steps
         st, ledger, cfg = s.state, s.calls.ledger, s.config
         offset, snap, start = UpdateClock.wall_offset(), ledger.snapshot(), time.perf_counter()
@@ -107,14 +106,12 @@ class ShadowSteps:
                              reports=tuple(reports.values()), integrity=check,
                              refusals=refusals_of(version, errors))
         if errors or failed or torn:
-            from actors.controller_update import _merge
-
             kept = {n: st.versions.get(n) for n in names if n in failed and n not in torn}
             for name, why in fence.pending.items():
                 if name not in faults:
                     faults[name] = [RankFault(replica=name, rank=-1, kind=FaultKind.FAILED,
                                               method="completion fence", error=why)]
-            _merge(faults, hold(st, s.calls, torn, faults))
+            merge_faults(faults, hold(st, s.calls, torn, faults))
             record_failure(s.metrics, errors, reports, torn, st.versions)
             err = s._fail(version, reports, errors, faults, torn, check, auto_resync)
             err.kept = kept  # replica -> the complete version it still serves

@@ -42,11 +42,9 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import ray
 
-from actors.audit import RefusedAudit, UpdateAudit
 from actors.completion_fence import completion_fence
 from actors.config import TransferConfig
 from actors.controller_calls import ControlCalls
@@ -67,8 +65,17 @@ from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, TrainerFault, UpdateReport
 from actors.served_check import ServedWatch
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
+from actors.update_outcome import (
+    PAUSE_SHARE,
+    RESUME_SHARE,
+    UpdateOutcome,
+    refusals_of,
+)
+from actors.update_outcome import (
+    merge_faults as _merge,
+)
 from weight_transfer.engines.rank import EngineRank, method_name
-from weight_transfer.errors import BarrierRefusedError, FaultKind, UpdateError
+from weight_transfer.errors import FaultKind, UpdateError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import write_chrome_trace
 
@@ -76,35 +83,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HOLD_WAIT_S", "PAUSE_SHARE", "RESUME_SHARE", "UpdateError", "UpdateOutcome",
            "UpdateSteps", "check_faults", "check_version"]
-
-PAUSE_SHARE = 0.25  # of update_timeout_s: the most the pause may take
-RESUME_SHARE = 0.1  # of update_timeout_s: kept for the resume when the transfer overruns
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateOutcome:
-    """How one update ended: ``report`` (it succeeded) or ``error`` (to raise), with what
-    the audit line records. ``crashed``: the update ended with an error of its own
-    before it could collect reports (a pause or a check that raised)."""
-
-    version: int
-    replicas: tuple[str, ...]
-    reports: tuple[RankReport, ...] = ()
-    integrity: IntegrityResult | None = None
-    report: UpdateReport | None = None
-    error: Exception | None = None
-    crashed: bool = False
-    refusals: tuple[RefusedAudit, ...] = ()  # barrier arrivals refused (their own lines)
-
-    def audit(self, *, started_at: float, finished_at: float) -> UpdateAudit:
-        err = self.error
-        return UpdateAudit(
-            version=self.version, started_at=started_at, finished_at=finished_at,
-            reports=self.reports, integrity=self.integrity, replicas=self.replicas,
-            outcome="ok" if err is None else "failed",
-            torn=tuple(err.torn) if isinstance(err, UpdateError) else (),
-            error=None if err is None else (f"{type(err).__name__}: {err}" if self.crashed
-                                            else str(err)))
 
 
 def check_version(state: ControllerState, version: int) -> None:
@@ -128,21 +106,6 @@ def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
             replica=m.replica, rank=m.rank, kind=m.fault,
             method=method_name(EngineRank.wt_checksum), error=m.error))
     return out
-
-
-def refusals_of(version: int, errors: Mapping[int, TrainerFault]
-                ) -> tuple[RefusedAudit, ...]:
-    """The audit lines of the barrier arrivals that trainer ranks refused."""
-    return tuple(
-        RefusedAudit(version=version, what="barrier arrival", rank=f.cause.rank,
-                     tag=f.cause.tag, reason=f.cause.reason, by=f"trainer rank {r}",
-                     at=time.time(), error=f.error)
-        for r, f in sorted(errors.items()) if isinstance(f.cause, BarrierRefusedError))
-
-
-def _merge(into: dict[str, list[RankFault]], more: Mapping[str, list[RankFault]]) -> None:
-    for name, faults in more.items():
-        into.setdefault(name, []).extend(faults)
 
 
 class UpdateSteps:

@@ -329,6 +329,11 @@ class InferenceWorker(InferenceMixin, GroupMember):
         with guard() if guard is not None else contextlib.nullcontext():
             return self._wt_fence.served, self.logits(ids)
 
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """``time.time()`` at the start of each recent generation step after ``since``
+        (``wt bench stall``: the gaps between steps)."""
+        return [t for t in list(self._wt_adapter.step_starts) if t > since]
+
     def engine_state_bytes(self) -> dict[str, torch.Tensor]:
         """Every engine tensor's bytes (for verification only)."""
         return self.engine.state_bytes()

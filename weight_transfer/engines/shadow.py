@@ -78,6 +78,7 @@ class ShadowInfo:
     holds: str
     version: Any
     device: str = "cpu"
+    last_flip_s: float = 0.0  # the engine's pause in its last flip or rollback (the swap)
 
     @property
     def extra_bytes(self) -> int:
@@ -241,8 +242,8 @@ class ShadowCopy:
         return sum(swap_chunked(a, b, self.scratch) for a, b in zip(self.live, self.shadow,
                                                                      strict=True))
 
-    def info(self, live_version: Any) -> ShadowInfo:
+    def info(self, live_version: Any, last_flip_s: float = 0.0) -> ShadowInfo:
         return ShadowInfo(owner=self.owner, engine=self.engine, nbytes=self.nbytes,
                           scratch_bytes=self.scratch.numel(), live=live_version,
                           holds=str(self.state.holds), version=self.state.version,
-                          device=str(self.device))
+                          device=str(self.device), last_flip_s=last_flip_s)

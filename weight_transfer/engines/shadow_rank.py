@@ -74,7 +74,7 @@ class ShadowControl:
         self.require().bind(list(self.mem.buffers))
 
     def info(self) -> ShadowInfo:
-        return self.require().info(self.fence.version)
+        return self.require().info(self.fence.version, self.last_stall_s)
 
     def stage(self, version: Any, epoch: int | None) -> bool:
         copy = self.require()
@@ -123,10 +123,10 @@ class ShadowControl:
         copy, b = self.require(), self.boundary
         b.pause()
         try:
-            start = time.perf_counter()
             if not b.wait_idle(timeout_s):
                 raise TimeoutError(f"{self.owner}: a generation step still runs {timeout_s:g} s "
                                    "after the flip asked for a step boundary")
+            start = time.perf_counter()  # at the boundary: from here the engine waits
             flush_gpudirect_writes(copy.device)  # GPU: RDMA writes visible before kernels read
             copy.swap()
             self.fence.served = serve  # version-tagged outputs: the steps from here on

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,6 +36,9 @@ import torch
 from weight_transfer.engine_adapter import TensorEntry
 from weight_transfer.engines.reference.buffer import EngineBuffer
 from weight_transfer.engines.reference.engine import ReferenceEngine
+
+
+STEPS_KEPT = 100_000  # step start times kept (a bounded record, for measurements)
 
 
 class ReferenceEngineAdapter:
@@ -50,6 +55,8 @@ class ReferenceEngineAdapter:
         self._busy = False  # inside a step, or about to agree on entering one
         self._parked = False  # a step is held at the boundary
         self._shadow: EngineBuffer | None = None
+        # time.time() at the start of each of the latest generation steps (wt bench stall)
+        self.step_starts: deque[float] = deque(maxlen=STEPS_KEPT)
         engine.step_guard = self._step
 
     @property
@@ -104,6 +111,7 @@ class ReferenceEngineAdapter:
                     self._cond.notify_all()
                     self._cond.wait_for(lambda: self._resumes >= agreed)
                     self._busy, self._parked = True, False
+            self.step_starts.append(time.time())
             yield
         finally:
             with self._cond:
