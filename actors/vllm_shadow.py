@@ -50,7 +50,8 @@ class VllmShadow:
         return ShadowInfo(owner=str(EngineRankId(replica=self.replica, rank=rank)),
                           engine="vllm", nbytes=mem["shadow"] + mem["standby"],
                           scratch_bytes=min(CHUNK, largest), live=self.fence.version,
-                          holds=str(self.state.holds), version=self.state.version)
+                          holds=str(self.state.holds), version=self.state.version,
+                          last_flip_s=self.last_stall_s)
 
     def _seen(self, what: str, epoch: int | None) -> bool:
         """Whether another rank's call already carried out this command (same epoch)."""

@@ -259,9 +259,10 @@ def bench_served(
 
 @bench_app.command("stall")
 def bench_stall(
-    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    config: Path | None = typer.Option(
+        None, help="Run config (actors) [default: the engine's demo config]."),
     engine: str = typer.Option("reference", help="Engine whose client generates "
-                               "(actors.bench.stall.STALL_CLIENTS)."),
+                               "(actors.bench.stall.STALL_CLIENTS): reference or vllm."),
     updates: int = typer.Option(3, min=1, help="Updates per mode."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:

@@ -74,9 +74,10 @@ def set_vllm_log_level(level: str) -> None:
     logging.getLogger("vllm").setLevel(level)
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
+def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
     """Trainers, one vLLM engine per replica (from the trainers' initial weights) and the
-    controller after ``setup()``; vLLM logs at :func:`vllm_log_level`."""
+    controller after ``setup()``; vLLM logs at :func:`vllm_log_level` (``overrides``:
+    TransferConfig fields, see :func:`actors.demo.fleet.transfer_config`)."""
     from actors import WeightTransferController, launch_trainers
     from actors.cli.progress import PhaseBars
     from actors.testing.vllm_oracle import vllm_missing
@@ -85,7 +86,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     set_vllm_log_level(level)  # before vllm_missing() imports vLLM here
     if (why := vllm_missing()) is not None:
         raise RuntimeError(f"--engine vllm: {why} (install the `vllm` extra)")
-    config = transfer_config(run)
+    config = transfer_config(run, **overrides)
     if config.engine_fp8:
         _require_cuda("FP8 engines with vLLM")
     start = time.perf_counter()
