@@ -52,7 +52,6 @@ from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
-from weight_transfer.engines.vllm.prepared import Prepared
 from weight_transfer.engines.vllm.shadow import DirectShadow, Standby
 from weight_transfer.recording import checkpoint as ckpt
 from weight_transfer.types import EngineRankId, EngineRankMeta, ShardSpec
@@ -101,7 +100,6 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._discard = False  # the update in progress ends without a flip
         self._complete = False  # the registered memory holds a whole version (flipped)
         self._staging = False  # vLLM's update session is open: the trainers may write
-        self._prepared: Prepared | None = None  # the flip's reprocessing, done ahead
 
     @property
     def meta(self) -> EngineRankMeta | None:
@@ -233,32 +231,6 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
                 "shadow": 0 if self._shadow is None else self._shadow.nbytes,
                 "standby": 0 if self._standby is None else self._standby.nbytes}
 
-    def _prepare(self, _req=None) -> bool:
-        """Shadow mode on CPU, the transfer written and checked: reprocess the repacked
-        layers on twins in a thread while vLLM serves (:mod:`.prepared`); False where the
-        flip reprocesses in place (no repacked layer, or not on CPU)."""
-        from vllm.platforms import current_platform
-
-        self._require_shadow("prepare")
-        if not self._staging:
-            raise ValueError(f"{self.owner}: prepare: no transfer in progress")
-        if not self._repack or not current_platform.is_cpu():
-            return False
-        if self._prepared is None:
-            self._prepared = Prepared(self._repack, self.vllm_config)
-            self._prepared.start()
-        return True
-
-    def _prepared_done(self, _req=None) -> bool:
-        """Whether the preparation finished (its error raised here)."""
-        if self._prepared is None:
-            return True
-        done = self._prepared.wait(0.0)
-        if done and self._prepared.error is not None:
-            err, self._prepared = self._prepared.error, None
-            raise RuntimeError(f"{self.owner}: preparing the flip failed: {err!r}") from err
-        return done
-
     def _discard_update(self, _req=None) -> bool:
         """The update in progress ends at ``finish_weight_update`` without a flip: the
         registered memory gets the served version back, no rollback target remains."""
@@ -317,21 +289,13 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def finish_weight_update(self) -> None:
         self.mem.close_window()  # tcp: no write lands once the update is finished
         self._staging = False
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and not prepared.wait(60.0):
-            raise TimeoutError(f"{self.owner}: the flip's preparation still runs after 60 s")
         if self._discard:
             self._standby.restore()
             self._standby.held = self._discard = False
             log.info("%s: update discarded; live memory untouched", self.owner)
             return
         t0 = time.perf_counter()
-        if prepared is not None:  # repacked ahead: copies and attribute swaps only
-            if self._shadow is not None:
-                self._shadow.flip()
-            prepared.apply()
-        else:
-            flip_live(self._shadow, self._repack)
+        flip_live(self._shadow, self._repack)
         self._complete = True
         self.finished += 1
         log.info("%s: update finished, %d layers reprocessed in %.3f s", self.owner,
@@ -360,8 +324,6 @@ _OPS = {
     "deregister": OneSidedBackend._deregister,
     "memory": OneSidedBackend._memory,
     "live_checksum": OneSidedBackend._live_checksum,
-    "prepare": OneSidedBackend._prepare,
-    "prepared": OneSidedBackend._prepared_done,
     "discard": OneSidedBackend._discard_update,
     "rollback": OneSidedBackend._rollback,
     "close": OneSidedBackend._close,

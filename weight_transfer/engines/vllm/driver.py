@@ -176,21 +176,7 @@ class VllmLink:
         self._require_shadow("flip")
         if not self._updating:
             raise ValueError("flip: no transfer in progress (call begin first)")
-        self.prepare()
         return self._paused(lambda: self._finish(version), version)
-
-    def prepare(self, timeout_s: float = 60.0) -> bool:
-        """Shadow mode, before the flip's pause: the workers reprocess the repacked layers
-        from the shadow while the engine serves (:mod:`.prepared`); returns once done
-        (False where the flip reprocesses in place instead)."""
-        if not any(self.call("prepare")):
-            return False
-        deadline = time.monotonic() + timeout_s
-        while not all(self.call("prepared")):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the flip's preparation still runs after {timeout_s:g} s")
-            time.sleep(0.002)
-        return True
 
     def discard(self) -> None:
         """Shadow mode: end the transfer in progress without a flip; live memory is
