@@ -19,6 +19,7 @@ generation with a None span has no known lag and is never counted fresh.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ class Generation:
         starts = [s.start for s in self.spans]
         if self.tokens and (not starts or starts[0] != 0):
             raise ValueError(f"version spans must start at token 0, got starts {starts}")
-        if any(b <= a for a, b in zip(starts, starts[1:])) or any(
+        if any(b <= a for a, b in itertools.pairwise(starts)) or any(
                 s >= len(self.tokens) for s in starts[1:]):
             raise ValueError(f"version span starts {starts} must increase and stay below "
                              f"{len(self.tokens)} tokens")

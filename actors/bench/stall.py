@@ -26,7 +26,8 @@ generate on one replica and read its step times): ``reference``, or ``vllm``
 (:mod:`actors.bench.stall_vllm`: one real vLLM replica, TP=2, from
 ``configs/runs/demo_vllm.yaml`` unless ``--config`` names another; its steps are
 vLLM's engine steps, its bytes checked against vLLM's own load_weights). The fleet
-and its byte check come from the engine registry (``start_fleet``, ``check_bytes``). Here trainers and engines share the machine's cores (on a
+and its byte check come from the engine registry (``start_fleet``, ``check_bytes``).
+Here trainers and engines share the machine's cores (on a
 cluster they are different GPUs): the trainer processes run at the lowest CPU priority
 in both modes, so that the transfer's CPU work does not pass for an engine stall.
 """
@@ -47,8 +48,8 @@ from typing import Any
 import ray
 from rich.table import Table
 
-from actors.cli.progress import command_console, emit_json, json_to_stdout
 from actors.bench.stall_vllm import VllmStallClient
+from actors.cli.progress import command_console, emit_json, json_to_stdout
 from actors.demo.fleet import Fleet, connect_ray, fleet_session, token_batch
 from actors.engine_registry import engine_spec
 from actors.run_config import RunConfig, load_run_config

@@ -42,10 +42,9 @@ import logging
 import math
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 import torch

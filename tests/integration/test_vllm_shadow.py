@@ -124,7 +124,7 @@ def test_update_serves_the_old_version_until_the_flip(engine):
 
 def test_second_update_then_rollback_and_discard(engine):
     link, meta, nic, models = engine
-    (m1, p1), (m2, p2), (m3, p3) = models
+    (m1, _), (m2, p2), (m3, _) = models
     # version 2 = the first checkpoint's weights again
     during = _transfer_while_serving(link, meta, nic, _state(m1))
     assert all(g == _greedy(m2) for g in during)

@@ -35,10 +35,10 @@ with the old weights is reused (those requests are recomputed).
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 

@@ -14,9 +14,10 @@ Rollback: :class:`Standby` holds the version before the one being transferred,
 saved from the registered memory (arena and direct shadow) when an update
 starts, before any write lands. ``rollback`` swaps the registered memory with
 the standby (chunked, in place: the registered addresses stay) and flips
-again; the version rolled back from is then no rollback target. Memory per worker in shadow mode: the
-direct shadow (the direct parameters' bytes once more) plus the standby (all
-registered bytes once more), besides the arena that in-place mode keeps too.
+again; the version rolled back from is then no rollback target. Memory per
+worker in shadow mode: the direct shadow (the direct parameters' bytes once
+more) plus the standby (all registered bytes once more), besides the arena
+that in-place mode keeps too.
 """
 
 from __future__ import annotations
