@@ -5,6 +5,7 @@ tokens come from each version's weights), and the RL loop's staleness filter."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -134,3 +135,58 @@ def test_reference_engine_spans_follow_an_update_between_steps():
     for g, f, r in zip(result["gens"], first, rest, strict=True):
         assert list(g.tokens) == f + r
         assert g.spans == (VersionSpan(version=1, start=0), VersionSpan(version=2, start=2))
+
+
+def test_a_shadow_flip_mid_request_tags_the_steps_after_it():
+    """The reference engine in shadow mode: a flip lands while a request generates; the
+    steps before it carry the old version, those after it the new one, and their tokens
+    come from each version's weights."""
+    from weight_transfer.engines.fence import CommandFence
+    from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
+    from weight_transfer.engines.reference.engine import ReferenceEngine
+    from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
+    from weight_transfer.engines.registered import RegisteredMemory
+    from weight_transfer.engines.shadow_rank import ShadowControl
+    from weight_transfer.models import load_model_config
+    from weight_transfer.types import ShardSpec
+
+    cfg = load_model_config(Path(__file__).resolve().parents[2]
+                            / "configs/models/tiny_llama.yaml")
+    old, new = build_hf_model(cfg, seed=1), build_hf_model(cfg, seed=2)
+    engine, donor = (ReferenceEngine(cfg, ShardSpec(), fp8=False) for _ in range(2))
+    engine.load_state(old.state_dict())
+    donor.load_state(new.state_dict())
+    adapter, fence = ReferenceEngineAdapter(engine), CommandFence("engine0/tp0")
+    ctl = ShadowControl("engine0/tp0", "reference", fence=fence,
+                        mem=RegisteredMemory("engine0/tp0"), boundary=adapter)
+    ctl.setup(adapter.region_buffers(), adapter.shadow_buffers())
+    assert fence.set_version(1, epoch=1)
+    engine.version_of = lambda: fence.served
+    assert ctl.stage(2, epoch=2)
+    ctl.require().shadow[0].copy_(donor.buffer.view(-1).view(torch.uint8))  # the writes
+    forward, calls, at_two = engine.forward, [], threading.Event()
+
+    def slow_forward(ids):
+        calls.append(1)
+        if len(calls) == 2:  # step 2 ends only once the flip waits for its boundary
+            at_two.set()
+            deadline = time.monotonic() + WAIT
+            while not adapter.paused and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return forward(ids)
+
+    engine.forward = slow_forward
+    prompts, result = [[1, 2, 3]], {}
+    thread = threading.Thread(target=lambda: result.update(
+        gens=engine.generate_tagged(prompts, 12)), daemon=True)
+    thread.start()
+    assert at_two.wait(WAIT)
+    assert ctl.flip(2, epoch=3, deadline=None)
+    thread.join(WAIT)
+    (g,) = result["gens"]
+    assert g.versions == (1, 2), g.spans
+    k = g.spans[1].start
+    assert k == 2  # the flip landed at the boundary after step 2
+    head = greedy_generate(old, prompts, max_new_tokens=k)
+    tail = greedy_generate(new, [prompts[0] + head[0]], max_new_tokens=12 - k)
+    assert list(g.tokens) == head[0] + tail[0]
