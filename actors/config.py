@@ -156,6 +156,9 @@ class TransferSettings(_Frozen):
     # engine computes with while it is paused; shadow writes a second copy while the engine
     # serves, then flips at a step boundary (the pause is the flip; rollback is one flip).
     apply: Literal["in_place", "shadow"] = "in_place"
+    # Replicas that share a site (actors.replica_groups): the trainers write one of each
+    # group, the others are filled from it by a peer copy inside the group.
+    replica_groups: tuple[tuple[str, ...], ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -170,6 +173,13 @@ class TransferSettings(_Frozen):
     @classmethod
     def _integrity(cls, value: Any) -> IntegrityPolicy:
         return parse_integrity(value, where=f"{_where(cls)}.integrity")
+
+    @field_validator("replica_groups", mode="before")
+    @classmethod
+    def _replica_groups(cls, value: Any) -> tuple[tuple[str, ...], ...]:
+        from actors.replica_groups import ReplicaGroups
+
+        return ReplicaGroups.parse(value, where=f"{_where(cls)}.replica_groups").groups
 
     @field_validator("retry", mode="before")
     @classmethod
