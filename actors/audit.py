@@ -18,6 +18,9 @@ background check, :mod:`actors.served_check`) appends a ``check`` line:
 (replicas whose bytes differ), ``healed`` (re-synced from a peer), ``torn``
 (bad and not healed), ``unchecked`` (serving without checksums), ``outcome``.
 
+A ``rollback`` line records ``ctl.rollback()`` (shadow mode): ``before`` and
+``after`` (replica -> version), ``outcome``, ``torn``, ``error``.
+
 A ``refused`` line records an arrival at a trainers' barrier that no rank of the
 setup made (:class:`RefusedAudit`: what, rank, tag, reason, by whom).
 
@@ -182,7 +185,27 @@ class CheckAudit:
         }
 
 
-AuditEntry = UpdateAudit | ResyncAudit | CheckAudit | RefusedAudit
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RollbackAudit:
+    """One ``ctl.rollback()`` (shadow mode): the versions before and after, per replica."""
+
+    started_at: float
+    finished_at: float
+    before: Mapping[str, int | None] = field(default_factory=dict, hash=False)
+    after: Mapping[str, int | None] = field(default_factory=dict, hash=False)
+    torn: tuple[str, ...] = ()
+    error: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        return {"kind": "rollback", "started_at": self.started_at,
+                "finished_at": self.finished_at, "seconds": self.finished_at - self.started_at,
+                "before": dict(sorted(self.before.items())),
+                "after": dict(sorted(self.after.items())),
+                "outcome": "ok" if self.error is None else "failed",
+                "torn": sorted(self.torn), "error": self.error}
+
+
+AuditEntry = UpdateAudit | ResyncAudit | CheckAudit | RefusedAudit | RollbackAudit
 
 
 class AuditLog:

@@ -68,6 +68,7 @@ from pydantic import (
 
 from actors.messages import RankOptions
 from scheduling.cluster import ClusterConfig, load_cluster_config
+from scheduling.flip import shadow_need
 from weight_transfer.integrity import IntegrityPolicy, parse_integrity
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.retry import RetryPolicy, parse_retry
@@ -154,6 +155,10 @@ class TransferSettings(_Frozen):
     # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
     # them with no collective (scheduling.direct); full: every parameter gathered first.
     gather: Literal["shard_direct", "full"] = "shard_direct"
+    # How an update lands (weight_transfer.engines.shadow): in_place writes the memory the
+    # engine computes with while it is paused; shadow writes a second copy while the engine
+    # serves, then flips at a step boundary (the pause is the flip; rollback is one flip).
+    apply: Literal["in_place", "shadow"] = "in_place"
     # Replicas that share a site (actors.replica_groups): the trainers write one of each
     # group, the others are filled from it by a peer copy inside the group.
     replica_groups: tuple[tuple[str, ...], ...] = ()
@@ -239,6 +244,20 @@ class TransferConfig(TransferSettings):
         ``kwargs`` set fields otherwise (``fp8``, a shorter ``update_timeout_s``)."""
         fields = {k: getattr(settings, k) for k in TransferSettings.model_fields}
         return cls(model=model, cluster=cluster, **(fields | kwargs))
+
+    @model_validator(mode="after")
+    def _shadow_room(self) -> TransferConfig:
+        """Shadow mode needs one more copy of every engine rank's weights: refused where
+        the cluster states a GPU memory that cannot hold it (naming the numbers)."""
+        if self.apply != "shadow" or self.model is None or self.cluster is None \
+                or self.cluster.inference.memory_gib is None:
+            return self
+        need = shadow_need(self.model, self.cluster, fp8=self.engine_fp8)
+        if not need.fits:
+            src = f" ({self.cluster.source})" if self.cluster.source else ""
+            raise ValueError(f"{_where(type(self))}.apply='shadow': {need.message()}{src}; "
+                             "use apply='in_place' or more GPUs per replica")
+        return self
 
     @property
     def engine_fp8(self) -> bool:

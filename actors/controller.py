@@ -89,6 +89,7 @@ from actors.connections import Connector
 from actors.controller_calls import ControlCalls
 from actors.controller_replicas import ReplicaOps, flat_actors
 from actors.controller_setup import run_setup
+from actors.controller_shadow import rollback
 from actors.controller_state import ControllerState
 from actors.controller_update import UpdateOutcome, UpdateSteps, check_version
 from actors.ledger import ControlLedger
@@ -215,7 +216,7 @@ class WeightTransferController:
         """
         with self._busy:
             check_version(self.state, version)  # a refused version number is not an update
-            self.state.attempted = version
+            self.state.attempted = self.state.in_flight = version
             started = time.time()
             try:
                 outcome = self._updates.run(version, trace=trace, pause=self.pause_during_update,
@@ -224,6 +225,8 @@ class WeightTransferController:
             except Exception as err:  # ended before it had reports: still one audit line
                 outcome = UpdateOutcome(version=version, replicas=tuple(self.state.replicas),
                                         error=err, crashed=True)
+            finally:
+                self.state.in_flight = None
             for refused in outcome.refusals:  # barrier arrivals refused: a line each
                 self.audit.record(refused)
             entry = outcome.audit(started_at=started, finished_at=time.time())
@@ -248,6 +251,20 @@ class WeightTransferController:
             log.warning("audit: refused counts not recorded: %s", err)
             return {}
         return refused_counts(ranks, stats)
+
+    def rollback(self) -> dict[str, int | None]:
+        """Shadow mode: flip every replica back to the version it held before its last flip
+        (one flip each, also after the new version served); returns
+        :meth:`weights_version`. ValueError, nothing changed: in place, with an update in
+        flight, or a replica without a previous version. One audit line."""
+        if not self._busy.acquire(blocking=False):  # an update (or a check) runs now
+            raise ValueError(f"rollback(): the update to version {self.state.in_flight} is in "
+                             "flight (or a set-up, re-sync or check runs); nothing changed")
+        try:
+            return rollback(self.state, self.calls, self.config, self.audit,
+                            self.state.in_flight)
+        finally:
+            self._busy.release()
 
     def add_replica(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""

@@ -51,8 +51,9 @@ from actors.faults import fault_kind_of
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
 from actors.replica_groups import ReplicaGroups
+from actors.shadow_setup import setup_shadow, shadow_bytes
 from actors.telemetry import replica_versions
-from weight_transfer.engines.rank import EngineRank, method_name
+from weight_transfer.engines.rank import EngineRank, ShadowEngineRank, method_name
 from weight_transfer.errors import FaultKind, IntegrityError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.served import region_maps
@@ -156,11 +157,39 @@ class ReplicaOps:
         check = verify_copy(source=st.replicas[source], target=st.replicas[target],
                             source_metas=st.engine_metas[source],
                             target_metas=st.engine_metas[target], call=self.calls.call,
-                            get=self.calls.ledger.get, timeout_s=timeout)
+                            get=self.calls.ledger.get, timeout_s=timeout,
+                            source_checksum=self._served_checksum)
         if not check.ok:
             raise IntegrityError(f"copy from {source} to {target}: {check.message()}",
                                  replicas=check.torn)
         return check
+
+    @property
+    def shadow(self) -> bool:
+        return self.config.apply == "shadow"
+
+    @property
+    def _served_checksum(self) -> str:
+        """What a peer's served bytes hash with (shadow mode: its live copy)."""
+        return method_name(ShadowEngineRank.wt_live_checksum if self.shadow
+                           else EngineRank.wt_checksum)
+
+    def _before_fill(self, name: str, version: int, timeout: float) -> None:
+        """Hold ``name`` (in place) or stage its shadow with ``version`` (shadow mode: it
+        keeps serving what it has until the flip)."""
+        method = ShadowEngineRank.wt_stage if self.shadow else EngineRank.wt_pause
+        args = (version,) if self.shadow else (timeout,)
+        faults = fan_out(self.calls.ledger, self.state.replicas, [name], method, *args,
+                         epoch=next_epoch(), until=time.monotonic() + timeout)
+        if faults:
+            raise RuntimeError(f"could not {'stage' if self.shadow else 'hold'} {name}: "
+                               f"{describe_faults(faults)[name]}")
+
+    def _after_fill(self, name: str, version: int, deadline: float) -> dict:
+        """Resume ``name`` with ``version`` (in place) or flip to it (shadow mode); faults."""
+        method = ShadowEngineRank.wt_flip if self.shadow else EngineRank.wt_resume
+        return fan_out(self.calls.ledger, self.state.replicas, [name], method, version,
+                       epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
 
     def add(self, engine_actors: Sequence[Any]) -> str:
         """Fill a new replica from a peer holding the current version; then plan it in."""
@@ -171,6 +200,9 @@ class ReplicaOps:
             raise RuntimeError("add_replica(): no version was transferred yet; run update() first")
         source = st.source_of(current, besides="")
         actors = flat_actors(engine_actors)
+        if self.shadow:
+            st.shadow_bytes.update(shadow_bytes(setup_shadow(
+                self.calls, actors, self.config.transport_spec)))
         metas = st.connector.gather_engines(actors, label="new engine actor")
         groups = list(group_replicas(actors, metas))
         if len(groups) != 1:
@@ -186,18 +218,18 @@ class ReplicaOps:
         st.add_replica_entry(name, actors, metas)
         timeout = self.config.setup_timeout_s
         try:
-            calls.each_engine(st.replicas, EngineRank.wt_pause, timeout, next_epoch(),
-                              names=[name],
-                              phase=f"hold {name} until filled")
+            self._before_fill(name, current, timeout)
             self._copy(source, name, version=current, timeout=timeout)
             replan(st, calls, self.config)
         except Exception:
             st.forget_replica(name)
             raise
-        calls.each_engine(st.replicas, EngineRank.wt_resume, current, next_epoch(),
-                          names=[name],
-                          phase=f"resume {name}")
+        faults = self._after_fill(name, current, time.monotonic() + timeout)
+        if faults:
+            raise RuntimeError(f"add_replica({name}): filled but not serving: "
+                               f"{describe_faults(faults)[name]}")
         st.versions[name] = current
+        st.previous[name] = None
         self._copy_reference(source, name)
         log.info("replica %s filled with version %d from %s", name, current, source)
         return name
@@ -277,22 +309,26 @@ class ReplicaOps:
                      ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:
         st, calls, timeout = self.state, self.calls, self.config.update_timeout_s
         deadline = time.monotonic() + timeout
-        st.versions[name] = None
+        if not self.shadow:  # shadow mode: it serves what it has until the flip
+            st.versions[name] = None
+            st.paused.add(name)
         st.served.drop(name)
-        st.paused.add(name)
-        faults = fan_out(calls.ledger, st.replicas, [name], EngineRank.wt_pause, timeout,
-                         epoch=next_epoch(), until=deadline)
-        if faults:
-            raise RuntimeError(f"resync({name}): could not hold it: "
-                               f"{describe_faults(faults)[name]}")
+        st.previous[name] = None
+        try:
+            self._before_fill(name, version, timeout)
+        except RuntimeError as err:
+            raise RuntimeError(f"resync({name}): {err}") from None
         try:
             pairs, check = self._copy(source, name, version=version,
                                       timeout=max(0.0, deadline - time.monotonic()))
-        except (RuntimeError, TimeoutError):
-            hold(st, calls, [name], {})
+        except (RuntimeError, TimeoutError, IntegrityError):
+            if self.shadow:
+                fan_out(calls.ledger, st.replicas, [name], ShadowEngineRank.wt_discard_shadow,
+                        epoch=next_epoch(), until=time.monotonic() + HOLD_WAIT_S)
+            else:
+                hold(st, calls, [name], {})
             raise
-        faults = fan_out(calls.ledger, st.replicas, [name], EngineRank.wt_resume, version,
-                         epoch=next_epoch(), deadline=wall_deadline(deadline), until=deadline)
+        faults = self._after_fill(name, version, deadline)
         if faults:
             hold(st, calls, [name], faults)
             raise RuntimeError(f"resync({name}): filled with version {version} but not resumed:"

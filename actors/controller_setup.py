@@ -21,6 +21,7 @@ replicas whose actors died.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
 from actors.replica_groups import ReplicaGroups
 from actors.schedule_actor import ScheduleActor
+from actors.shadow_setup import setup_shadow, shadow_bytes
 from scheduling.cluster_defaults import check_cluster
 from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.rank import EngineRank
@@ -64,6 +66,9 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
     if again:
         refresh_engines(state, calls, config)
     else:
+        if config.apply == "shadow":  # the shadow is what the NICs register, before the metas
+            infos = setup_shadow(calls, list(engine_handles), config.transport_spec)
+            state.shadow_bytes.update(shadow_bytes(infos))
         first_engines(state, engine_handles)
     check_cluster(config.cluster, replica_ranks={n: len(a) for n, a in state.replicas.items()})
     state.connector.check_engines([m.rank for m in state.trainer_metas], state.engine_list())
@@ -166,7 +171,7 @@ def replan(state: ControllerState, calls: ControlCalls, config: TransferConfig) 
                        result.summary.regions_by_rank)
     state.connector.connect(links, phase="distribute the plan", rank_infos=state.rank_infos,
                             trainer_call=trainer_call)
-    state.summary = result.summary
+    state.summary = dataclasses.replace(result.summary, shadow_bytes=dict(state.shadow_bytes))
     log.info("plan %d: %d B in %d tasks over %d trainer ranks -> replicas %s",
              state.summary.plan_id, state.summary.bytes_total, state.summary.num_tasks,
              len(state.trainers), list(state.replicas))

@@ -48,6 +48,11 @@ class ControllerState:
     store_host: str = ""
     barrier_key: BarrierKey | None = None  # this setup's barrier name and secret (Ray only)
     attempted: int | None = None  # the last version an update() started
+    in_flight: int | None = None  # the version an update() is moving now (None: none)
+    # Shadow mode: per replica, the version its shadow keeps from before its last flip
+    # (what rollback() returns to; None: none kept).
+    previous: dict[str, int | None] = field(default_factory=dict)
+    shadow_bytes: dict[str, int] = field(default_factory=dict)  # engine rank -> extra bytes
     # Per replica, checksums of every byte it serves (actors.served_check), where kept.
     served: ServedBook = field(default_factory=ServedBook)
 
@@ -83,6 +88,7 @@ class ControllerState:
         self.drop_replica_entry(name)
         self.served.drop(name)
         self.versions.pop(name, None)
+        self.previous.pop(name, None)
         self.paused.discard(name)
 
     def engine_list(self) -> list[EngineRankMeta]:

@@ -42,14 +42,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import ray
 
-from actors.audit import RefusedAudit, UpdateAudit
+from actors.completion_fence import completion_fence
 from actors.config import TransferConfig
 from actors.controller_calls import ControlCalls
 from actors.controller_replicas import HOLD_WAIT_S, ReplicaOps, hold
+from actors.controller_shadow import ShadowSteps
 from actors.controller_state import ControllerState
 from actors.engine_control import (
     RankFault,
@@ -65,8 +65,17 @@ from actors.integrity_check import IntegrityResult, verify_update
 from actors.reports import RankReport, TrainerFault, UpdateReport
 from actors.served_check import ServedWatch
 from actors.telemetry import UpdateClock, record_failure, record_success, update_trace
+from actors.update_outcome import (
+    PAUSE_SHARE,
+    RESUME_SHARE,
+    UpdateOutcome,
+    refusals_of,
+)
+from actors.update_outcome import (
+    merge_faults as _merge,
+)
 from weight_transfer.engines.rank import EngineRank, method_name
-from weight_transfer.errors import BarrierRefusedError, FaultKind, UpdateError
+from weight_transfer.errors import FaultKind, UpdateError
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.trace import write_chrome_trace
 
@@ -74,35 +83,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HOLD_WAIT_S", "PAUSE_SHARE", "RESUME_SHARE", "UpdateError", "UpdateOutcome",
            "UpdateSteps", "check_faults", "check_version"]
-
-PAUSE_SHARE = 0.25  # of update_timeout_s: the most the pause may take
-RESUME_SHARE = 0.1  # of update_timeout_s: kept for the resume when the transfer overruns
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateOutcome:
-    """How one update ended: ``report`` (it succeeded) or ``error`` (to raise), with what
-    the audit line records. ``crashed``: the update ended with an error of its own
-    before it could collect reports (a pause or a check that raised)."""
-
-    version: int
-    replicas: tuple[str, ...]
-    reports: tuple[RankReport, ...] = ()
-    integrity: IntegrityResult | None = None
-    report: UpdateReport | None = None
-    error: Exception | None = None
-    crashed: bool = False
-    refusals: tuple[RefusedAudit, ...] = ()  # barrier arrivals refused (their own lines)
-
-    def audit(self, *, started_at: float, finished_at: float) -> UpdateAudit:
-        err = self.error
-        return UpdateAudit(
-            version=self.version, started_at=started_at, finished_at=finished_at,
-            reports=self.reports, integrity=self.integrity, replicas=self.replicas,
-            outcome="ok" if err is None else "failed",
-            torn=tuple(err.torn) if isinstance(err, UpdateError) else (),
-            error=None if err is None else (f"{type(err).__name__}: {err}" if self.crashed
-                                            else str(err)))
 
 
 def check_version(state: ControllerState, version: int) -> None:
@@ -128,21 +108,6 @@ def check_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
     return out
 
 
-def refusals_of(version: int, errors: Mapping[int, TrainerFault]
-                ) -> tuple[RefusedAudit, ...]:
-    """The audit lines of the barrier arrivals that trainer ranks refused."""
-    return tuple(
-        RefusedAudit(version=version, what="barrier arrival", rank=f.cause.rank,
-                     tag=f.cause.tag, reason=f.cause.reason, by=f"trainer rank {r}",
-                     at=time.time(), error=f.error)
-        for r, f in sorted(errors.items()) if isinstance(f.cause, BarrierRefusedError))
-
-
-def _merge(into: dict[str, list[RankFault]], more: Mapping[str, list[RankFault]]) -> None:
-    for name, faults in more.items():
-        into.setdefault(name, []).extend(faults)
-
-
 class UpdateSteps:
     """The steps of one update over the controller's state; see the module docstring."""
 
@@ -158,6 +123,9 @@ class UpdateSteps:
         """Move the trainers' weights into every replica as ``version`` (checked by
         :func:`check_version` first); ``after_transfer(version)``, a test hook, runs
         between the writes and the check."""
+        if self.config.apply == "shadow":
+            return ShadowSteps(self).run(version, trace=bool(trace), auto_resync=auto_resync,
+                                         after_transfer=after_transfer)
         st, ledger = self.state, self.calls.ledger
         offset = UpdateClock.wall_offset()
         snap, start = ledger.snapshot(), time.perf_counter()
@@ -215,6 +183,15 @@ class UpdateSteps:
             torn.update(st.summary.replicas_by_rank.get(rank, names))
         for rep in reports.values():
             torn.update(rep.failed_replicas)
+        # The completion fence: no resume before every WRITE into the replica completed and
+        # its report is here (a replica of a rank that failed is torn above already).
+        for name, why in completion_fence(st.summary.dest_bytes_by_rank, reports,
+                                          replicas=[n for n in names if n not in torn]
+                                          ).pending.items():
+            torn.add(name)
+            faults.setdefault(name, []).append(RankFault(
+                replica=name, rank=-1, kind=FaultKind.FAILED, method="completion fence",
+                error=why))
         check = verify_update(
             policy=self.config.integrity, reports=list(reports.values()),
             replicas={n: st.replicas[n] for n in names if n not in torn},

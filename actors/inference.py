@@ -37,6 +37,7 @@ offers ``generate`` and ``logits`` (every TP rank of the replica calls together)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -52,7 +53,10 @@ from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from weight_transfer.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
 from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noqa: F401
+from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
 from weight_transfer.engines.registered import RegisteredMemory
+from weight_transfer.engines.shadow import ShadowError, ShadowInfo
+from weight_transfer.engines.shadow_rank import ShadowControl
 from weight_transfer.transport.handshake import Connection, HostId, InfoRequest
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
@@ -62,8 +66,15 @@ from weight_transfer.types import (
     PeerInfo,
     ShardSpec,
 )
+from weight_transfer.versions import Generation
 
 log = logging.getLogger(__name__)
+
+
+def engine_name(adapter: Any) -> str:
+    """The engine an adapter fronts, for messages (``ReferenceEngineAdapter`` -> reference)."""
+    name = getattr(adapter, "engine_name", None)
+    return name if isinstance(name, str) else type(adapter).__name__
 
 
 class InferenceMixin:
@@ -88,6 +99,8 @@ class InferenceMixin:
         self._wt_mem = RegisteredMemory(self._wt_owner)
         self._wt_fence = CommandFence(self._wt_owner)
         self._wt_lock = threading.Lock()  # one registration at a time
+        self._wt_shadow = ShadowControl(self._wt_owner, engine_name(adapter),
+                                        fence=self._wt_fence, mem=self._wt_mem, boundary=adapter)
 
     @property
     def _wt_owner(self) -> str:
@@ -104,11 +117,16 @@ class InferenceMixin:
         with self._wt_lock:
             self._wt_mem.check_spec(transport)
             if self._wt_mem.meta is None:
+                shadow = self._wt_shadow
                 self._wt_mem.register(
-                    transport or self._wt_default_spec, self._wt_adapter.region_buffers(),
+                    transport or self._wt_default_spec,
+                    shadow.copy.region_buffers() if shadow.enabled
+                    else self._wt_adapter.region_buffers(),
                     nic_names=self._wt_nic_names, node=self.wt_node_id(),
                     address=self.wt_host().address, replica=self._wt_replica,
                     rank=self._wt_rank, shard=self._wt_shard)
+                if shadow.enabled:
+                    shadow.bind()
             return self._wt_mem.meta
 
     def wt_host(self) -> HostId:
@@ -162,6 +180,7 @@ class InferenceMixin:
 
         def go() -> None:
             self._wt_mem.close_window()  # tcp: no write lands once the engine serves
+            flush_gpudirect_writes(self._wt_device())  # GPU: writes visible to kernels
             self._wt_fence.record("resume")
             self._wt_adapter.resume()
 
@@ -183,13 +202,61 @@ class InferenceMixin:
         """(event, version held, time.time()) of every pause, resume and version change."""
         return self._wt_fence.events()
 
+    def _wt_device(self) -> Any:
+        """The device of the registered memory (None: none registered yet)."""
+        buf = next(iter(self._wt_mem.buffers.values()), None)
+        return getattr(buf, "device", None)
+
+    # ------------------------------------------------------------------ shadow mode
+
+    def wt_shadow_setup(self, transport: TransportSpec | None = None) -> ShadowInfo:
+        """Allocate the shadow (the adapter's ``shadow_buffers()``) and register it instead
+        of the live memory (regions registered in place before are closed first);
+        ShadowError naming the engine when its adapter cannot give a second copy."""
+        self._wt_require()
+        make = getattr(self._wt_adapter, "shadow_buffers", None)
+        if make is None:
+            raise ShadowError(f"{self._wt_owner}: the {engine_name(self._wt_adapter)} engine "
+                              "cannot hold a shadow copy of its weights (its adapter has no "
+                              "shadow_buffers()); use TransferConfig.apply='in_place'")
+        with self._wt_lock:
+            if not self._wt_shadow.enabled:
+                if self._wt_mem.meta is not None:  # registered in place: expose the shadow
+                    self._wt_mem.close()
+                self._wt_shadow.setup(self._wt_adapter.region_buffers(), make())
+        self.wt_engine_meta(transport)
+        return self._wt_shadow.info()
+
+    def wt_shadow_info(self) -> ShadowInfo:
+        return self._wt_shadow.info()
+
+    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+        return self._wt_shadow.stage(version, epoch)
+
+    def wt_flip(self, version: Any, epoch: int | None = None,
+                deadline: float | None = None) -> bool:
+        return self._wt_shadow.flip(version, epoch, deadline)
+
+    def wt_rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        return self._wt_shadow.rollback(epoch, deadline)
+
+    def wt_discard_shadow(self, epoch: int | None = None) -> bool:
+        return self._wt_shadow.discard(epoch)
+
+    def wt_live_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        self.wt_engine_meta()
+        if not self._wt_shadow.enabled:
+            return self._wt_mem.checksum(ranges)
+        return self._wt_shadow.live_checksum(ranges)
+
     # ------------------------------------------------------------------ peers and checks
 
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
         """Write this rank's registered buffers into ``dst`` (same layout); returns bytes.
         The NICs must be connected to ``dst``'s first (:meth:`wt_connect_peers`)."""
         self.wt_engine_meta()
-        return self._wt_mem.copy_to(dst)
+        shadow = self._wt_shadow
+        return self._wt_mem.copy_to(dst, shadow.source_addr if shadow.enabled else None)
 
     def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
         """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
@@ -237,15 +304,35 @@ class InferenceWorker(InferenceMixin, GroupMember):
         self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
                               replica=self.replica_name, rank=self.local, shard=self.shard,
                               nics=self.nic_names, transport=self.config.transport_spec)
+        # generate_tagged: the version of each step (a pause does not clear it: no step runs)
+        self.engine.version_of = lambda: self._wt_fence.served
         return self.node_id()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy generations (all TP ranks of the replica call together)."""
         return self.engine.generate(prompts, max_new_tokens)
 
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int
+                        ) -> list[Generation]:
+        """:meth:`generate`, each sequence with the weight versions that produced its tokens
+        (:class:`weight_transfer.versions.Generation`)."""
+        return self.engine.generate_tagged(prompts, max_new_tokens)
+
     def logits(self, ids: Any) -> torch.Tensor:
         """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
         return self.engine.forward(torch.as_tensor(ids, dtype=torch.long))
+
+    def tagged_logits(self, ids: Any) -> tuple[Any, torch.Tensor]:
+        """(version held, :meth:`logits`) computed as one engine step: held back while the
+        engine is paused, so never from a version being written (all TP ranks together)."""
+        guard = self.engine.step_guard
+        with guard() if guard is not None else contextlib.nullcontext():
+            return self._wt_fence.served, self.logits(ids)
+
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """``time.time()`` at the start of each recent generation step after ``since``
+        (``wt bench stall``: the gaps between steps)."""
+        return [t for t in list(self._wt_adapter.step_starts) if t > since]
 
     def engine_state_bytes(self) -> dict[str, torch.Tensor]:
         """Every engine tensor's bytes (for verification only)."""

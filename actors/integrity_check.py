@@ -171,15 +171,17 @@ def compare_rows(*, mode: str, rows: Mapping[tuple[str, int], np.ndarray],
                  metas: Mapping[str, Sequence[EngineRankMeta]],
                  call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
                  pending: Callable[[list, float], list] = _ray_pending,
-                 start: float | None = None) -> IntegrityResult:
+                 start: float | None = None, checksum: str = "wt_checksum") -> IntegrityResult:
     """Hash ``rows`` (``{(replica, rank): uint64 [n, 5]}``, :data:`COLUMNS`) on their engine
-    ranks, all at once, and compare with the rows' checksums (see :func:`verify_update`)."""
+    ranks, all at once, and compare with the rows' checksums (see :func:`verify_update`).
+    ``checksum``: the rank method that hashes (``wt_live_checksum``: the memory a shadow-mode
+    engine computes with)."""
     start = time.perf_counter() if start is None else start
     rows = {k: v for k, v in rows.items() if len(v)}
     if not rows:
         return IntegrityResult(mode=mode, ranges=0, bytes=0, seconds=time.perf_counter() - start)
     keys = sorted(rows)
-    refs = [call(replicas[rep][rank].wt_checksum, rows[(rep, rank)][:, ADDR:CHECKSUM])
+    refs = [call(getattr(replicas[rep][rank], checksum), rows[(rep, rank)][:, ADDR:CHECKSUM])
             for rep, rank in keys]
     found: list[Mismatch] = []
     for (rep, rank), (got, why, fault) in zip(keys, answers(refs, get, timeout_s, pending),
@@ -205,9 +207,11 @@ def _meta(metas: Mapping[str, Sequence[EngineRankMeta]], replica: str,
 def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
                 source_metas: Sequence[EngineRankMeta], target_metas: Sequence[EngineRankMeta],
                 call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
-                pending: Callable[[list, float], list] = _ray_pending) -> IntegrityResult:
+                pending: Callable[[list, float], list] = _ray_pending,
+                source_checksum: str = "wt_checksum") -> IntegrityResult:
     """After a replica was filled from a peer (re-sync, ``add_replica``): every registered
-    region of each target rank must hash as the same region of its source rank. Both
+    region of each target rank must hash as the same region of its source rank
+    (``source_checksum`` ``wt_live_checksum``: the source's live copy, shadow mode). Both
     sides hash whole regions, all ranks at once; a difference or a rank that does not
     answer is a Mismatch of the target replica (``task`` -1, the region's first tensor)."""
     start = time.perf_counter()
@@ -219,7 +223,8 @@ def verify_copy(*, source: Sequence[Any], target: Sequence[Any],
                              f"{len(src_regions)}")
         rows = [np.array([[r.addr, 0, r.length] for r in regions], dtype=np.uint64)
                 for regions in (src_regions, dst_regions)]
-        refs += [call(source[rank].wt_checksum, rows[0]), call(target[rank].wt_checksum, rows[1])]
+        refs += [call(getattr(source[rank], source_checksum), rows[0]),
+                 call(target[rank].wt_checksum, rows[1])]
         jobs.append((dst, dst_regions))
     got_all = answers(refs, get, timeout_s, pending)
     found, nbytes = [], 0

@@ -105,6 +105,12 @@ class PlanSummary:
     gather: str = "full"
     direct_bytes: int = 0
     gathered_params: int = 0
+    # trainer rank -> replica -> engine rank -> bytes it writes there (the completion fence,
+    # actors.completion_fence)
+    dest_bytes_by_rank: dict[int, dict[str, dict[int, int]]] = field(
+        default_factory=dict, hash=False)
+    # engine rank ("engine0/tp1") -> bytes of its shadow copy (shadow mode; empty in place)
+    shadow_bytes: dict[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def send_imbalance(self) -> float:

@@ -77,13 +77,20 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
     nbytes = plan.task_nbytes()
     replica_of_engine = np.array([e.replica for e in plan.engines], dtype=object)
     replicas = tuple(dict.fromkeys(e.replica for e in plan.engines))
-    by_rank, replicas_by_rank, regions_by_rank = {}, {}, {}
+    by_rank, replicas_by_rank, regions_by_rank, dest_bytes = {}, {}, {}, {}
     for r in range(len(plan.trainer_ranks)):
         a, b = int(plan.trainer_ptr[r]), int(plan.trainer_ptr[r + 1])
         by_rank[r] = int(nbytes[a:b].sum())
         replicas_by_rank[r] = tuple(sorted(set(replica_of_engine[plan.task_dst[a:b]].tolist())))
         regions = (plan.regions[i] for i in sorted(set(plan.task_region[a:b].tolist())))
         regions_by_rank[r] = tuple((g.owner, g.nic, g.addr) for g in regions)
+        per_engine = np.bincount(plan.task_dst[a:b], weights=nbytes[a:b],
+                                 minlength=len(plan.engines))  # exact below 2**53 B
+        dest: dict[str, dict[int, int]] = {}
+        for e in np.flatnonzero(per_engine).tolist():
+            eng = plan.engines[e]
+            dest.setdefault(eng.replica, {})[eng.rank] = int(per_engine[e])
+        dest_bytes[r] = dest
     by_replica = {name: 0 for name in replicas}
     for name, n in zip(replica_of_engine[plan.task_dst].tolist(), nbytes.tolist(), strict=True):
         by_replica[name] += int(n)
@@ -106,6 +113,7 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
         gather=plan.gather,
         direct_bytes=int(nbytes[plan.task_direct()].sum()) if plan.num_tasks else 0,
         gathered_params=len(plan.fallback),
+        dest_bytes_by_rank=dest_bytes,
     )
 
 

@@ -56,6 +56,7 @@ from actors.controller_calls import ControlCalls
 from actors.controller_replicas import ReplicaOps, hold
 from actors.controller_state import ControllerState
 from actors.integrity_check import IntegrityResult, answers, compare_rows
+from weight_transfer.engines.rank import EngineRank, ShadowEngineRank, method_name
 from weight_transfer.integrity import ADDR, CHECKSUM, COLUMNS, merge_ranges
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.served import ServedSums, region_maps, remap, tensor_chunks
@@ -205,7 +206,8 @@ class ServedWatch:
                    else min(TICK_TIMEOUT_S, self.config.update_timeout_s))
         return compare_rows(mode=f"served-{mode}", rows=rows, replicas=self.state.replicas,
                             metas=self.state.engine_metas, call=self.calls.call,
-                            get=self.calls.ledger.get, timeout_s=timeout)
+                            get=self.calls.ledger.get, timeout_s=timeout,
+                            checksum=served_checksum(self.config))
 
     def _heal(self, bad: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Hold every bad replica (it stops serving), then re-sync each from a peer that
@@ -224,6 +226,13 @@ class ServedWatch:
                           "the next update: %s", name, exc)
                 held.append(name)
         return tuple(healed), tuple(held)
+
+
+def served_checksum(config: TransferConfig) -> str:
+    """The rank method that hashes served memory: in shadow mode the registered regions are
+    the shadow, and what the engine computes with is its live copy at the same offsets."""
+    return method_name(ShadowEngineRank.wt_live_checksum if config.apply == "shadow"
+                       else EngineRank.wt_checksum)
 
 
 def _bad(result: IntegrityResult) -> list[str]:

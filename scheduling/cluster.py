@@ -101,6 +101,16 @@ class InferenceCluster(_Strict):
     nic_gbps: float = Field(gt=0, description="line rate of one NIC in Gb/s")
     gpu_nic: tuple[int, ...] | None = None
     fp8: bool = Field(default=False, description="engines hold FP8 block-quantized weights")
+    # Shadow mode (TransferConfig.apply="shadow") needs one more copy of a rank's weights.
+    memory_gib: float | None = Field(
+        default=None, gt=0, description="device memory of one engine GPU, GiB (None: unknown)")
+    reserved_gib: float = Field(
+        default=0.0, ge=0,
+        description="memory an engine GPU keeps besides its weights (KV cache, activations), GiB")
+    device_copy_gbps: float | None = Field(
+        default=None, gt=0,
+        description="device-to-device copy rate of an engine GPU, GB/s (a shadow flip); "
+        "None: not modelled")
 
     @property
     def gpus_per_node(self) -> int:

@@ -111,7 +111,8 @@ class UpdateError(WeightTransferError, RuntimeError):
     unresponsive, failed); ``replica_kinds``: replica -> the fault kinds of its
     ranks; ``lost``: replicas dropped from the plan (an actor died);
     ``resynced``: torn replicas re-filled from a peer right after the failure
-    (they hold ``version`` and serve again).
+    (they hold ``version`` and serve again); ``kept`` (shadow mode): replica -> the
+    complete version it still serves, its live memory untouched by the failed transfer.
     """
 
     def __init__(self, message: str, *, version: int, ranks: Mapping[int, str],
@@ -125,3 +126,4 @@ class UpdateError(WeightTransferError, RuntimeError):
         self.lost, self.resynced = list(lost), list(resynced)
         self.rank_kinds = dict(rank_kinds or {})
         self.replica_kinds = dict(replica_kinds or {})
+        self.kept: dict[str, int | None] = {}

@@ -274,6 +274,21 @@ def bench_served(
                          interval=interval, json_out=json_path))
 
 
+@bench_app.command("stall")
+def bench_stall(
+    config: Path | None = typer.Option(
+        None, help="Run config (actors) [default: the engine's demo config]."),
+    engine: str = typer.Option("reference", help="Engine whose client generates "
+                               "(actors.bench.stall.STALL_CLIENTS): reference or vllm."),
+    updates: int = typer.Option(3, min=1, help="Updates per mode."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Engine stall per update, in place and in shadow mode, while a client generates."""
+    from actors.bench.stall import run
+
+    raise typer.Exit(run(config=config, engine=engine, updates=updates, json_out=json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),

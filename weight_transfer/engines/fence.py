@@ -59,6 +59,9 @@ class CommandFence:
     def __init__(self, owner: str, *, events_kept: int = EVENTS_KEPT) -> None:
         self.owner = owner
         self.version: Any = None
+        # The version generation computes with: set by a resume or a version command. A
+        # pause does not clear it (no step runs while paused; version-tagged outputs).
+        self.served: Any = None
         self.epoch = 0  # the newest controller epoch seen
         # The latest events only: a long run must not grow the engine's memory.
         self._events: deque[Event] = deque(maxlen=events_kept)
@@ -108,6 +111,7 @@ class CommandFence:
                 return False
             if version is not KEEP:
                 self.version = version
+            self.served = self.version
             go()
         return True
 
@@ -117,8 +121,35 @@ class CommandFence:
         with self._lock:
             if not self._admit(epoch, "version"):
                 return False
-            self.version = version
+            self.version = self.served = version
             if apply is not None:
                 apply(version)
             self.record("version")
+        return True
+
+    def swap(self, what: str, epoch: int | None, deadline: float | None,
+             run: Callable[[Any], Any]) -> bool:
+        """A flip or a rollback (shadow mode): ``run(version held)`` returns the version
+        held after it and becomes it; refused (False, nothing changes) when stale or past
+        ``deadline``. An error ``run`` raises (a refused flip) leaves the version as it was."""
+        with self._lock:
+            if not self._admit(epoch, what):
+                return False
+            if deadline is not None and time.time() > deadline:
+                log.warning("%s refused a %s that came %.3f s after its deadline", self.owner,
+                            what, time.time() - deadline)
+                self.record(f"late {what}")
+                return False
+            self.version = self.served = run(self.version)
+            self.record(what)
+        return True
+
+    def fenced(self, what: str, epoch: int | None, run: Callable[[], Any]) -> bool:
+        """Run ``run`` under the lock unless the command is stale (a stage or a discard of
+        the shadow: the version held does not change)."""
+        with self._lock:
+            if not self._admit(epoch, what):
+                return False
+            run()
+            self.record(what)
         return True

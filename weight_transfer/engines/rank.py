@@ -13,6 +13,9 @@ a misspelt name fails where it is written::
 
     fan_out(ledger, replicas, names, EngineRank.wt_pause, timeout_s, epoch=e, until=t)
     method_name(EngineRank.wt_pause)    # "wt_pause"; TypeError for anything else
+
+Engines that can keep a second copy of their weights also implement
+:class:`ShadowEngineRank` (shadow mode: stage, flip, rollback, discard).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class EngineRank(Protocol):
         """XXH3-64 of (region addr, offset, length) rows of the registered memory."""
 
     def wt_copy_to(self, dst: EngineRankMeta) -> int:
-        """Write the registered memory into another replica's rank (same layout); bytes."""
+        """Write the version this rank holds (in shadow mode: its live memory) into another
+        replica's rank's registered memory (same layout); bytes."""
 
     def wt_nic_stats(self) -> dict[str, int]:
         """Bytes and writes the rank's NICs sent."""
@@ -82,15 +86,64 @@ class EngineRank(Protocol):
         """Close the rank's NICs (the next ``wt_engine_meta`` registers again)."""
 
 
+@runtime_checkable
+class ShadowEngineRank(EngineRank, Protocol):
+    """An engine rank that can run shadow mode (``TransferConfig.apply="shadow"``): a second
+    copy of its weights that updates write while it serves, a flip at a step boundary,
+    and a rollback that is one more flip (:mod:`weight_transfer.engines.shadow`). An engine
+    without these methods is refused shadow mode at setup, naming the engine.
+
+    Every command is fenced by the controller's epoch like a pause (a stale one returns
+    False and changes nothing); a refused transition raises ``ShadowError`` (a
+    ValueError) naming the rank and what the shadow holds, and changes nothing."""
+
+    def wt_shadow_setup(self, transport: Any = None) -> Any:
+        """Allocate the shadow (a second copy of every tensor the engine computes with) and
+        register it instead of the live memory: from now on ``wt_engine_meta`` describes
+        the shadow's regions and the plan writes there. Returns a ``ShadowInfo`` (bytes);
+        ``ShadowError`` naming the engine where it cannot hold a second copy."""
+
+    def wt_shadow_info(self) -> Any:
+        """What the shadow holds now (a ``ShadowInfo``; ShadowError: no shadow)."""
+
+    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+        """A transfer of ``version`` starts writing the shadow (the engine keeps serving its
+        live memory; the previous version kept in the shadow is dropped); False: stale."""
+
+    def wt_flip(self, version: Any, epoch: int | None = None,
+                deadline: float | None = None) -> bool:
+        """At the next step boundary swap live and shadow (the shadow, staged with
+        ``version`` and complete, becomes live; the version served before stays in the
+        shadow), reset caches, hold ``version``. ShadowError when the shadow was not
+        staged with ``version``; False: stale or late."""
+
+    def wt_rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        """Flip back to the previous version (kept in the shadow by the last flip).
+        ShadowError when there is none; False: stale or late."""
+
+    def wt_discard_shadow(self, epoch: int | None = None) -> bool:
+        """The transfer into the shadow failed: it holds nothing complete; live memory and
+        the version held are untouched. False: stale."""
+
+    def wt_live_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        """``wt_checksum`` of the same rows in the memory the engine computes with (shadow
+        mode: the live copy at the same offsets; in place: the registered memory)."""
+
+
 ENGINE_RANK_METHODS: frozenset[str] = frozenset(
     name for name in vars(EngineRank) if name.startswith("wt_"))
+SHADOW_RANK_METHODS: frozenset[str] = frozenset(
+    name for name in vars(ShadowEngineRank) if name.startswith("wt_"))
 
 
 def method_name(member: Callable[..., Any]) -> str:
-    """The name of an :class:`EngineRank` member (``EngineRank.wt_pause`` -> "wt_pause");
-    TypeError for anything else (a string, another class's method)."""
+    """The name of an :class:`EngineRank` or :class:`ShadowEngineRank` member
+    (``EngineRank.wt_pause`` -> "wt_pause"); TypeError for anything else (a string,
+    another class's method)."""
     name = getattr(member, "__name__", None)
-    if name not in ENGINE_RANK_METHODS or getattr(EngineRank, name) is not member:
-        raise TypeError(f"expected a member of EngineRank (one of "
-                        f"{sorted(ENGINE_RANK_METHODS)}), got {member!r}")
+    owner = EngineRank if name in ENGINE_RANK_METHODS else ShadowEngineRank
+    if name not in ENGINE_RANK_METHODS | SHADOW_RANK_METHODS or \
+            getattr(owner, name) is not member:
+        raise TypeError(f"expected a member of EngineRank or ShadowEngineRank (one of "
+                        f"{sorted(ENGINE_RANK_METHODS | SHADOW_RANK_METHODS)}), got {member!r}")
     return name

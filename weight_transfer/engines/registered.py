@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,12 +102,17 @@ class RegisteredMemory:
         """Connection set-up, round 2: connect these NICs to the peer infos made for them."""
         return connect_peers(self.nics, conns, owner=self.owner)
 
-    def copy_to(self, dst: EngineRankMeta) -> int:
+    def copy_to(self, dst: EngineRankMeta,
+                source_addr: Callable[[int], int] | None = None) -> int:
         """Write every registered buffer into ``dst`` (same layout); returns bytes. The NICs
-        must be connected to ``dst``'s first (:meth:`connect`)."""
+        must be connected to ``dst``'s first (:meth:`connect`). ``source_addr``: where the
+        bytes behind each registered region's address are read from instead (shadow mode:
+        the live copy)."""
         mine = self.require()
         check_engine_meta(dst, f"{self.owner}: copy target")  # on receipt
         jobs = copy_jobs(mine, dst, self.nics, owner=self.owner)
+        if source_addr is not None:
+            jobs = [(nic, (source_addr(addr), n), region) for nic, (addr, n), region in jobs]
 
         async def run() -> None:
             await asyncio.gather(*(nic.write(src, region, 0) for nic, src, region in jobs))
@@ -117,11 +122,13 @@ class RegisteredMemory:
         log.info("%s copied %d B into %s/tp%d", self.owner, nbytes, dst.replica, dst.rank)
         return nbytes
 
-    def checksum(self, ranges: np.ndarray) -> np.ndarray:
+    def checksum(self, ranges: np.ndarray, buffers: Mapping[int, Any] | None = None
+                 ) -> np.ndarray:
         """XXH3-64 of each (region addr, offset, length) row of ``ranges``
-        (:func:`weight_transfer.integrity.checksum_ranges`)."""
+        (:func:`weight_transfer.integrity.checksum_ranges`); ``buffers``: the bytes to hash
+        per registered region address instead (shadow mode: the live copy)."""
         self.require()
-        return checksum_ranges(self.buffers, ranges)
+        return checksum_ranges(self.buffers if buffers is None else buffers, ranges)
 
     def tensor_bytes(self, tensor: str) -> Any:
         """The registered bytes of ``tensor`` (a uint8 view); ValueError naming it if unknown."""

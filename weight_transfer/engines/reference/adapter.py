@@ -27,16 +27,24 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from weight_transfer.engine_adapter import TensorEntry
+from weight_transfer.engines.reference.buffer import EngineBuffer
 from weight_transfer.engines.reference.engine import ReferenceEngine
+
+
+STEPS_KEPT = 100_000  # step start times kept (a bounded record, for measurements)
 
 
 class ReferenceEngineAdapter:
     """:class:`EngineAdapter` of a :class:`ReferenceEngine`, through its ``step_guard``."""
+
+    engine_name = "reference"
 
     def __init__(self, engine: ReferenceEngine) -> None:
         if engine.step_guard is not None:
@@ -46,6 +54,9 @@ class ReferenceEngineAdapter:
         self._pauses = self._resumes = self._honored = 0
         self._busy = False  # inside a step, or about to agree on entering one
         self._parked = False  # a step is held at the boundary
+        self._shadow: EngineBuffer | None = None
+        # time.time() at the start of each of the latest generation steps (wt bench stall)
+        self.step_starts: deque[float] = deque(maxlen=STEPS_KEPT)
         engine.step_guard = self._step
 
     @property
@@ -55,6 +66,14 @@ class ReferenceEngineAdapter:
 
     def region_buffers(self) -> list[tuple[torch.Tensor, Sequence[TensorEntry]]]:
         return [(self.engine.buffer, self.engine.specs())]
+
+    def shadow_buffers(self) -> list[tuple[torch.Tensor, Sequence[TensorEntry]]]:
+        """A second buffer in the engine's layout (shadow mode), allocated once, pre-faulted
+        and filled with the live bytes; paired with :meth:`region_buffers` one to one."""
+        if self._shadow is None:
+            self._shadow = EngineBuffer(self.engine.slots())
+            self._shadow.buffer.copy_(self.engine.buffer)
+        return [(self._shadow.buffer, self._shadow.specs())]
 
     def pause(self) -> None:
         """No new generation step starts until :meth:`resume` (idempotent)."""
@@ -92,6 +111,7 @@ class ReferenceEngineAdapter:
                     self._cond.notify_all()
                     self._cond.wait_for(lambda: self._resumes >= agreed)
                     self._busy, self._parked = True, False
+            self.step_starts.append(time.time())
             yield
         finally:
             with self._cond:

@@ -1,0 +1,154 @@
+"""Shadow mode on the reference engine: the engines serve throughout, flip, and roll back.
+
+2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama), ``apply="shadow"``, integrity
+``full``, an audit log. In order:
+
+1. an update: while the writes land and are checked, every engine still serves (a
+   generation runs from the ``after_transfer`` hook) and its live bytes are the old
+   version's exactly; after the flip they are the trainers' new weights; the set-up
+   report states the shadow bytes of every rank;
+2. a transfer that fails its check on one replica (a byte of its shadow inverted after
+   the writes): that replica is not flipped, its live bytes are untouched and it keeps
+   reporting the version it had; the other flips; the next update heals both;
+3. ``rollback()`` after the new version served: every replica's bytes equal the previous
+   version's exactly, versions go back, one audit line; a second rollback, a rollback
+   with an update in flight: ValueError naming why, nothing changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+
+from actors import TransferConfig, WeightTransferController
+from actors.audit import read_audit
+from actors.launch import launch_engines, launch_trainers
+from actors.testing.engine_bytes import engine_mismatches
+from actors.testing.hooks import FaultyInferenceActor
+from weight_transfer.errors import UpdateError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, ray_job):
+    tmp = tmp_path_factory.mktemp("shadow")
+    data = yaml.safe_load((CONFIGS / "clusters" / "local_cpu.yaml").read_text())
+    data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
+    cluster = tmp / "two_trainers.yaml"
+    cluster.write_text(yaml.safe_dump(data))
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml", cluster,
+                                    apply="shadow", integrity={"mode": "full"},
+                                    audit_path=tmp / "audit.jsonl")
+    trainers = launch_trainers(cfg)
+    replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    ctl.setup()
+    yield cfg, trainers, replicas, ctl
+    ctl.shutdown()
+
+
+def train(trainers, step):
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(step))
+    ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
+
+
+def live(replica):
+    return [ray.get(a.engine_state_bytes.remote()) for a in replica]
+
+
+def same(a, b):
+    return all(set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+               for x, y in zip(a, b, strict=True))
+
+
+def generate(replica):
+    return ray.get([a.generate.remote(PROMPTS, 3) for a in replica], timeout=60)[0]
+
+
+def test_engines_serve_the_old_bytes_until_the_flip(env):
+    cfg, trainers, replicas, ctl = env
+    assert set(ctl.summary.shadow_bytes) == {f"engine{i}/tp{r}" for i in (0, 1) for r in (0, 1)}
+    assert all(n > 0 for n in ctl.summary.shadow_bytes.values())
+    before = [live(rep) for rep in replicas]
+    seen = {}
+
+    def during(version):  # writes landed and checked: the flip has not happened
+        seen["tokens"] = [generate(rep) for rep in replicas]  # serving, not paused
+        seen["untouched"] = all(same(live(rep), b) for rep, b in zip(replicas, before,
+                                                                     strict=True))
+
+    ctl.after_transfer = during
+    try:
+        ctl.update(1)
+    finally:
+        ctl.after_transfer = None
+    assert seen["untouched"] and len(seen["tokens"]) == 2
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
+    assert ctl.weights_version() == {"engine0": 1, "engine1": 1}
+    assert ray.get(replicas[0][0].wt_events.remote())[-1][:2] == ("flip", 1)
+
+
+def test_a_failed_check_leaves_live_memory_untouched_and_the_next_update_heals(env):
+    cfg, trainers, replicas, ctl = env
+    train(trainers, 2)
+    before = live(replicas[1])
+    tensor = "model.layers.0.mlp.down_proj.weight"
+
+    def corrupt(version):  # a byte of engine1's shadow lands wrong
+        ray.get(replicas[1][1].wt_flip_byte.remote(tensor, 5))
+
+    ctl.after_transfer = corrupt
+    try:
+        with pytest.raises(UpdateError, match="engine1") as err:
+            ctl.update(2)
+    finally:
+        ctl.after_transfer = None
+    assert err.value.torn == [] and err.value.kept == {"engine1": 1}
+    assert ctl.weights_version() == {"engine0": 2, "engine1": 1}
+    assert same(live(replicas[1]), before)  # the failed transfer never touched live memory
+    assert [ray.get(a.wt_version.remote()) for a in replicas[1]] == [1, 1]
+    assert not any(ray.get(a.wt_paused.remote()) for a in replicas[1])
+    assert len(generate(replicas[1])) == 2  # still serving version 1
+    ctl.update(3)  # the next update heals
+    assert ctl.weights_version() == {"engine0": 3, "engine1": 3}
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
+
+
+def test_rollback_restores_the_previous_bytes_exactly(env):
+    cfg, trainers, replicas, ctl = env
+    train(trainers, 4)
+    ctl.after_transfer = lambda v: ctl.rollback()
+    try:
+        with pytest.raises(ValueError, match="update to version 4 is in flight"):
+            ctl.update(4)  # a rollback asked while the transfer is in flight: refused
+    finally:
+        ctl.after_transfer = None
+    assert ctl.weights_version() == {"engine0": 3, "engine1": 3}
+    ctl.update(5)
+    at5 = [live(rep) for rep in replicas]
+    tokens5 = [generate(rep) for rep in replicas]
+    train(trainers, 6)
+    ctl.update(6)
+    assert not any(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))
+    generate(replicas[0])  # the new version served before it is declared bad
+    assert ctl.rollback() == {"engine0": 5, "engine1": 5}
+    assert all(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))  # exactly
+    assert [generate(rep) for rep in replicas] == tokens5
+    assert [ray.get(a.wt_version.remote()) for rep in replicas for a in rep] == [5] * 4
+    with pytest.raises(ValueError, match="no previous version on replicas"):
+        ctl.rollback()  # rolled back already: nothing changed
+    assert ctl.weights_version() == {"engine0": 5, "engine1": 5}
+    assert all(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))
+    lines = [r for r in read_audit(cfg.audit_path) if r["kind"] == "rollback"]
+    assert len(lines) == 1 and lines[0]["outcome"] == "ok"
+    assert lines[0]["before"] == {"engine0": 6, "engine1": 6}
+    assert lines[0]["after"] == {"engine0": 5, "engine1": 5}
+    ctl.update(7)  # and updates go on from there
+    assert engine_mismatches(cfg.model, trainers, replicas) == []

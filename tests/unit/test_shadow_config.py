@@ -1,0 +1,86 @@
+"""Shadow mode's configuration and controller checks that need no Ray: the memory a cluster
+states, the flip's model, set-up of an engine without a shadow, rollback's bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from actors.config import TransferConfig
+from actors.controller_shadow import none_flipped, rollback
+from actors.controller_state import ControllerState
+from actors.engine_control import RankFault
+from actors.shadow_setup import setup_shadow
+from scheduling.cluster import load_cluster_config
+from scheduling.flip import flip_seconds, shadow_need
+from weight_transfer.engines.shadow import ShadowError
+from weight_transfer.errors import FaultKind
+from weight_transfer.models import load_model_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+KIMI = CONFIGS / "models" / "kimi_k2.yaml"
+
+
+def test_shadow_mode_is_refused_where_the_cluster_has_no_room_naming_the_numbers():
+    with pytest.raises(ValueError, match=r"apply='shadow'.*does not fit.*61\.00 GiB of weights"
+                                         r".*79\.\d+ GiB \(inference.memory_gib\)") as err:
+        TransferConfig.from_files(KIMI, CONFIGS / "clusters" / "perplexity_kimi_k2.yaml",
+                                  apply="shadow")
+    assert "perplexity_kimi_k2.yaml" in str(err.value)
+    cfg = TransferConfig.from_files(KIMI, CONFIGS / "clusters" / "perplexity_kimi_k2_h200.yaml",
+                                    apply="shadow")
+    assert cfg.apply == "shadow"
+    # in place needs no room, and a cluster that states no memory is not checked
+    TransferConfig.from_files(KIMI, CONFIGS / "clusters" / "perplexity_kimi_k2.yaml")
+    TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                              CONFIGS / "clusters" / "local_cpu.yaml", apply="shadow")
+
+
+def test_the_flip_model_is_a_swap_at_the_device_copy_rate():
+    model = load_model_config(KIMI)
+    h200 = load_cluster_config(CONFIGS / "clusters" / "perplexity_kimi_k2_h200.yaml")
+    need = shadow_need(model, h200, fp8=True)
+    assert need.fits and need.rank_bytes == need.extra_bytes - (8 << 20)
+    assert flip_seconds(need.rank_bytes, 2400) == pytest.approx(2 * need.rank_bytes / 2.4e12)
+    assert flip_seconds(need.rank_bytes, None) is None
+
+
+def test_an_engine_without_a_shadow_is_refused_at_setup_naming_it():
+    class VllmRankFacade:  # an actor handle's stand-in: no shadow methods
+        def wt_engine_meta(self):
+            pass
+
+    with pytest.raises(ShadowError, match="engine VllmRankFacade cannot run shadow mode"):
+        setup_shadow(None, [VllmRankFacade()], None)  # refused before any call
+
+
+def state(versions, previous):
+    st = ControllerState(trainers=[], connector=None)
+    st.summary = SimpleNamespace()
+    st.replicas = {n: [] for n in versions}
+    st.versions, st.previous = dict(versions), dict(previous)
+    return st
+
+
+@pytest.mark.parametrize("apply,in_flight,previous,match", [
+    ("in_place", None, {"engine0": 1}, "needs TransferConfig.apply='shadow'"),
+    ("shadow", 3, {"engine0": 1}, "update to version 3 is in flight"),
+    ("shadow", None, {"engine0": None}, r"no previous version on replicas \['engine0'\]"),
+])
+def test_rollback_refuses_bad_input_and_changes_nothing(apply, in_flight, previous, match):
+    st = state({"engine0": 2}, previous)
+    cfg = SimpleNamespace(apply=apply, update_timeout_s=10.0)
+    with pytest.raises(ValueError, match=match):
+        rollback(st, None, cfg, None, in_flight)  # no call made: calls and audit unused
+    assert st.versions == {"engine0": 2} and st.previous == previous
+
+
+def test_a_replica_is_torn_by_a_flip_only_if_some_rank_may_have_swapped():
+    def fault(rank, kind):
+        return RankFault(replica="e", rank=rank, kind=kind, method="wt_flip", error="x")
+
+    assert none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.FAILED)], 2)
+    assert not none_flipped([fault(0, FaultKind.REFUSED)], 2)  # rank 1 flipped
+    assert not none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.UNRESPONSIVE)], 2)

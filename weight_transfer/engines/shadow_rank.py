@@ -1,0 +1,146 @@
+"""The engine-rank side of shadow mode: stage, flip, rollback and discard, fenced by epochs.
+
+One :class:`ShadowControl` per engine rank (the reference engine's actor; any
+engine whose adapter can give a second copy of its buffers). It owns the rank's
+:class:`~weight_transfer.engines.shadow.ShadowCopy` and runs every command under
+the rank's :class:`~weight_transfer.engines.fence.CommandFence`, so a stale
+command is ignored exactly as a stale pause or resume is::
+
+    ctl = ShadowControl(owner, "reference", fence=fence, mem=mem, boundary=adapter)
+    info = ctl.setup(adapter.region_buffers(), adapter.shadow_buffers())  # before register
+    ctl.stage(8, epoch)                     # writes may land in the shadow from now on
+    ctl.flip(8, epoch, deadline)            # at a step boundary: swap, reset caches, serve 8
+    ctl.rollback(epoch, deadline)           # one more swap: the previous version serves
+    ctl.discard(epoch)                      # a failed transfer: live memory untouched
+
+The flip waits for a step boundary through the adapter's pause point
+(``boundary.pause()``, ``wait_idle(timeout)``, ``resume()``; on a TP replica the
+ranks agree on the step they park at, so every rank of a replica computes the
+same step with the same version), flushes GPUDirect RDMA writes on a GPU
+(:func:`~weight_transfer.engines.gpu_flush.flush_gpudirect_writes`), swaps, resets
+the engine's caches (``boundary.reset_cache()`` where it has one) and lets
+generation go on: the stall is the swap alone. The NICs' update window
+(``tcp``) is open from the stage to the flip or the discard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from weight_transfer.engines.fence import CommandFence
+from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
+from weight_transfer.engines.registered import RegisteredMemory
+from weight_transfer.engines.shadow import ShadowCopy, ShadowError, ShadowInfo
+
+log = logging.getLogger(__name__)
+
+FLIP_WAIT_S = 60.0  # the longest a flip waits for the step that runs to end
+
+
+class ShadowControl:
+    """See the module docstring."""
+
+    def __init__(self, owner: str, engine: str, *, fence: CommandFence,
+                 mem: RegisteredMemory, boundary: Any) -> None:
+        self.owner, self.engine = owner, engine
+        self.fence, self.mem, self.boundary = fence, mem, boundary
+        self.copy: ShadowCopy | None = None
+        self.last_stall_s = 0.0  # the engine's pause of the last flip or rollback
+
+    @property
+    def enabled(self) -> bool:
+        return self.copy is not None
+
+    def require(self) -> ShadowCopy:
+        if self.copy is None:
+            raise ShadowError(f"{self.owner}: shadow mode is not set up on this {self.engine} "
+                              "engine rank (wt_shadow_setup() first)")
+        return self.copy
+
+    def setup(self, live: list, shadow: list) -> ShadowInfo:
+        """Pair ``live`` and ``shadow`` buffers (same layout); idempotent."""
+        if self.copy is None:
+            self.copy = ShadowCopy(self.owner, self.engine, live=live, shadow=shadow)
+            log.info("%s: shadow of %d B (+%d B scratch) on %s", self.owner, self.copy.nbytes,
+                     self.copy.scratch.numel(), self.copy.device)
+        return self.info()
+
+    def bind(self) -> None:
+        """After the shadow was registered: region address -> live bytes."""
+        self.require().bind(list(self.mem.buffers))
+
+    def info(self) -> ShadowInfo:
+        return self.require().info(self.fence.version, self.last_stall_s)
+
+    def stage(self, version: Any, epoch: int | None) -> bool:
+        copy = self.require()
+
+        def run() -> None:
+            copy.state.stage(version)
+            self.mem.open_window()  # tcp: the plan's writes are accepted until flip/discard
+
+        return self.fence.fenced("stage", epoch, run)
+
+    def discard(self, epoch: int | None) -> bool:
+        copy = self.require()
+
+        def run() -> None:
+            if copy.state.discard():
+                self.mem.close_window()
+
+        return self.fence.fenced("discard", epoch, run)
+
+    def flip(self, version: Any, epoch: int | None, deadline: float | None,
+             timeout_s: float = FLIP_WAIT_S) -> bool:
+        copy = self.require()
+
+        def run(live: Any) -> Any:
+            copy.state.check_flip(version)  # refused before the engine is paused
+            self.mem.close_window()  # no write lands once the shadow serves
+            self._swap_at_boundary(timeout_s, serve=version)
+            copy.state.flip(version, live=live)
+            return version
+
+        return self.fence.swap("flip", epoch, deadline, run)
+
+    def rollback(self, epoch: int | None, deadline: float | None,
+                 timeout_s: float = FLIP_WAIT_S) -> bool:
+        copy = self.require()
+
+        def run(live: Any) -> Any:
+            back = copy.state.check_rollback()
+            self._swap_at_boundary(timeout_s, serve=back)
+            return copy.state.rollback(live=live)
+
+        return self.fence.swap("rollback", epoch, deadline, run)
+
+    def _swap_at_boundary(self, timeout_s: float, serve: Any) -> None:
+        """The swap at a step boundary; the steps after it are tagged ``serve``."""
+        copy, b = self.require(), self.boundary
+        b.pause()
+        try:
+            if not b.wait_idle(timeout_s):
+                raise TimeoutError(f"{self.owner}: a generation step still runs {timeout_s:g} s "
+                                   "after the flip asked for a step boundary")
+            start = time.perf_counter()  # at the boundary: from here the engine waits
+            flush_gpudirect_writes(copy.device)  # GPU: RDMA writes visible before kernels read
+            copy.swap()
+            self.fence.served = serve  # version-tagged outputs: the steps from here on
+            reset = getattr(b, "reset_cache", None)
+            if reset is not None:
+                reset()
+            self.last_stall_s = time.perf_counter() - start
+        finally:
+            b.resume()
+
+    def live_checksum(self, ranges: np.ndarray) -> np.ndarray:
+        copy = self.require()
+        return self.mem.checksum(ranges, buffers=copy.live_by_region)
+
+    def source_addr(self, region_addr: int) -> int:
+        """For a peer copy: the live bytes behind a registered (shadow) region."""
+        return self.require().live_addr(region_addr)
