@@ -168,6 +168,11 @@ class WeightTransferController:
     def scheduler(self) -> Any:
         return self.state.scheduler
 
+    @property
+    def delta(self) -> Any:
+        """The :class:`~actors.controller_delta.DeltaChain` (``config.delta``), else None."""
+        return self._updates.delta
+
     def weights_version(self) -> dict[str, int | None]:
         """``{replica: version it holds completely, or None (torn or never filled)}``."""
         return dict(self.state.versions)
@@ -258,6 +263,8 @@ class WeightTransferController:
         """Re-fill torn replica ``name`` from a peer holding the newest version and let it
         serve again; returns that version (see :meth:`ReplicaOps.resync`)."""
         with self._busy:
+            if self._updates.delta is not None:
+                self._updates.delta.request_anchor()  # a re-filled replica: dense next
             return self._replicas.resync(name)
 
     def check_integrity(self, mode: str = "full", *, heal: bool = False) -> ServedCheck:
