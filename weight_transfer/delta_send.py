@@ -39,6 +39,7 @@ from weight_transfer.delta_codec import (
     Record,
     changed,
     digest,
+    elements,
     encode,
     pack_slot_header,
 )
@@ -173,7 +174,11 @@ class DeltaSender:
             if kind is not Encoding.DENSE and RECORD.size + payload.nbytes < new.nbytes:
                 out = self._record(piece, base, new, kind, payload, idx.size, size)
             st.encodings[kind.name] = st.encodings.get(kind.name, 0) + 1
-        base.data[:] = new
+        if idx is None:
+            base.data[:] = new
+        else:  # only the changed elements: a scatter, not a copy of the piece
+            view = elements(base.data, size)
+            view[idx] = elements(new, size)[idx]
         base.version, base.digest = version, digest(base.data)
         if out.meta is not None:
             out.meta = _with_new_digest(out.meta, base.digest)

@@ -223,6 +223,27 @@ def bench_designs(
                          timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))
 
 
+@bench_app.command("delta")
+def bench_delta(
+    model: Path | None = typer.Option(
+        None, help="Model YAML [configs/models/bench_dense.yaml; tiny_llama with --quick]."),
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s (every trainer and engine NIC)."),
+    updates: int = typer.Option(2, min=1, help="Rounds per (dtype, lr): one update per mode."),
+    lrs: str = typer.Option("1e-6,1e-5", help="AdamW learning rates, comma-separated."),
+    dtypes: str = typer.Option("bf16,fp8", help="Engine dtypes: bf16, fp8 (a fleet each)."),
+    quick: bool = typer.Option(False, "--quick", help="tiny_llama, one round (a test's size)."),
+    timeout_s: float = typer.Option(900.0, help="Timeout of each call to the actors."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Dense (gather) beside sparse delta updates: bytes, seconds, CPU of diff/encode/apply."""
+    from actors.bench.delta import run
+
+    raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
+                         lrs=lrs, dtypes=dtypes, quick=quick, timeout_s=timeout_s,
+                         json_path=json_path))
+
+
 @bench_app.command("integrity")
 def bench_integrity(
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
