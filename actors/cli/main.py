@@ -351,6 +351,9 @@ def simulate(
                                            "configurations, print predicted vs measured."),
     write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
                                                      "into this cluster YAML's sim: section."),
+    delta: float | None = typer.Option(
+        None, min=0.0, max=1.0, help="Also predict a sparse delta update with this share of "
+        "elements changed (measured: wt bench delta)."),
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
@@ -359,7 +362,7 @@ def simulate(
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
-                                  check=check, write_sim=write_sim))
+                                  check=check, write_sim=write_sim, delta=delta))
 
 
 def main() -> None:
