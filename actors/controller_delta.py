@@ -55,6 +55,10 @@ class DeltaRound:
     def apply_cpu_seconds(self) -> float:
         return sum(a.seconds for a in self.applied)
 
+    @property
+    def records_applied(self) -> int:
+        return sum(a.records for a in self.applied)
+
 
 class DeltaChain:
     """See the module docstring."""

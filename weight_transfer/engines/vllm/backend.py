@@ -15,7 +15,12 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   region table belongs to the process that registered the memory;
 * ``copy_to``: write this rank's registered memory into another replica's;
 * ``checksum``: hashes of written ranges (the controller's integrity check);
-* ``stats``, ``deregister`` (fault injection, :mod:`actors.testing.hooks`), ``close``.
+* ``stats``, ``deregister`` (fault injection, :mod:`actors.testing.hooks`), ``close``;
+* ``delta_arena`` / ``delta_apply``: sparse delta updates
+  (:class:`~weight_transfer.delta_apply.DeltaArena`): the arena registered once, and the
+  in-place apply of a version's records, run in the finish phase just before
+  ``finish_weight_update`` reprocesses the repacked layers (a range the apply refuses is
+  re-sent dense by the trainers in between, so the reprocess sees every byte).
 
 The NICs, regions, connection set-up, copies, checksums and statistics are the
 engine-neutral :class:`~weight_transfer.engines.registered.RegisteredMemory`,
@@ -42,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weight_transfer.delta_apply import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
@@ -85,6 +91,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._arena: Arena | None = None
         self.views: dict[str, torch.Tensor] = {}  # registered tensor -> its memory (checks)
         self.finished = 0
+        self._delta: DeltaArena | None = None  # sparse deltas: registered once (delta_arena)
 
     @property
     def meta(self) -> EngineRankMeta | None:
@@ -175,7 +182,29 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _deregister(self, _req=None) -> int:
         return self.mem.deregister()
 
+    def _delta_arena(self, slots) -> Any:
+        """Register (once; again only for other slots) the delta arena; its region."""
+        arena = self._delta
+        if arena is not None and arena.fits(slots) and arena.region is not None:
+            return arena.region
+        if arena is not None:
+            arena.deregister()
+        if self.meta is None:
+            raise RuntimeError(f"{self.owner}: delta_arena before setup")
+        self._delta = DeltaArena(slots, owner=self.owner)
+        return self._delta.register(self.mem.nics[self.meta.nic])
+
+    def _delta_apply(self, req) -> DeltaApplied:
+        """Apply ``(version, held)``'s records in place (before finish_weight_update)."""
+        version, held = req
+        if self._delta is None:
+            raise RuntimeError(f"{self.owner}: delta_apply without a delta arena")
+        return self._delta.apply(version=version, held=held, buffers=self.mem.buffers)
+
     def _close(self, _req=None) -> None:
+        if self._delta is not None:
+            self._delta.deregister()
+            self._delta = None
         self.mem.close()
         self.views = {}
 
@@ -213,4 +242,6 @@ _OPS = {
     "checksum": OneSidedBackend._checksum,
     "deregister": OneSidedBackend._deregister,
     "close": OneSidedBackend._close,
+    "delta_arena": OneSidedBackend._delta_arena,
+    "delta_apply": OneSidedBackend._delta_apply,
 }
