@@ -248,3 +248,32 @@ def test_full_slot_sends_the_rest_dense() -> None:
     values = {p: _mutate(rng, x, DTYPES[p.dst_dtype], 0.6, False) for p, x in values.items()}
     fleet.update(2, values)
     fleet.expect(values)
+
+
+def test_held_version_is_the_last_resumed_one_unless_held_since() -> None:
+    from weight_transfer.engines.delta_rank import held_version
+
+    ev = [("resume", 3, 0.0), ("pause", None, 1.0)]
+    assert held_version(ev, None) == 3  # this update's pause
+    assert held_version(ev + [("pause", None, 2.0)], None) is None  # a hold: torn
+    assert held_version([("version", 5, 0.0)], 5) == 5  # no pause during updates
+    assert held_version([], None) is None
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(itemsize=st.sampled_from([1, 2, 4]), n=st.integers(1, 3 * PAGE + 7),
+       seed=st.integers(0, 2**32 - 1), frac=st.floats(0.0, 1.0))
+def test_any_change_pattern_roundtrips_in_every_encoding(itemsize, n, seed, frac) -> None:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=n * itemsize, dtype=np.uint8)
+    new = _mutate(rng, base, itemsize, frac, clustered=bool(seed % 2))
+    idx = changed(base, new, itemsize)
+    for kind in Encoding:
+        k, payload = encode(new, idx, itemsize, kind)
+        dst = base.copy()
+        apply(dst, k, payload, itemsize, idx.size)
+        assert np.array_equal(dst, new)
