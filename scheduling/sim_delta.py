@@ -23,7 +23,14 @@ import dataclasses
 import numpy as np
 
 from scheduling.plan import Plan
-from scheduling.simulate import SimResult, _simulate_nics, bound_nics, lower_bounds, with_stages
+from scheduling.simulate import (
+    SimResult,
+    _simulate_nics,
+    bound_nics,
+    lower_bounds,
+    with_piece_bytes,
+    with_stages,
+)
 from weight_transfer.delta_codec import RECORD, choose, encoded_size
 
 
@@ -48,19 +55,13 @@ def piece_wire_bytes(plan: Plan, fraction: float) -> np.ndarray:
     return out
 
 
-def _with_pieces(plan: Plan, nbytes: np.ndarray) -> Plan:
-    pieces = tuple(dataclasses.replace(p, nbytes=int(b))
-                   for p, b in zip(plan.pieces, nbytes, strict=True))
-    return dataclasses.replace(plan, pieces=pieces)
-
-
 def simulate_delta(plan: Plan, cluster, fraction: float, *, max_inflight: int | None = None,
                    resolution: float = 1e-5, nic_model: str = "events") -> SimResult:
     """Predicted seconds of a delta update (see the module docstring); ``lower_bound_seconds``
     is the NIC bound of the delta's bytes."""
     inflight = max_inflight or cluster.sim.max_inflight
     wire = piece_wire_bytes(plan, fraction)
-    sparse = _with_pieces(plan, wire)
+    sparse = with_piece_bytes(plan, wire)
     nic = bound_nics(sparse, cluster) if nic_model == "bound" else _simulate_nics(
         sparse, cluster, inflight, resolution, 4, False)
     sim = cluster.sim

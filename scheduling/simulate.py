@@ -34,6 +34,11 @@ least the sum of that work / the cores (:func:`cpu_floor`; ``binding`` is then
 skips the discrete-event NIC model and lets each group's NICs take their lower
 bound (fast, for sweeps).
 
+``piece_scale`` (a factor per piece of ``plan.pieces``, or one for all)
+scales the bytes each piece puts on the wire before anything is simulated
+(:func:`with_piece_bytes`): a sparse delta's encoded size, for example; the
+prepare costs follow the scaled bytes too.
+
 ``lower_bound_seconds`` is the issue's bound, max over NICs of bytes /
 bandwidth; ``barrier_lower_bound_seconds`` sums that bound per group, which is
 what any execution with barriers between groups must take at least.
@@ -189,8 +194,13 @@ def simulate(
     fill_rounds: int = 4,
     record: bool = False,
     nic_model: str = "events",
+    piece_scale: np.ndarray | float | None = None,
 ) -> SimResult:
     """Predict the execution time of ``plan`` on ``cluster`` (see the module docstring)."""
+    if piece_scale is not None:
+        plan = with_piece_bytes(plan, np.round(np.broadcast_to(
+            np.asarray(piece_scale, dtype=np.float64), (len(plan.pieces),))
+            * np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))))
     inflight = max_inflight or cluster.sim.max_inflight
     if inflight < 1 or fill_rounds < 1 or resolution < 0:
         raise ValueError("max_inflight and fill_rounds must be >= 1, resolution >= 0")
@@ -218,6 +228,21 @@ def bound_nics(plan: Plan, cluster: ClusterConfig) -> SimResult:
                     group_lower_bounds=tuple(float(x) for x in group_lb),
                     per_nic_busy_seconds=busy, events=0)
     return nic
+
+
+def with_piece_bytes(plan: Plan, nbytes: np.ndarray) -> Plan:
+    """``plan`` with piece ``k`` putting ``nbytes[k]`` bytes on the wire (>= 0), for the
+    simulator only: such a plan no longer validates (its pieces' sizes are not their
+    rectangles'). Tasks, sources and order stay as they are."""
+    import dataclasses
+
+    nbytes = np.asarray(nbytes)
+    if nbytes.shape != (len(plan.pieces),) or (nbytes < 0).any():
+        raise ValueError(f"piece bytes: need {len(plan.pieces)} values >= 0, got shape "
+                         f"{nbytes.shape}")
+    pieces = tuple(p if int(n) == p.nbytes else dataclasses.replace(p, nbytes=int(n))
+                   for p, n in zip(plan.pieces, nbytes.tolist(), strict=True))
+    return dataclasses.replace(plan, pieces=pieces)
 
 
 def _simulate_nics(plan: Plan, cluster: ClusterConfig, inflight: int, resolution: float,

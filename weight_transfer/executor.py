@@ -24,6 +24,13 @@ replayed as it is, for each mesh group in order:
    ``write`` (one-sided WRITEs of those pieces, concurrently);
 3. after the group's last parameter, a barrier over all trainer ranks.
 
+Shard-direct parameters (the group's ``local``, :mod:`scheduling.direct`)
+come first, each an item of its own with no collective: ``prepare`` cuts
+(and casts or quantizes) the rank's pieces from its own block of the
+parameter (``DTensor.to_local()``, which :func:`weight_transfer.shard_blocks.local_rect`
+places in global coordinates), so the same bytes land as from the gathered
+tensor; their watermark reservation is the prepared pieces alone.
+
 Staging (``staging=True``, the default): the prepared pieces are written into
 a :class:`~weight_transfer.staging.StagingArena` allocated, pre-faulted and
 registered with the transport once, when the transfer is built, and the
@@ -92,6 +99,7 @@ from weight_transfer.plan_check import GroupWork, check_trainer_plan
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
 from weight_transfer.retry import RetryingWriter, RetryPolicy
 from weight_transfer.run_log import RunLog
+from weight_transfer.shard_blocks import local_rect, shifted
 from weight_transfer.staging import Lease, StagingArena, piece_slots
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, Piece, WriteTask
@@ -99,7 +107,8 @@ from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "to_device"]
+__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "own_block",
+           "to_device"]
 
 
 @dataclass(slots=True)
@@ -124,18 +133,30 @@ class BucketLayout:
     staged: int
     reserve: int
     nbytes: int
+    local: bool = False  # shard-direct: pieces cut from the rank's own block, no collective
 
 
-def bucket_layout(group: GroupWork, bucket: GatherBucket) -> BucketLayout:
+def bucket_layout(group: GroupWork, bucket: GatherBucket, *, local: bool = False
+                  ) -> BucketLayout:
     params = tuple((m, tuple(group.tasks.get(m.name, []))) for m in bucket.params)
     tasks = [t for _, ts in params for t in ts]
     # A piece sent to several replicas is prepared once: it has one slot, reserved once.
     unique = list(dict.fromkeys(t.piece for t in tasks))
     offsets, staged = piece_slots([q.nbytes for q in unique])
+    gather = 0 if local else reserve_bytes(bucket)
     return BucketLayout(
         bucket=bucket, params=params, slots=dict(zip(unique, offsets, strict=True)),
-        staged=staged, reserve=reserve_bytes(bucket) + sum(q.nbytes for q in unique),
-        nbytes=sum(t.nbytes for t in tasks))
+        staged=staged, reserve=gather + sum(q.nbytes for q in unique),
+        nbytes=sum(t.nbytes for t in tasks), local=local)
+
+
+def group_layouts(group: GroupWork, *, gather: str, bucket_bytes: int) -> list[BucketLayout]:
+    """A group's items in order: its shard-direct parameters one by one, then its gather
+    buckets (the same on every rank of a mesh: a function of the plan and the metadata)."""
+    local = [bucket_layout(group, GatherBucket(params=(m,), coalesced=False), local=True)
+             for m in group.local]
+    return local + [bucket_layout(group, b)
+                    for b in plan_buckets(group.params, mode=gather, bucket_bytes=bucket_bytes)]
 
 
 @dataclass(slots=True)
@@ -178,6 +199,7 @@ class TransferReport:
     checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
     hash_seconds: float = 0.0  # time spent hashing them
     dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
+    params_local: int = 0  # shard-direct parameters written from the rank's own blocks
 
 
 class RankTransfer:
@@ -210,10 +232,8 @@ class RankTransfer:
         # A bucket's gather holds at most a quarter of the watermark, so that buckets
         # still overlap in the pipeline (both values are the same on every rank).
         self.bucket_bytes = max(1, min(bucket_bytes, watermark_bytes // 4))
-        self.buckets = [plan_buckets(g.params, mode=gather, bucket_bytes=self.bucket_bytes)
+        self.layouts = [group_layouts(g, gather=gather, bucket_bytes=self.bucket_bytes)
                         for g in self.groups]
-        self.layouts = [[bucket_layout(g, b) for b in bs]
-                        for g, bs in zip(self.groups, self.buckets, strict=True)]
         self.bytes_planned = sum(lay.nbytes for group in self.layouts for lay in group)
         self.gather = gather
         # Every collective this rank issued in the last run, in order (tests of the contract).
@@ -241,6 +261,11 @@ class RankTransfer:
         self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
+
+    @property
+    def buckets(self) -> list[list[GatherBucket]]:
+        """Per group, its items' buckets in order (a shard-direct parameter: one alone)."""
+        return [[lay.bucket for lay in group] for group in self.layouts]
 
     def _make_arena(self) -> StagingArena | None:
         """The staging arena of this rank (None when the rank writes nothing)."""
@@ -277,26 +302,32 @@ class RankTransfer:
         return work
 
     def _gather_and_prepare(self, work: BucketWork) -> BucketWork:
-        record = None if self.collectives is None else self.collectives.append
-        fulls = gather_bucket(work.bucket, [p.local for p in work.params], record=record)
+        if work.layout.local:
+            fulls = [own_block(p.meta, p.local, self.rank) for p in work.params]
+        else:
+            record = None if self.collectives is None else self.collectives.append
+            fulls = [(f, None) for f in gather_bucket(work.bucket, [p.local for p in work.params],
+                                                      record=record)]
         slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
         on_cuda = False
-        for p, full in zip(work.params, fulls, strict=True):
+        for p, (full, block) in zip(work.params, fulls, strict=True):
             p.local = None
             mine = list(dict.fromkeys(t.piece for t in p.tasks))
             if not mine:
                 continue
+            # a local block: the same pieces with sources relative to it
+            src = mine if block is None else [shifted(q, block) for q in mine]
             if work.lease is not None:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
                 views = self.write_from_views and not full.is_cuda
-                ready = dict(zip(mine, prepare_pieces_into(full, mine, outs, views=views),
+                ready = dict(zip(mine, prepare_pieces_into(full, src, outs, views=views),
                                  strict=True))
             else:
-                ready = dict(zip(mine, prepare_pieces(full, mine), strict=True))
+                ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
             p.prepared = [ready[t.piece] for t in p.tasks]
             on_cuda = on_cuda or full.is_cuda
         if on_cuda:
-            torch.cuda.current_stream(fulls[0].device).synchronize()
+            torch.cuda.current_stream(fulls[0][0].device).synchronize()
         return work
 
     async def _prepare(self, work: BucketWork) -> BucketWork:
@@ -416,6 +447,7 @@ class RankTransfer:
             bytes_planned=self.bytes_planned,
             writes=len(self._task_spans),
             params_gathered=sum(len(g.params) for g in self.groups),
+            params_local=sum(len(g.local) for g in self.groups),
             barrier_seconds=barrier_s,
             watermark_peak=wm.peak,
             spans=tuple(spans),
@@ -442,6 +474,23 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[torch.Tensor, tuple]:
+    """(the rank's own block of a parameter, where it sits in the global tensor): a
+    DTensor's local tensor, or the block's rectangle of a plain tensor of the global shape. ValueError naming the parameter and
+    the rank if its shape is not what the metadata's placements give."""
+    block = local_rect(meta, rank)
+    tensor = local.to_local() if hasattr(local, "to_local") else local
+    want = None if block is None else tuple(b - a for a, b in block)
+    if want is not None and not hasattr(local, "to_local") and tuple(tensor.shape) == meta.shape:
+        # a plain tensor of the global shape is the whole parameter (as gather_bucket takes it)
+        tensor = tensor[tuple(slice(a, b) for a, b in block)]
+    if want is None or tuple(tensor.shape) != want:
+        raise ValueError(f"rank {rank}: parameter {meta.name!r} holds a local block of shape "
+                         f"{tuple(tensor.shape)}, its placements {meta.placements} on mesh "
+                         f"{meta.mesh.ranks} give {want}; it cannot be written shard-direct")
+    return tensor, block
 
 
 def to_device(local: Any, device: torch.device) -> Any:

@@ -325,13 +325,15 @@ def plan(
     expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
     gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
     validate: bool = typer.Option(True, help="Check every destination byte is written once."),
+    gather: str = typer.Option("shard_direct", help="shard_direct|full: pieces from the "
+                                                    "owners' shards, or every param gathered."),
 ) -> None:
     """Plan a model on a cluster from configs alone: tasks, bytes per NIC, bound, time."""
     from actors.cli.plan_cmd import run_plan
 
     raise typer.Exit(run_plan(model=model, cluster=cluster, json_path=json_path,
                               expert_naming=expert_naming, gather_order=gather_order,
-                              validate=validate))
+                              validate=validate, gather=gather))
 
 
 @app.command("simulate")
@@ -351,9 +353,14 @@ def simulate(
                                            "configurations, print predicted vs measured."),
     write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
                                                      "into this cluster YAML's sim: section."),
+<<<<<<< HEAD
     delta: float | None = typer.Option(
         None, min=0.0, max=1.0, help="Also predict a sparse delta update with this share of "
         "elements changed (measured: wt bench delta)."),
+=======
+    gather: str = typer.Option("shard_direct", help="shard_direct|full|both (both: the two "
+                                                    "side by side)."),
+>>>>>>> h-direct
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
@@ -362,7 +369,11 @@ def simulate(
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
+<<<<<<< HEAD
                                   check=check, write_sim=write_sim, delta=delta))
+=======
+                                  check=check, write_sim=write_sim, gather=gather))
+>>>>>>> h-direct
 
 
 def main() -> None:

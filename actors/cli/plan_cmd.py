@@ -61,7 +61,8 @@ def _gb(n: float) -> str:
 
 
 def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
-          validate: bool, step: Callable[[str], None] = lambda _: None) -> Planned:
+          validate: bool, step: Callable[[str], None] = lambda _: None,
+          gather: str = "shard_direct") -> Planned:
     """Load configs, build metadata, compute (and validate) the plan, timing each step.
 
     ``step(name)`` is called as each step starts (a progress bar).
@@ -77,7 +78,7 @@ def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
         t1 = time.perf_counter()
         step("compute the plan")
         plan = compute_plan(tm, em, cl, model=cfg, expert_naming=expert_naming,
-                            gather_order=gather_order)
+                            gather_order=gather_order, gather=gather)
         # The plan lives until the command exits: keep later GC passes off its ~10^6 objects.
         gc.freeze()
     t2, c2 = time.perf_counter(), time.process_time()
@@ -100,7 +101,13 @@ def summary(p: Planned) -> dict[str, Any]:
         return float(x.max() / x.mean()) if x.size and x.mean() > 0 else 1.0
 
     total_lb, group_lb = lower_bounds(plan, p.cluster)
+    nbytes = plan.task_nbytes()
+    direct = float(nbytes[plan.task_direct()].sum() / nbytes.sum()) if plan.num_tasks else 0.0
     return {
+        "gather": plan.gather,
+        "direct_bytes_fraction": direct,
+        "gathered_params": len(plan.fallback) if plan.gather == "shard_direct" else len(
+            plan.params),
         "model": p.model.name or p.model.architecture,
         "cluster": p.cluster.name,
         "trainer_params": len(plan.params),
@@ -132,6 +139,8 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
         ("trainer params / engine tensors", f"{s['trainer_params']:,} / {s['tensors']:,}"),
         ("pieces / tasks / mesh groups", f"{s['pieces']:,} / {s['tasks']:,} / {s['groups']}"),
         ("bytes total", _gb(s["bytes_total"])),
+        ("gather mode / bytes written shard-direct",
+         f"{s['gather']} / {s['direct_bytes_fraction']:.1%}"),
     ]
     for side in ("send", "recv"):
         b = s[f"{side}_bytes_per_nic"]
@@ -153,13 +162,13 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
 
 
 def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
-             gather_order: str, validate: bool) -> int:
+             gather_order: str, validate: bool, gather: str = "shard_direct") -> int:
     console = command_console(json_path)
     try:
         with steps(console, "planning", 4 if validate else 3,
                    quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=validate, step=step)
+                      validate=validate, step=step, gather=gather)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
@@ -213,7 +222,17 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  gather_order: str, inflight: int | None, resolution: float,
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
                  calibrate: bool = False, check: bool = False,
+<<<<<<< HEAD
                  write_sim: Path | None = None, delta: float | None = None) -> int:
+=======
+                 write_sim: Path | None = None, gather: str = "shard_direct") -> int:
+    if gather == "both":
+        from actors.cli.gather_modes import run_both
+
+        return run_both(model=model, cluster=cluster, json_path=json_path,
+                        expert_naming=expert_naming, gather_order=gather_order,
+                        inflight=inflight, resolution=resolution, nic_model=nic_model)
+>>>>>>> h-direct
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
@@ -227,7 +246,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     try:
         with steps(console, "simulating", 4, quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=False, step=step)
+                      validate=False, step=step, gather=gather)
             step("simulate the NICs")
             t0 = time.perf_counter()
             r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution,
