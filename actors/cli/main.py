@@ -353,14 +353,11 @@ def simulate(
                                            "configurations, print predicted vs measured."),
     write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
                                                      "into this cluster YAML's sim: section."),
-<<<<<<< HEAD
     delta: float | None = typer.Option(
         None, min=0.0, max=1.0, help="Also predict a sparse delta update with this share of "
         "elements changed (measured: wt bench delta)."),
-=======
     gather: str = typer.Option("shard_direct", help="shard_direct|full|both (both: the two "
                                                     "side by side)."),
->>>>>>> h-direct
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
@@ -369,11 +366,8 @@ def simulate(
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
-<<<<<<< HEAD
-                                  check=check, write_sim=write_sim, delta=delta))
-=======
-                                  check=check, write_sim=write_sim, gather=gather))
->>>>>>> h-direct
+                                  check=check, write_sim=write_sim, gather=gather,
+                                  delta=delta))
 
 
 def main() -> None:

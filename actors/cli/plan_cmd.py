@@ -222,17 +222,14 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  gather_order: str, inflight: int | None, resolution: float,
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
                  calibrate: bool = False, check: bool = False,
-<<<<<<< HEAD
-                 write_sim: Path | None = None, delta: float | None = None) -> int:
-=======
-                 write_sim: Path | None = None, gather: str = "shard_direct") -> int:
+                 write_sim: Path | None = None, gather: str = "shard_direct",
+                 delta: float | None = None) -> int:
     if gather == "both":
         from actors.cli.gather_modes import run_both
 
         return run_both(model=model, cluster=cluster, json_path=json_path,
                         expert_naming=expert_naming, gather_order=gather_order,
                         inflight=inflight, resolution=resolution, nic_model=nic_model)
->>>>>>> h-direct
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
