@@ -273,6 +273,16 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
                       f"{p['speed_x']:.2f}x the speed of dense {p['against']}")
     console.print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
                                         for k, v in verdict.items() if k != "pairs"))
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        mine = [r for r in runs if r["dtype"] == dtype and r["mode"] == "delta"]
+        kept = max((r["base_bytes"] for r in mine), default=0)
+        blocks = sum(r["scale_blocks"] for r in mine)
+        line = f"{dtype}: trainer host memory kept for deltas {kept / 1e6:.1f} MB (all ranks)"
+        if blocks:
+            changed = sum(r["scale_blocks_changed"] for r in mine)
+            line += (f"; FP8 blocks whose scale changed: {changed} of {blocks} "
+                     f"({100 * changed / blocks:.2f}%)")
+        console.print(line)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
     doc = {"model": str(model), "nic_gbps": nic_gbps, "updates": updates, "runs": runs,
