@@ -13,9 +13,10 @@ elements among ``n`` (element size ``s``)::
     DENSE    the whole piece                             s*n bytes
 
 Why these: a (u32 offset, u16 length) run list costs 6 bytes per run, and at
-RL learning rates changes are scattered, so almost every run is one element
-long (measured on ``bench_dense``: runs average 1.0-1.1 elements at lr 1e-6);
-the paged u16 index costs 2 bytes per change plus 4 bytes per 64 Ki elements.
+RL learning rates changes are scattered (AdamW moves every element a little;
+whether its bf16 or FP8 rounding changes is close to independent per element),
+so almost every run is one element long; the paged u16 index costs 2 bytes per
+change plus 4 bytes per 64 Ki elements.
 Against the bitmap it wins below 1/16 changed (fp8 at lr 1e-6 changes 0.4%:
 2.4 bytes per change, 12x fewer than dense). The bitmap wins above 1/16
 (bf16 at lr 1e-5 changes ~25%: 0.125 + 0.5 bytes per element, a third of
