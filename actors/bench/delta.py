@@ -58,6 +58,7 @@ def run_config(config: Path, model: Path, *, fp8: bool, cap: float | None) -> An
     transfer = data["transfer"]
     options = transfer.get("transport_options") if transfer["transport"] == "simnic" else None
     transfer.update(transport="simnic", delta=True, delta_anchor_every=1 << 20,
+                    integrity={"mode": "full"},  # every written range checked, every update
                     transport_options={**(options or {}), "bandwidth_gbps": cap})
     return parse_run_config(data, source=f"{config} (wt bench delta)")
 
@@ -93,8 +94,10 @@ class DeltaBench:
                             seed=run.seed * 1000 + self.version + 1)
         self._get([t.train_step.remote(batch) for t in self.fleet.trainers])
 
-    def update(self, mode: str) -> dict[str, Any]:
-        """One AdamW step and one update in ``mode``; its numbers, verified."""
+    def update(self, mode: str, oracle: bool = True) -> dict[str, Any]:
+        """One AdamW step and one update in ``mode``; its numbers, verified: the integrity
+        check (full) of every range, and with ``oracle`` every engine byte against the
+        reference layout of the trainers' weights too."""
         self.step()
         if mode != "delta":
             self.ctl.delta.request_anchor()
@@ -106,11 +109,15 @@ class DeltaBench:
         stats = [s for s in self._get([t.wt_delta_stats.remote() for t in self.fleet.trainers])
                  if s is not None]
         last = self.ctl.delta.last
-        checks, problems = {}, []
-        self.check(self.fleet, checks, problems, None)
+        checks, problems = {"bytes": True}, []
+        if oracle:
+            self.check(self.fleet, checks, problems, None)
+        sums = report.integrity
+        if sums is None or sums.mode != "full" or not sums.ok:
+            problems.append(f"integrity check: {sums}")
         total = lambda key: sum(s[key] for s in stats)  # noqa: E731
         return {"mode": mode, "bytes": wire, "seconds": report.seconds,
-                "verified": bool(checks.get("bytes")) and not problems,
+                "verified": bool(checks.get("bytes")) and not problems, "oracle": oracle,
                 "problems": problems[:3], "anchor": last.anchor,
                 "diff_s": total("diff_s"), "encode_s": total("encode_s"),
                 "apply_s": last.apply_cpu_seconds, "apply_wall_s": last.apply_seconds,
@@ -186,7 +193,8 @@ def goals(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout_s: float,
-            console: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            console: Any, oracle: str = "every"
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One fleet of ``dtype``: per lr, ``updates`` rounds of every mode; (medians, rows)."""
     fleet = start_fleet(run_cfg)
     try:
@@ -199,8 +207,8 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
             bench.set_lr(lr)
             mine = []
             order = ["gather"] * updates + [m for _ in range(updates) for m in modes[1:]]
-            for mode in order:
-                row = bench.update(mode)
+            for i, mode in enumerate(order):
+                row = bench.update(mode, oracle=oracle == "every" or i == len(order) - 1)
                 mine.append(row)
                 console.print(f"{dtype} lr {lr:g} {mode:>12}: {row['bytes'] / 1e6:9.2f} MB "
                               f"in {row['seconds']:.3f} s, "
@@ -234,13 +242,17 @@ def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
 
 
 def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: int,
-        lrs: str, dtypes: str, quick: bool, timeout_s: float, json_path: Path | None) -> int:
+        lrs: str, dtypes: str, quick: bool, timeout_s: float, json_path: Path | None,
+        oracle: str = "every") -> int:
     console = command_console(json_path)
     try:
         lr_list = [float(x) for x in lrs.split(",") if x.strip()]
         kinds = [d.strip() for d in dtypes.split(",") if d.strip()]
     except ValueError as exc:
         console.print(f"[bold red]error:[/] --lrs {lrs!r}: {exc}")
+        return 2
+    if oracle not in ("every", "last"):
+        console.print(f"[bold red]error:[/] --oracle {oracle!r}: every or last")
         return 2
     bad = sorted(set(kinds) - {"bf16", "fp8"})
     if bad or not kinds or not lr_list or any(lr <= 0 for lr in lr_list):
@@ -257,7 +269,7 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
         started = connect_ray(cfg)
         try:
             got, raw = measure(cfg, dtype=dtype, lrs=lr_list, updates=updates,
-                               timeout_s=timeout_s, console=console)
+                               timeout_s=timeout_s, console=console, oracle=oracle)
         finally:
             if started:
                 ray.shutdown()

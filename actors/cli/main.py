@@ -233,6 +233,9 @@ def bench_delta(
     lrs: str = typer.Option("1e-6,1e-5", help="AdamW learning rates, comma-separated."),
     dtypes: str = typer.Option("bf16,fp8", help="Engine dtypes: bf16, fp8 (a fleet each)."),
     quick: bool = typer.Option(False, "--quick", help="tiny_llama, one round (a test's size)."),
+    oracle: str = typer.Option("every", help="every|last: the reference-layout byte check "
+                               "after every update, or after each lr's last (the integrity "
+                               "check of every range runs after every update either way)."),
     timeout_s: float = typer.Option(900.0, help="Timeout of each call to the actors."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
@@ -241,7 +244,7 @@ def bench_delta(
 
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          lrs=lrs, dtypes=dtypes, quick=quick, timeout_s=timeout_s,
-                         json_path=json_path))
+                         json_path=json_path, oracle=oracle))
 
 
 @bench_app.command("integrity")
