@@ -42,6 +42,7 @@ import ray
 from actors.cli.progress import command_console, emit_json
 from actors.demo.fleet import connect_ray, engine_impl, start_fleet, token_batch
 from actors.run_config import load_run_config, parse_run_config
+from weight_transfer.errors import UpdateError
 
 MODES = ("gather", "shard_direct", "delta")
 GOAL_BYTES_X, GOAL_SPEED_X, GOAL_SLOWER = 10.0, 5.0, 1.05
@@ -205,19 +206,38 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
         runs, rows = [], []
         for lr in lrs:
             bench.set_lr(lr)
-            mine = []
-            order = ["gather"] * updates + [m for _ in range(updates) for m in modes[1:]]
-            for i, mode in enumerate(order):
-                row = bench.update(mode, oracle=oracle == "every" or i == len(order) - 1)
-                mine.append(row)
-                console.print(f"{dtype} lr {lr:g} {mode:>12}: {row['bytes'] / 1e6:9.2f} MB "
-                              f"in {row['seconds']:.3f} s, "
-                              f"{'verified' if row['verified'] else 'NOT verified'}")
+            mine: list[dict[str, Any]] = []
+            try:
+                _rounds(bench, mine, order_of(modes, updates), dtype=dtype, lr=lr,
+                        oracle=oracle, console=console)
+            except (UpdateError, ray.exceptions.RayError) as exc:  # a dead actor, OOM ...
+                console.print(f"[bold red]{dtype} lr {lr:g}: stopped: {exc}[/]")
+                rows += [{**r, "dtype": dtype, "lr": lr} for r in mine]
+                runs += summarize(mine, dtype=dtype, lr=lr) if mine else []
+                runs.append({"dtype": dtype, "lr": lr, "mode": "error", "error": str(exc)[:300]})
+                return runs, rows
             rows += [{**r, "dtype": dtype, "lr": lr} for r in mine]
             runs += summarize(mine, dtype=dtype, lr=lr)
         return runs, rows
     finally:
         fleet.close()
+
+
+def order_of(modes: tuple[str, ...], updates: int) -> list[str]:
+    """Each lr: its gather rounds, then shard_direct and delta alternating (one re-plan)."""
+    return ["gather"] * updates + [m for _ in range(updates) for m in modes[1:]]
+
+
+def _rounds(bench: DeltaBench, mine: list, order: list[str], *, dtype: str, lr: float,
+            oracle: str, console: Any) -> None:
+    """``order``'s updates, each row appended to ``mine`` as it is measured."""
+    for i, mode in enumerate(order):
+        row = bench.update(mode, oracle=oracle == "every" or i == len(order) - 1)
+        mine.append(row)
+        console.print(f"{dtype} lr {lr:g} {mode:>12}: {row['bytes'] / 1e6:9.2f} MB "
+                      f"in {row['seconds']:.3f} s (CPU s: diff {row['diff_s']:.3f}, "
+                      f"encode {row['encode_s']:.3f}, apply {row['apply_s']:.3f}), "
+                      f"{'verified' if row['verified'] else 'NOT verified'}")
 
 
 def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
@@ -278,6 +298,9 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
     if not any(r["mode"] == "shard_direct" for r in runs):
         notes.append("shard_direct: this build's planner has no shard-direct pieces "
                      "(TransferConfig.gather); modes run: gather (dense) and gather+delta")
+    errors = [r for r in runs if r["mode"] == "error"]
+    runs = [r for r in runs if r["mode"] != "error"]
+    notes += [f"{r['dtype']} lr {r['lr']:g} stopped early: {r['error']}" for r in errors]
     console.print(table_of(runs, nic_gbps))
     verdict = goals(runs)
     for p in verdict["pairs"]:
@@ -300,7 +323,7 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
     doc = {"model": str(model), "nic_gbps": nic_gbps, "updates": updates, "runs": runs,
            "rounds": rows, "goals": verdict, "notes": notes}
     emit_json(json_path, doc, console)
-    ok = all(r["verified"] for r in runs)
+    ok = all(r["verified"] for r in runs) and not errors
     if not ok:
         console.print("[bold red]some updates did not verify[/]")
     return 0 if ok else 1
