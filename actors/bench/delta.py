@@ -16,8 +16,8 @@ trainers and one update:
   at finish.
 
 Switching between ``gather="full"`` and ``"shard_direct"`` is a re-plan
-(``controller.setup()``), so each learning rate runs its ``gather`` rounds first,
-then alternates ``shard_direct`` and ``delta`` on the shard-direct plan.
+(``controller.setup()``), so each learning rate alternates ``shard_direct`` and
+``delta`` on the shard-direct plan first, then runs its ``gather`` rounds.
 
 Reported per (dtype, lr, mode), medians over the rounds: bytes on the wire (every
 trainer NIC's bytes, records, headers and repairs included), update seconds
@@ -202,7 +202,7 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
         console.print(fleet.describe())
         bench = DeltaBench(fleet, timeout_s)
         modes = modes_of(fleet.config)
-        bench.update("gather")  # the first update is dense anyway: not measured
+        bench.update(modes[1] if len(modes) > 2 else "gather")  # dense anyway: not measured
         runs, rows = [], []
         for lr in lrs:
             bench.set_lr(lr)
@@ -224,8 +224,9 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
 
 
 def order_of(modes: tuple[str, ...], updates: int) -> list[str]:
-    """Each lr: its gather rounds, then shard_direct and delta alternating (one re-plan)."""
-    return ["gather"] * updates + [m for _ in range(updates) for m in modes[1:]]
+    """Each lr: shard_direct and delta alternating on the default plan, then its gather
+    rounds (a re-plan: the memory of two plans for a moment, done last)."""
+    return [m for _ in range(updates) for m in modes[1:]] + ["gather"] * updates
 
 
 def _rounds(bench: DeltaBench, mine: list, order: list[str], *, dtype: str, lr: float,
