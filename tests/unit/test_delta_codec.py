@@ -272,6 +272,8 @@ def test_any_change_pattern_roundtrips_in_every_encoding(itemsize, n, seed, frac
     base = rng.integers(0, 256, size=n * itemsize, dtype=np.uint8)
     new = _mutate(rng, base, itemsize, frac, clustered=bool(seed % 2))
     idx = changed(base, new, itemsize)
+    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
+    assert np.array_equal(idx, np.flatnonzero(base.view(view) != new.view(view)))
     for kind in Encoding:
         k, payload = encode(new, idx, itemsize, kind)
         dst = base.copy()
