@@ -160,6 +160,9 @@ class TransferSettings(_Frozen):
     # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
     # them with no collective (scheduling.direct); full: every parameter gathered first.
     gather: Literal["shard_direct", "full"] = "shard_direct"
+    # Replicas that share a site (actors.replica_groups): the trainers write one of each
+    # group, the others are filled from it by a peer copy inside the group.
+    replica_groups: tuple[tuple[str, ...], ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +177,13 @@ class TransferSettings(_Frozen):
     @classmethod
     def _integrity(cls, value: Any) -> IntegrityPolicy:
         return parse_integrity(value, where=f"{_where(cls)}.integrity")
+
+    @field_validator("replica_groups", mode="before")
+    @classmethod
+    def _replica_groups(cls, value: Any) -> tuple[tuple[str, ...], ...]:
+        from actors.replica_groups import ReplicaGroups
+
+        return ReplicaGroups.parse(value, where=f"{_where(cls)}.replica_groups").groups
 
     @field_validator("retry", mode="before")
     @classmethod

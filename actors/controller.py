@@ -173,6 +173,12 @@ class WeightTransferController:
         """The :class:`~actors.controller_delta.DeltaChain` (``config.delta``), else None."""
         return self._updates.delta
 
+    @property
+    def group_copies(self) -> dict[str, int]:
+        """Bytes each follower of a replica group got from its leader in the last update
+        (``config.replica_groups``, :mod:`actors.replica_groups`)."""
+        return dict(self._replicas.group_copies)
+
     def weights_version(self) -> dict[str, int | None]:
         """``{replica: version it holds completely, or None (torn or never filled)}``."""
         return dict(self.state.versions)

@@ -6,6 +6,7 @@
     ops.add(actors)               # a new replica, filled from a peer, then planned in
     ops.remove("engine1")         # out of the plan and the bookkeeping, its NICs closed
     ops.resync("engine1")         # a torn replica re-filled from a peer; serves again
+    ops.fill_groups(7, faults, reports, errors, until=t)  # replica groups' followers (update)
     hold(state, calls, ["engine1"], faults)   # torn: version None, kept paused
 
 A peer copy moves the newest version some replica holds completely from that
@@ -35,6 +36,7 @@ from actors.audit import AuditLog, NoAudit, ResyncAudit
 from actors.config import TransferConfig
 from actors.connections import copy_links, engine_endpoints
 from actors.controller_calls import ControlCalls
+from actors.controller_groups import fill_followers, torn_leaders
 from actors.controller_setup import group_replicas, replan
 from actors.controller_state import ControllerState
 from actors.engine_control import (
@@ -48,6 +50,7 @@ from actors.engine_control import (
 from actors.faults import fault_kind_of
 from actors.inference import layout_key
 from actors.integrity_check import IntegrityResult, verify_copy
+from actors.replica_groups import ReplicaGroups
 from actors.telemetry import replica_versions
 from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import FaultKind, IntegrityError
@@ -111,6 +114,22 @@ class ReplicaOps:
                  *, metrics: TransferMetrics, audit: AuditLog | NoAudit) -> None:
         self.state, self.calls, self.config = state, calls, config
         self.metrics, self.audit = metrics, audit
+        self.groups = ReplicaGroups(groups=config.replica_groups)
+        self.group_copies: dict[str, int] = {}  # the last update's bytes per filled follower
+
+    def fill_groups(self, version: int, faults: Mapping[str, Any], reports: Mapping[int, Any],
+                    errors: Mapping[int, Any], *, until: float) -> dict[str, list[RankFault]]:
+        """After the trainers' writes of ``version``: each replica group's followers filled
+        from their leader (:mod:`actors.controller_groups`); the faults of those not filled
+        (nothing to do without groups)."""
+        self.group_copies = {}
+        if not self.groups:
+            return {}
+        torn = torn_leaders(self.state, faults, reports, errors)
+        missed, self.group_copies = fill_followers(
+            self.state, self.calls, groups=self.groups, version=version, torn=torn,
+            until=until, integrity=self.config.integrity.enabled)
+        return missed
 
     def _copy(self, source: str, target: str, *, version: int, timeout: float
               ) -> tuple[dict[tuple[str, str], int], IntegrityResult | None]:

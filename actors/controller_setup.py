@@ -35,6 +35,7 @@ from actors.groups import host_store, node_ip
 from actors.live_config import check_actors
 from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
+from actors.replica_groups import ReplicaGroups
 from actors.schedule_actor import ScheduleActor
 from scheduling.cluster_defaults import check_cluster
 from weight_transfer.barrier import BarrierKey
@@ -140,11 +141,18 @@ def group_replicas(actors: list, metas: list[EngineRankMeta]
 
 
 def replan(state: ControllerState, calls: ControlCalls, config: TransferConfig) -> PlanSummary:
-    """Plan over every replica; connect the NIC pairs it writes through (both ways) while
-    each trainer gets its blob."""
+    """Plan over every replica the trainers write (all but the followers of
+    ``config.replica_groups``, :mod:`actors.replica_groups`); connect the NIC pairs it
+    writes through (both ways) while each trainer gets its blob."""
+    groups = ReplicaGroups(groups=config.replica_groups)
+    absent = sorted({n for g in groups.groups for n in g} - set(state.replicas))
+    if absent:
+        log.warning("replica_groups name replicas %s that this controller does not hold "
+                    "(yet); replicas: %s", absent, sorted(state.replicas))
+    planned = groups.planned(list(state.replicas))
     result = calls.gather(
         [calls.call(state.scheduler.plan, state.trainer_metas, state.rank_infos,
-                    state.engine_list())],
+                    [m for n in planned for m in state.engine_metas[n]])],
         ["schedule actor"], phase="compute the plan")[0]
     store = (state.store_host, state.store.port)
 

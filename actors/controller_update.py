@@ -183,6 +183,8 @@ class UpdateSteps:
         transfer_done = time.perf_counter()
         if after_transfer is not None:
             after_transfer(version)
+        _merge(faults, self.replica_ops.fill_groups(  # replica groups: peers fill followers
+            version, faults, reports, errors, until=deadline - timeout * RESUME_SHARE))
         torn, check = self._check_and_resume(version, names, faults, reports, errors, deadline)
         done = UpdateOutcome(version=version, replicas=tuple(names),
                              reports=tuple(reports.values()), integrity=check,

@@ -58,7 +58,7 @@ from actors.controller_state import ControllerState
 from actors.integrity_check import IntegrityResult, answers, compare_rows
 from weight_transfer.integrity import ADDR, CHECKSUM, COLUMNS, merge_ranges
 from weight_transfer.metrics import TransferMetrics
-from weight_transfer.served import ServedSums, tensor_chunks
+from weight_transfer.served import ServedSums, region_maps, remap, tensor_chunks
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,9 @@ class ServedWatch:
         if self.config.integrity.mode == "full":
             merged = merge_ranges([s for r in reports for s in r.transfer.checksums])
             empty = np.empty((0, len(COLUMNS)), dtype=np.uint64)
-            return {n: ServedSums(version=version, source="trainers", ranks=tuple(
+            out = {n: ServedSums(version=version, source="trainers", ranks=tuple(
                 merged.get((n, m.rank), empty) for m in st.engine_metas[n])) for n in names}
+            return self._followers_from_leaders(out)
         rows = {(n, m.rank): tensor_chunks(m) for n in names for m in st.engine_metas[n]}
         keys = sorted(rows)
         refs = [self.calls.call(st.replicas[n][r].wt_checksum, rows[(n, r)][:, ADDR:CHECKSUM])
@@ -143,6 +144,18 @@ class ServedWatch:
                 rows[(n, r)][:, CHECKSUM] = got
         return {n: ServedSums(version=version, source="engine", ranks=tuple(
             rows[(n, m.rank)] for m in st.engine_metas[n])) for n in names if n not in failed}
+
+    def _followers_from_leaders(self, sums: dict[str, ServedSums]) -> dict[str, ServedSums]:
+        """A replica group's follower holds its leader's bytes (a peer copy, no trainer
+        wrote it): the leader's trainer checksums at the follower's addresses."""
+        st = self.state
+        for follower, leader in self.replica_ops.groups.followers(st.replicas).items():
+            if follower in sums and leader in sums:
+                maps = region_maps(st.engine_metas[leader], st.engine_metas[follower])
+                sums[follower] = ServedSums(version=sums[leader].version, source="trainers",
+                                            ranks=tuple(remap(rows, m) for rows, m in zip(
+                                                sums[leader].ranks, maps, strict=True)))
+        return sums
 
     def commit(self, version: int, sums: dict[str, ServedSums]) -> None:
         """Keep the reference of the replicas that now serve ``version``; drop the rest."""

@@ -141,6 +141,21 @@ def bench_transport(
     raise typer.Exit(run(sizes=sizes, repeats=repeats, backends=backends, json_path=json_path))
 
 
+@bench_app.command("groups")
+def bench_groups(
+    rate_mbit: float = typer.Option(40.0, min=0.1, help="Each remote site's link (tc tbf)."),
+    updates: int = typer.Option(2, min=1, help="Updates per mode (direct, grouped)."),
+    transport: str = typer.Option("tcp", help="tcp, or mooncake (allow_unauthenticated)."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Replica groups behind slow links (network namespaces, root): one copy per site over
+    the link and peer copies inside it, against a copy per replica over it."""
+    from actors.bench.groups import run
+
+    raise typer.Exit(run(rate_mbit=rate_mbit, updates=updates, transport=transport,
+                         json_path=json_path))
+
+
 @bench_app.command("pipeline")
 def bench_pipeline(
     model: Path = typer.Option(Path("configs/models/bench_dense.yaml"), help="Model YAML."),
