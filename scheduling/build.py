@@ -22,7 +22,6 @@ and meshes only::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,14 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduling.assign import (
-    assign_sources,
-    greedy_batches_many,
-    interleave_order,
-    mesh_groups,
-    spread_order,
-)
-from scheduling.direct_assign import assign_direct, direct_pieces
+from scheduling.assign import interleave_order, mesh_groups, spread_order
+from scheduling.build_assign import assign_tasks
+from scheduling.direct_assign import direct_pieces
 from scheduling.plan import Plan
 from scheduling.tables import (
     Interner,
@@ -301,7 +295,7 @@ def build_plan(
     et = engine_table(engines, names, dtypes)
     recv_nic_ids: dict[str, int] = {}
     engine_nic = np.array([recv_nic_ids.setdefault(e.nic, len(recv_nic_ids)) for e in engines])
-    task_src, rotation = _assign(task_piece, pt, tr, len(recv_nic_ids),
+    task_src, rotation = assign_tasks(task_piece, pt, tr, len(recv_nic_ids),
                                  (piece_owner[task_piece], owner_sets))
     task_row = grow_lookup(et, len(names))[task_dst, pt.name[task_piece]]
     _check_rows(task_row, task_piece, task_dst, pieces, engines)
@@ -335,84 +329,6 @@ def build_plan(
     log.info("plan: %d tasks, %d pieces, %d groups; pieces and order %.2fs, assign %.2fs",
              plan.num_tasks, len(pieces), len(tr.groups), t1 - t0, time.perf_counter() - t1)
     return plan
-
-
-def _assign(task_piece: np.ndarray, pt: PieceTable, tr: _Trainers, n_recv_nics: int,
-            owners: tuple[np.ndarray, list]):
-    """Source rank and spread rotation of every task; tasks come in gather order.
-
-    ``owners``: each task's owner-set tag (-1: gathered) and the owner sets. Per mesh
-    group, shard-direct tasks are assigned first (:func:`assign_direct`), the gathered
-    ones then fill in from the loads they left."""
-    param_mesh, mesh_group, meshes, rank_nic = tr.param_mesh, tr.mesh_group, tr.meshes, tr.rank_nic
-    task_owner, owner_sets = owners
-    n = len(task_piece)
-    task_mesh = param_mesh[pt.param[task_piece]]
-    task_group = mesh_group[task_mesh]
-    nbytes = pt.nbytes[task_piece]
-    src = np.empty(n, dtype=np.int64)
-    rotation = np.empty(n, dtype=np.int64)
-    gathered = np.flatnonzero(task_owner < 0)
-    sub_mesh = task_mesh[gathered]
-    bounds = np.concatenate(([0], np.flatnonzero(np.diff(sub_mesh)) + 1, [len(gathered)]))
-    runs = {}  # group -> runs (a, b, mesh) over ``gathered``
-    for a, b in itertools.pairwise(bounds):
-        if a < b:
-            runs.setdefault(int(mesh_group[sub_mesh[a]]), []).append((a, b, int(sub_mesh[a])))
-    nic_load = np.zeros(int(rank_nic.max()) + 1, dtype=np.int64)
-    rank_load = np.zeros(len(rank_nic), dtype=np.int64)
-    sub_bytes, sub_src = nbytes[gathered], np.empty(len(gathered), dtype=np.int64)
-    # each group is balanced on its own (barrier between): loads start at zero per group
-    for g in sorted(set(task_group.tolist())):
-        nic_load[:] = 0
-        rank_load[:] = 0
-        assign_direct(np.flatnonzero((task_owner >= 0) & (task_group == g)), task_owner,
-                      nbytes, owner_sets, rank_nic, nic_load, rank_load, src)
-        group_runs = runs.get(g, [])
-        if _independent(group_runs, meshes, rank_nic):
-            _assign_together(group_runs, sub_bytes, meshes, rank_nic, nic_load, rank_load,
-                             sub_src)
-        else:
-            for a, b, m in group_runs:
-                sub_src[a:b] = assign_sources(sub_bytes[a:b], meshes[m].ranks, rank_nic,
-                                              nic_load, rank_load)
-    src[gathered] = sub_src
-    for m, mesh in enumerate(meshes):
-        sel = np.flatnonzero(task_mesh == m)
-        pos = np.zeros(len(rank_nic), dtype=np.int64)
-        pos[list(mesh.ranks)] = np.arange(len(mesh.ranks))
-        rotation[sel] = pos[src[sel]] * n_recv_nics // len(mesh.ranks)
-    return src, rotation
-
-
-def _independent(runs, meshes, rank_nic) -> bool:
-    """Whether runs can be assigned at once with the same result as one after the other:
-    one run per mesh, one mesh rank per NIC, no NIC shared between the meshes."""
-    seen: set[int] = set()
-    for _, _, m in runs:
-        nics = set(rank_nic[list(meshes[m].ranks)].tolist())
-        if len(nics) != len(meshes[m].ranks) or not seen.isdisjoint(nics):
-            return False
-        seen |= nics
-    return len({m for _, _, m in runs}) == len(runs)
-
-
-def _assign_together(runs, nbytes, meshes, rank_nic, nic_load, rank_load, src) -> None:
-    """:func:`assign_sources` of independent runs (:func:`_independent`), batch by batch
-    over all of them at once: the same greedy, far fewer Python steps."""
-    jobs, outs, lookups = [], [], []
-    for a, b, m in runs:
-        ranks = np.asarray(meshes[m].ranks, dtype=np.int64)
-        nics = np.unique(rank_nic[ranks])
-        lookup = np.empty(int(nics.max()) + 1, dtype=np.int64)
-        lookup[rank_nic[ranks]] = ranks
-        jobs.append((nbytes[a:b], nics))
-        outs.append(np.empty(b - a, dtype=np.int64))
-        lookups.append(lookup)
-    greedy_batches_many(jobs, nic_load, outs)
-    for (a, b, _), out, lookup in zip(runs, outs, lookups, strict=True):
-        src[a:b] = lookup[out]
-        np.add.at(rank_load, src[a:b], nbytes[a:b])
 
 
 def _check_rows(task_row, task_piece, task_dst, pieces, engines) -> None:

@@ -164,7 +164,7 @@ def _direct(rd: Reader, data: dict, parts: dict) -> None:
     if gather not in GATHER_MODES:
         raise ValueError(f"plan blob: gather must be one of {GATHER_MODES}, not {gather!r}")
     direct = rd.ints(data.get("direct_params", []), "direct_params", hi=max(n - 1, 0))
-    if n == 0 and direct or list(direct) != sorted(set(direct)):
+    if (n == 0 and direct) or list(direct) != sorted(set(direct)):
         raise ValueError("plan blob: direct_params must be ascending parameter indices")
     fallback = []
     for i, v in enumerate(rd.list(data.get("fallback", []), "fallback")):

@@ -71,7 +71,8 @@ class GroupCosts:
     write_count: np.ndarray  # [R, K] writes
     reserve: np.ndarray  # [R, K] watermark bytes
     params: np.ndarray  # [R, K] parameters in each item (0: the rank has no such item)
-    sync: np.ndarray  # [R, K] whether the item waits for every rank of its mesh (a gather)
+    # [R, K] whether the item waits for every rank of its mesh (a gather); None: every item
+    sync: np.ndarray | None = None
     tasks: tuple[np.ndarray, np.ndarray, np.ndarray]  # plan rows of the group, their (row, k)
 
 
@@ -262,7 +263,8 @@ def run_group(c: GroupCosts, nic_seconds: np.ndarray, *, watermark: float,
         ready = np.maximum(prep_end, h2d_end)
         mesh_ready = np.full(n_mesh, -np.inf)
         np.maximum.at(mesh_ready, c.mesh, ready)
-        start = np.where(c.sync[:, k], mesh_ready[c.mesh], ready)  # a gather waits for all
+        start = mesh_ready[c.mesh] if c.sync is None else np.where(  # a gather waits for all
+            c.sync[:, k], mesh_ready[c.mesh], ready)
         prep_end = start + c.gather[:, k] + c.prepare[:, k]
         w_start[:, k] = np.maximum(prep_end, nic_free)
         nic_free = w_end[:, k] = w_start[:, k] + wtime[:, k]

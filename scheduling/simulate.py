@@ -198,9 +198,12 @@ def simulate(
 ) -> SimResult:
     """Predict the execution time of ``plan`` on ``cluster`` (see the module docstring)."""
     if piece_scale is not None:
-        plan = with_piece_bytes(plan, np.round(np.broadcast_to(
-            np.asarray(piece_scale, dtype=np.float64), (len(plan.pieces),))
-            * np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))))
+        scale = np.asarray(piece_scale, dtype=np.float64)
+        if scale.ndim and scale.shape != (len(plan.pieces),):
+            raise ValueError(f"piece bytes: piece_scale needs one factor or one per piece "
+                             f"({len(plan.pieces)}), got shape {scale.shape}")
+        sizes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
+        plan = with_piece_bytes(plan, np.round(scale * sizes))
     inflight = max_inflight or cluster.sim.max_inflight
     if inflight < 1 or fill_rounds < 1 or resolution < 0:
         raise ValueError("max_inflight and fill_rounds must be >= 1, resolution >= 0")

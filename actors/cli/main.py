@@ -221,7 +221,9 @@ def bench_designs(
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
-    designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
+    designs: str = typer.Option("p2p,p2p_gather,rank0,rpc,bucketed,rdt",
+                                help="Which designs to run (p2p: shard-direct pieces; "
+                                     "p2p_gather: ours gathering every parameter)."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
     caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
     timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),
@@ -379,6 +381,14 @@ def simulate(
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
+
+    if gather == "both":
+        from actors.cli.gather_modes import run_both
+
+        raise typer.Exit(run_both(model=model, cluster=cluster, json_path=json_path,
+                                  expert_naming=expert_naming, gather_order=gather_order,
+                                  inflight=inflight, resolution=resolution,
+                                  nic_model=nic_model))
 
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,

@@ -224,12 +224,6 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  calibrate: bool = False, check: bool = False,
                  write_sim: Path | None = None, gather: str = "shard_direct",
                  delta: float | None = None) -> int:
-    if gather == "both":
-        from actors.cli.gather_modes import run_both
-
-        return run_both(model=model, cluster=cluster, json_path=json_path,
-                        expert_naming=expert_naming, gather_order=gather_order,
-                        inflight=inflight, resolution=resolution, nic_model=nic_model)
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:

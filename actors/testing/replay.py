@@ -7,7 +7,8 @@ destination region at the task's offset - except that the "remote" regions are
 local byte buffers. A shard-direct parameter (the group's ``local``) is cut from
 the rank's own block of it (:func:`weight_transfer.shard_blocks.local_rect`: the
 block the rank's DTensor holds) with the pieces shifted into it, as the executor
-does, so a piece that needs bytes outside that block fails. The result is every engine rank's tensors as raw bytes::
+does, so a piece that needs bytes outside that block fails. The result is every
+engine rank's tensors as raw bytes::
 
     engines = replay_in_memory(plan, full_state)          # {(replica, rank): {name: uint8}}
     engines[("engine0", 1)]["model.layers.0.self_attn.qkv_proj.weight"]

@@ -200,7 +200,7 @@ def test_validate_refuses_a_direct_task_from_a_rank_without_the_block():
     src = plan.task_src.copy()
     src[row] = (src[row] + 1) % len(plan.trainer_ranks)
     bad = dataclasses.replace(plan, task_src=src)
-    with pytest.raises(ValueError, match="shard-direct piece .* source rank"):
+    with pytest.raises(ValueError, match=r"shard-direct piece .* source rank"):
         bad.validate()
 
 
@@ -222,3 +222,71 @@ def test_own_block_refuses_a_local_tensor_of_the_wrong_shape():
     assert own_block(m, torch.zeros(8, 4), 1)[1] == ((2, 4), (0, 4))  # cut from the whole
     with pytest.raises(ValueError, match="'w' holds a local block of shape"):
         own_block(m, torch.zeros(3, 4), 1)
+
+
+def test_simulated_gathers_vanish_for_shard_direct_parameters():
+    from scheduling import simulate
+
+    cl = load_cluster_config(ROOT / "configs/clusters/local_cpu.yaml")
+    cl = cl.model_copy(update={"sim": cl.sim.model_copy(update={"intra_node_gbps": 1.0})})
+    stages = {}
+    for gather in ("full", "shard_direct"):
+        cfg = load_model_config_("bench_dense")
+        tm = trainer_meta_from_config(cfg, cl)
+        plan = compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg, gather=gather)
+        r = simulate(plan, cl, nic_model="bound")
+        stages[gather] = r.stage_seconds["gather"]
+    assert stages["full"] > 0.1
+    assert stages["shard_direct"] < 0.01 * stages["full"]  # the norms' buckets alone
+
+
+def test_piece_scale_scales_the_bytes_on_the_wire():
+    from scheduling import simulate
+
+    plan, _ = _plan("local_cpu.yaml")
+    cl = load_cluster_config(ROOT / "configs/clusters/local_cpu.yaml")
+    whole = simulate(plan, cl, nic_model="bound")
+    half = simulate(plan, cl, nic_model="bound", piece_scale=0.5)
+    assert half.lower_bound_seconds == pytest.approx(whole.lower_bound_seconds / 2, rel=1e-3)
+    none = simulate(plan, cl, nic_model="bound", piece_scale=np.zeros(len(plan.pieces)))
+    assert none.lower_bound_seconds == 0.0
+    with pytest.raises(ValueError, match="piece bytes"):
+        simulate(plan, cl, piece_scale=np.ones(3))
+
+
+def test_simulate_gather_modes_side_by_side():
+    from actors.cli.gather_modes import simulate_gather_modes
+
+    rows = simulate_gather_modes(ROOT / "configs/models/tiny_llama.yaml",
+                                 ROOT / "configs/clusters/local_cpu_hsdp.yaml",
+                                 nic_model="bound")
+    assert list(rows) == ["full", "shard_direct"]
+    assert rows["full"]["direct_bytes_fraction"] == 0.0
+    assert rows["shard_direct"]["direct_bytes_fraction"] > 0.5
+    assert rows["shard_direct"]["gathered_params"] < rows["full"]["gathered_params"]
+    for s in rows.values():
+        assert s["predicted_s"] >= s["lower_bound_s"] > 0 and s["binding"]
+
+
+def test_plan_blobs_with_inconsistent_direct_fields_are_refused():
+    import msgpack
+
+    from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, loads_trainer_plan
+
+    plan, _ = _plan("local_cpu.yaml")
+    back = loads_plan(dumps_plan(plan))
+    assert (back.gather, back.direct_params, back.fallback) == (
+        plan.gather, plan.direct_params, plan.fallback)
+    raw = msgpack.unpackb(dumps_plan(plan), strict_map_key=False)
+    raw["direct_params"] = list(reversed(raw["direct_params"]))
+    with pytest.raises(ValueError, match="direct_params must be ascending"):
+        loads_plan(msgpack.packb(raw))
+    raw = msgpack.unpackb(dumps_plan(plan), strict_map_key=False)
+    raw["strings"].append("full")
+    raw["gather"] = len(raw["strings"]) - 1
+    with pytest.raises(ValueError, match="'full' lists direct_params"):
+        loads_plan(msgpack.packb(raw))
+    raw = msgpack.unpackb(dumps_trainer_plan(plan.trainer_plan(0)), strict_map_key=False)
+    raw["groups"][0][4] = raw["groups"][0][4] + raw["groups"][0][4][:1]
+    with pytest.raises(ValueError, match="listed twice in local"):
+        loads_trainer_plan(msgpack.packb(raw))
