@@ -10,6 +10,7 @@ and the next is a real AdamW step. One engine start (about 40-90 s here).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
-def _nudge(trainer) -> int:
+def _nudge(trainer) -> int:  # pickled by value below: the actors cannot import this module
     """Change a few elements of the rank's shard of three parameters (no optimizer)."""
     n = 0
     with torch.no_grad():
@@ -38,6 +39,9 @@ def _nudge(trainer) -> int:
             local.view(-1)[: 7] += 0.125
             n += 7
     return n
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
