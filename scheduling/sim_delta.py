@@ -49,7 +49,7 @@ def piece_wire_bytes(plan: Plan, fraction: float) -> np.ndarray:
     for i, p in enumerate(plan.pieces):
         s = sizes.setdefault(p.dst_dtype, _itemsize(p.dst_dtype))
         n = p.nbytes // s
-        k = int(round(fraction * n))
+        k = round(fraction * n)
         enc = RECORD.size + encoded_size(choose(n, k, s), n, k, s)
         out[i] = min(enc, p.nbytes)
     return out

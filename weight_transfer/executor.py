@@ -84,12 +84,12 @@ from typing import Any
 
 import torch
 
+from weight_transfer.delta_write import DeltaStage, Where
 from weight_transfer.gather import (
     DEFAULT_BUCKET_BYTES,
     GatherBucket,
     gather_bucket,
 )
-from weight_transfer.delta_write import DeltaStage, Where
 from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage

@@ -67,7 +67,7 @@ def test_engine_bytes_changed_behind_the_chain_are_resent_dense(fleet):
     step_and_update(fleet)  # a delta: the chain holds
     engine = fleet.replicas["engine0"][0]
     ray.get(engine.wt_flip_byte.remote("model.layers.0.self_attn.qkv_proj.weight", 64))
-    report, last = step_and_update(fleet)
+    _report, last = step_and_update(fleet)
     assert not last.anchor
     assert last.repaired_bytes > 0
     assert any("digest" in r for r in last.reasons)
@@ -79,9 +79,9 @@ def test_a_failed_write_makes_the_next_update_a_dense_anchor(fleet):
     with pytest.raises(UpdateError):
         step_and_update(fleet)
     ray.get(fleet.trainers[0].wt_fail_after_bytes.remote(None))
-    report, last = step_and_update(fleet)
+    _report, last = step_and_update(fleet)
     assert last.anchor
     assert verified(fleet)
-    report, last = step_and_update(fleet)
+    _report, last = step_and_update(fleet)
     assert not last.anchor and last.records_applied > 0
     assert verified(fleet)

@@ -34,7 +34,7 @@ def _nudge(trainer) -> int:  # pickled by value below: the actors cannot import 
     """Change a few elements of the rank's shard of three parameters (no optimizer)."""
     n = 0
     with torch.no_grad():
-        for name, p in list(trainer._wt_require_model().named_parameters())[1:4]:
+        for _name, p in list(trainer._wt_require_model().named_parameters())[1:4]:
             local = p.to_local() if hasattr(p, "to_local") else p
             local.view(-1)[: 7] += 0.125
             n += 7

@@ -29,7 +29,7 @@ def _mutate(rng: np.random.Generator, base: np.ndarray, itemsize: int, frac: flo
             clustered: bool) -> np.ndarray:
     new = base.copy()
     n = base.nbytes // itemsize
-    k = int(round(frac * n))
+    k = round(frac * n)
     if k == 0:
         return new
     if clustered:
@@ -96,7 +96,7 @@ class Fleet:
             region = RegionDesc(owner=owner, nic="n", addr=1000 + r, length=total, rkey=1)
             self.engines[region.addr] = buf
             off = 0
-            for i, p in enumerate(pieces):
+            for _i, p in enumerate(pieces):
                 self.tasks.append(WriteTask(task_id=len(self.tasks), mesh_group=0, src_rank=0,
                                             piece=p, dst_replica=f"engine{r}", dst_rank=0,
                                             region=region, region_offset=off))
@@ -255,7 +255,7 @@ def test_held_version_is_the_last_resumed_one_unless_held_since() -> None:
 
     ev = [("resume", 3, 0.0), ("pause", None, 1.0)]
     assert held_version(ev, None) == 3  # this update's pause
-    assert held_version(ev + [("pause", None, 2.0)], None) is None  # a hold: torn
+    assert held_version([*ev, ("pause", None, 2.0)], None) is None  # a hold: torn
     assert held_version([("version", 5, 0.0)], 5) == 5  # no pause during updates
     assert held_version([], None) is None
 
