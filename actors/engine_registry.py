@@ -74,8 +74,9 @@ def register_engine(name: str, module: str, launch: str, *,
                     tools: Mapping[str, str] | None = None, **options: Any) -> EngineSpec:
     """Register engine ``name`` (imported on first use); ValueError if the name is taken or a
     tool is not ``"module:attribute"``."""
-    if not name or not name.isidentifier():
-        raise ValueError(f"engine name {name!r}: must be a non-empty identifier")
+    if not name or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"engine name {name!r}: must be a non-empty identifier (hyphens "
+                         "allowed)")
     if name in _REGISTRY:
         raise ValueError(f"engine {name!r} is already registered (by {_REGISTRY[name].module})")
     bad = sorted(k for k, ref in (tools or {}).items() if ref.count(":") != 1)
@@ -121,3 +122,9 @@ register_engine(
            "sample_rollouts": "actors.demo.vllm_demo:sample_rollouts"},
     demo_config="configs/runs/demo_vllm.yaml", bench_config="configs/runs/bench_vllm.yaml",
     kind="vllm, float32")
+register_engine(
+    "vllm-server", "actors.vllm_served", "connect_vllm_servers",
+    tools={"start_fleet": "actors.demo.vllm_server_demo:start_fleet",
+           "check_bytes": "actors.demo.vllm_server_demo:check_bytes"},
+    demo_config="configs/runs/demo_vllm_server.yaml",
+    bench_config="configs/runs/bench_vllm.yaml", kind="vllm serve, float32")

@@ -42,35 +42,53 @@ from weight_transfer.engines.fence import KEEP, CommandFence
 class VllmEngineOwner:
     """One replica: the ``LLM``, its workers' NICs (through our backend), pause/resume."""
 
-    def __init__(self, config: TransferConfig, replica: int, model_path: str, *,
+    def __init__(self, config: TransferConfig, replica: int, model_path: str | None = None, *,
                  dtype: str = "float32", engine_kw: dict | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        from weight_transfer.engines.vllm import BACKEND_NAME
-        from weight_transfer.engines.vllm.driver import SMALL_ENGINE, VllmLink
-
+                 env: dict[str, str] | None = None, link: Any = None) -> None:
+        """Start an ``LLM`` of ``model_path`` (``engine_kw``: vLLM engine arguments over the
+        small defaults), or drive an engine someone else started through ``link`` (a
+        :class:`~weight_transfer.engines.vllm.driver.VllmLink` of the user's ``LLM``, or the
+        links of :mod:`actors.vllm_handle`): its TP is checked against the cluster's."""
         cluster = config.cluster
         self.tp = cluster.inference.gpus_per_replica
         self.config, self.replica = config, cluster.replica_name(replica)
         self.nics = tuple((cluster.engine_rank(replica, r)[1],) for r in range(self.tp))
-        os.environ.update(env or {})  # read by vLLM's processes, e.g. its CPU thread binding
-        if self.tp > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tp))))
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig
-
+        self.owns_engine = link is None  # an engine we started is ours to shut down
         t0 = time.perf_counter()
-        llm = LLM(model=model_path, dtype=dtype, tensor_parallel_size=self.tp,
-                  weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-                  distributed_executor_backend="mp" if self.tp > 1 else None,
-                  **{**SMALL_ENGINE, **(engine_kw or {})})
+        self.link = link if link is not None else self._start(model_path, dtype, engine_kw, env)
         self.start_seconds = time.perf_counter() - t0
-        self.link = VllmLink(llm)
+        if self.link.tp_size != self.tp:
+            from scheduling.cluster_defaults import ClusterMismatchError
+
+            raise ClusterMismatchError(
+                f"{self.replica}: the vLLM engine runs TP={self.link.tp_size}, the cluster "
+                f"({cluster.source or cluster.name}) says gpus_per_replica={self.tp}",
+                field="inference.gpus_per_replica", expected=self.tp, actual=self.link.tp_size)
         self._metas: list | None = None
         self._lock = threading.Lock()
         self._generating = threading.Lock()  # one generate loop steps the engine at a time
         self._resumed: set[int] = set()
         # The controller gives every rank of a replica the same epoch: one fence per replica.
         self.fence = CommandFence(self.replica)
+
+    def _start(self, model_path: str | None, dtype: str, engine_kw: dict | None,
+               env: dict[str, str] | None) -> Any:
+        from weight_transfer.engines.vllm import BACKEND_NAME
+        from weight_transfer.engines.vllm.driver import SMALL_ENGINE, VllmLink
+
+        if model_path is None:
+            raise ValueError(f"{self.replica}: give model_path (an engine to start) or link")
+        os.environ.update(env or {})  # read by vLLM's processes, e.g. its CPU thread binding
+        if self.tp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tp))))
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        llm = LLM(model=model_path, dtype=dtype, tensor_parallel_size=self.tp,
+                  weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
+                  distributed_executor_backend="mp" if self.tp > 1 else None,
+                  **{**SMALL_ENGINE, **(engine_kw or {})})
+        return VllmLink(llm)
 
     def engine_meta(self, rank: int, transport: Any = None):
         from weight_transfer.engines.vllm.mailbox import SetupRequest
@@ -135,6 +153,14 @@ class VllmEngineOwner:
             return self.link.generate(prompts, max_new_tokens, temperature=temperature,
                                       seed=seed)
 
+    def sample(self, prompts: list[list[int]], params: dict) -> list[list[dict]]:
+        """Your full ``SamplingParams`` (a dict): per prompt its choices, with logprobs and
+        weight-version spans (:func:`weight_transfer.engines.vllm.sampling.sample`)."""
+        from weight_transfer.engines.vllm.sampling import sample
+
+        with self._generating:
+            return sample(self.link, prompts, params)
+
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
         """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
         return self.link.llm.collective_rpc(fn, args=args)
@@ -143,11 +169,13 @@ class VllmEngineOwner:
         return self.start_seconds
 
     def shutdown(self) -> None:
-        """Close our backend's NICs and stop vLLM's engine processes."""
+        """Close our backend's NICs; stop vLLM's engine processes if we started them (a
+        user's engine or server keeps running)."""
         try:
             self.link.close()
         finally:
-            self.link.llm.llm_engine.engine_core.shutdown()
+            if self.owns_engine:
+                self.link.llm.llm_engine.engine_core.shutdown()
 
 
 class VllmRankFacade:
@@ -234,18 +262,22 @@ VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
                         replicas: list[int] | None = None, env: dict[str, str] | None = None,
-                        rank_cls: Any = None, trainers: Any = None) -> Launched:
+                        rank_cls: Any = None, trainers: Any = None,
+                        engine_args: dict[str, Any] | None = None) -> Launched:
     """One vLLM engine per replica of the cluster: a handle that is the list of replicas
     (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
     first by ``close()``; all closed when an engine fails to start). ``trainers``: the
     trainer actors, if started: their count is checked against the cluster before any vLLM
-    starts (ClusterMismatchError naming both)."""
+    starts (ClusterMismatchError naming both). ``engine_args``: vLLM engine arguments
+    (``max_model_len``, ``gpu_memory_utilization``, a tokenizer ...) over the small defaults
+    (:data:`~weight_transfer.engines.vllm.driver.SMALL_ENGINE`)."""
     check_actors(config.require("launch_vllm_engines", ("cluster",)).cluster,
                  trainers=trainers)
     reps = list(range(config.cluster.inference.replicas)) if replicas is None else replicas
     # env reaches the owner's process before it imports vLLM (its logging reads it then)
     opts = {"num_cpus": 0, **({"runtime_env": {"env_vars": dict(env)}} if env else {})}
-    owners = [VllmEngine.options(**opts).remote(config, r, str(model_path), dtype=dtype, env=env)
+    owners = [VllmEngine.options(**opts).remote(config, r, str(model_path), dtype=dtype, env=env,
+                                                engine_kw=engine_args)
               for r in reps]
     try:
         ray.get([o.startup_seconds.remote() for o in owners])

@@ -48,8 +48,8 @@ def demo(
     transport: str | None = typer.Option(
         None, help="simnic (one host), mooncake (TCP) or rdma [default: from --config]."),
     engine: str | None = typer.Option(
-        None, help="reference (our decoder) or vllm (a real vLLM, the `vllm` extra) "
-        "[default: from --config]."),
+        None, help="reference (our decoder), vllm (a real vLLM, the `vllm` extra) or "
+        "vllm-server (`vllm serve` driven over HTTP) [default: from --config]."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show vLLM's own INFO logs (--engine vllm) "
         "[default: WARNING and above]."),

@@ -10,7 +10,6 @@ from a peer without the trainers, a revoked engine region, and FP8 engines.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -221,10 +220,10 @@ def test_no_model_or_cluster_file_with_live_actors(env):
     """docs/embedding.md's TransferConfig() alone: the model from trainer 0's live model,
     the cluster from the actors (4 trainer ranks, 2 replicas x TP2); exact bytes land."""
     cfg, trainers, replicas, _ = env
-    text = (Path(__file__).resolve().parents[2] / "docs" / "embedding.md").read_text()
-    snippet = re.search(r"```python\n(from actors import TransferConfig, "
-                        r"WeightTransferController\n\ncfg = TransferConfig\(.*?)```",
-                        text, flags=re.S).group(1)
+    from actors.testing.doc_snippets import snippet as doc_snippet
+
+    snippet = doc_snippet(Path(__file__).resolve().parents[2] / "docs" / "embedding.md",
+                          "live-config")
     train(trainers, 11)
     ns = {"trainers": trainers, "replicas": replicas, "step": 11}
     exec(snippet, ns)

@@ -36,6 +36,7 @@ carries no data and is a no-op.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weight_transfer.delta_apply import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
+from weight_transfer.engines.vllm import channel
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
@@ -64,11 +66,24 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     mailbox: str = ""
     seq: int = 0
     rank: int = -1  # the TP rank that acts; -1: every rank
+    # A controller on another host (.channel): the request signed in the info, the reply sent
+    # to ``reply``; empty: the mailbox directory.
+    session: str = ""
+    reply: str = ""
+    payload: str = ""
+    mac: str = ""
 
 
 @dataclass
 class OneSidedUpdateInfo(WeightTransferUpdateInfo):
     pass
+
+
+def _request(info: OneSidedInitInfo) -> Any:
+    """The driver's request: signed in ``info`` (another host) or in the mailbox."""
+    if info.reply:
+        return channel.open_request(info, channel.env_key())
+    return read_request(info.mailbox, info.seq)
 
 
 def _shard() -> ShardSpec:
@@ -106,15 +121,23 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
         if init_info.rank not in (-1, self.shard.tp_rank):
             return
+        if not init_info.reply and os.environ.get(channel.KEY_ENV):
+            # A vLLM meant for remote control takes signed requests only; no reply is
+            # written where an unsigned request says.
+            raise ValueError(f"unsigned request {init_info.op!r} refused: this vLLM holds "
+                             f"{channel.KEY_ENV}, so every request must be signed")
         handler = _OPS.get(init_info.op)
         try:
             if handler is None:
                 raise ValueError(f"unknown operation {init_info.op!r}; known: {sorted(_OPS)}")
-            value = handler(self, read_request(init_info.mailbox, init_info.seq))
+            value = handler(self, _request(init_info))
         except Exception as exc:  # the driver raises it, naming this rank
             log.exception("%s: %s failed", self.owner, init_info.op)
             value = Failure.of(exc)
-        write_reply(init_info.mailbox, init_info.seq, self.shard.tp_rank, value)
+        if init_info.reply:
+            channel.send_reply(init_info, self.shard.tp_rank, value, channel.env_key())
+        else:
+            write_reply(init_info.mailbox, init_info.seq, self.shard.tp_rank, value)
 
     def _setup(self, req) -> EngineRankMeta:
         if self.meta is not None:

@@ -1,0 +1,83 @@
+"""A user's own Ray actor holding an offline vLLM ``LLM`` (OpenRLHF's ``LLMRayActor``: the
+user's engine arguments, the one config value, one mixin and one line) is a replica of the
+unchanged controller: docs/embedding.md's snippet runs as written. After the update every
+byte our backend registered equals vLLM's own load_weights of the trainers' weights (in the
+worker, by a worker extension reached by name), the actor's own ``generate`` with its own
+``SamplingParams`` equals the trainers' greedy tokens, and vLLM reports the version.
+
+One engine start for the module (inside the user's actor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.testing.doc_snippets import run_snippet
+from actors.testing.vllm_oracle import save_checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+DOC = ROOT / "docs" / "embedding.md"
+PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
+               "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20,
+               "worker_extension_cls": "actors.testing.vllm_oracle_ext.OracleExtension"}
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory, ray_job):
+    from actors import TransferConfig, launch_trainers
+
+    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                    CONFIGS / "clusters" / "vllm_cpu_tp1.yaml")
+    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
+    with launch_trainers(cfg) as handle:
+        yield handle, tmp_path_factory.mktemp("user-actor")
+
+
+def _oracle(llm_actor, trainers, root):
+    from actors.vllm_engine import save_trainer_checkpoint
+
+    path = save_trainer_checkpoint(list(trainers), root / "trainer-v1")
+    return ray.get(llm_actor.__ray_call__.remote(
+        lambda self, p: self.llm.collective_rpc("wt_oracle_check", args=(p,)), str(path)))
+
+
+def test_doc_snippet_updates_your_own_llm_actor(trainers):
+    handle, root = trainers
+    _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    ray.get([t.train_step.remote(tokens.tolist()) for t in handle])
+    ns = {"model_path": str(start), "engine_args": ENGINE_ARGS, "trainers": handle,
+          "step": 1, "prompts": PROMPTS}
+    try:
+        run_snippet(DOC, "vllm-offline-actor", ns)
+        ctl, (actor,) = ns["ctl"], ns["llm_actors"]
+        assert ns["report"].version == 1 and ns["report"].bytes == ctl.summary.bytes_total > 0
+        assert ns["report"].integrity.mismatches == ()
+        (answer,) = _oracle(actor, handle, root)
+        assert answer["problems"] == [] and len(answer["digests"]) == 15
+        want = ray.get([t.reference_generate.remote(PROMPTS, 8) for t in handle])[0]
+        assert ns["outs"] == want
+        assert ray.get(actor.wt_vllm.remote("vllm_version")) == "1"
+        assert ctl.weights_version() == {"engine0": 1}
+        params = {"n": 2, "max_tokens": 8, "temperature": 1.0, "logprobs": 0, "seed": 5}
+        (choices,) = ray.get(actor.__ray_call__.remote(
+            lambda self, p: self._wt_vllm_owner.sample(p, params), PROMPTS[:1]))
+        assert [(len(c["token_ids"]), len(c["logprobs"]), c["weight_versions"])
+                for c in choices] == [(8, 8, [("1", 0, 8)])] * 2
+        with pytest.raises(ValueError, match="unknown method 'shutdown_now'"):
+            ray.get(actor.wt_vllm.remote("shutdown_now"))
+    finally:
+        if "ctl" in ns:
+            ns["ctl"].shutdown()
+        if "replicas" in ns:
+            ns["replicas"].close()
+        for a in ns.get("llm_actors", ()):
+            ray.kill(a)

@@ -1,0 +1,164 @@
+"""Driver side of our backend in a ``vllm serve`` server, through vLLM's own RL HTTP routes.
+
+The server is the user's, started with our backend and vLLM's development
+routes (``VLLM_SERVER_DEV_MODE=1``)::
+
+    WT_VLLM_KEY=<key> VLLM_SERVER_DEV_MODE=1 \\
+        vllm serve MODEL --weight-transfer-config '{"backend": "wt_onesided"}'
+
+    link = HttpLink("http://10.0.0.7:8000", key=key, reply_host="10.0.0.5", pause_mode="keep")
+    metas = link.setup(SetupRequest(...))   # POST /init_weight_transfer_engine, replies on
+                                            # the authenticated channel (.channel)
+    link.pause()         # POST /pause?mode=keep, then /start_weight_update
+    ...                  # the trainers write one-sided into the workers' registered memory
+    link.resume(7)       # /finish_weight_update {"weight_version": "7"}, /reset_prefix_cache,
+                         # /resume: requests go on; their outputs' weight_versions say 7
+
+``pause_mode`` is vLLM's: ``abort`` (requests in flight end, aborted),
+``wait`` (they finish first), ``keep`` (they are frozen and continue after the
+resume; ``recompute=True``, the default, resets the prefix cache with
+``reset_running_requests=true`` so their KV is recomputed with the new
+weights, as the offline driver does). The same interface as
+:class:`~weight_transfer.engines.vllm.driver.VllmLink` (``setup``, ``call``,
+``pause``, ``resume``, ``set_version``, ``version``, ``generate``,
+``gate.paused``, ``close``), so the Ray owner drives either. Standard library
+HTTP only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weight_transfer.engines.vllm.channel import ReplyChannel
+from weight_transfer.engines.vllm.mailbox import SetupRequest
+from weight_transfer.types import EngineRankMeta
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class PauseFlag:
+    """Whether the link paused the engine (the owner reads ``gate.paused``)."""
+
+    paused: bool = False
+
+
+class HttpError(RuntimeError):
+    """A route of the vLLM server failed; names the route and the server's answer."""
+
+
+class HttpLink:
+    """Our backend in every worker of one vLLM server; see the module docstring."""
+
+    def __init__(self, url: str, *, key: bytes | str, reply_host: str = "127.0.0.1",
+                 pause_mode: str = "keep", recompute: bool = True,
+                 timeout_s: float = 600.0, reply_timeout_s: float = 60.0) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: one of {', '.join(PAUSE_MODES)}")
+        self.url, self.pause_mode, self.recompute = url.rstrip("/"), pause_mode, recompute
+        self.timeout_s = timeout_s
+        self.box = ReplyChannel(reply_host, key, timeout_s=reply_timeout_s)
+        self.gate = PauseFlag()
+        self._updating = False
+        self._lock = threading.Lock()
+        self.tp_size = int(self.get("/get_world_size?include_dp=false")["world_size"])
+
+    # ------------------------------------------------------------------ HTTP
+
+    def request(self, method: str, route: str, body: Any = None,
+                timeout_s: float | None = None) -> Any:
+        """One call of a route; its JSON answer (None if empty). HttpError naming the route."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise HttpError(f"{method} {self.url}{route}: HTTP {exc.code}: "
+                            f"{exc.read()[:2000].decode(errors='replace')}") from None
+        except urllib.error.URLError as exc:
+            raise HttpError(f"{method} {self.url}{route}: {exc.reason} (is the server up, "
+                            "with VLLM_SERVER_DEV_MODE=1?)") from None
+        return json.loads(text) if text else None
+
+    def get(self, route: str) -> Any:
+        return self.request("GET", route)
+
+    def post(self, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        return self.request("POST", route, {} if body is None else body, timeout_s)
+
+    # ------------------------------------------------------------------ backend operations
+
+    def call(self, op: str, request: Any = None, *, rank: int = -1) -> list[Any]:
+        """Run ``op`` in the worker of TP rank ``rank`` (-1: every rank); their replies."""
+        with self._lock:
+            info = self.box.post(op, request, rank=rank)
+            self.post("/init_weight_transfer_engine", {"init_info": info})
+            return self.box.replies(info, range(self.tp_size) if rank < 0 else [rank])
+
+    def setup(self, request: SetupRequest) -> list[EngineRankMeta]:
+        return self.call("setup", request)
+
+    # ------------------------------------------------------------------ updates
+
+    def pause(self, timeout_s: float = 60.0) -> None:
+        """vLLM's pause in ``pause_mode``, then its update session (idempotent)."""
+        if not self.gate.paused:
+            self.post(f"/pause?mode={self.pause_mode}", timeout_s=timeout_s)
+            self.gate.paused = True
+        if not self._updating:
+            self.post("/start_weight_update")
+            self._updating = True
+
+    def resume(self, version: Any = None) -> None:
+        """Finish the update session with ``version``, reset the prefix cache, resume."""
+        if self._updating:
+            self.post("/finish_weight_update",
+                      {"weight_version": None if version is None else str(version)})
+            self._updating = False
+        elif version is not None:
+            self.set_version(version)
+        running = "true" if self.recompute else "false"
+        if not self.post(f"/reset_prefix_cache?reset_running_requests={running}").get("success"):
+            log.warning("%s did not reset its prefix cache after version %s", self.url, version)
+        self.post("/resume")
+        self.gate.paused = False
+
+    def set_version(self, version: Any) -> None:
+        self.post("/update_weight_version",
+                  {"new_version": "none" if version is None else str(version)})
+
+    def version(self) -> str:
+        return self.get("/weight_info")["weight_version"]
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
+        """Generations from token ids through ``/inference/v1/generate`` (the server needs
+        ``--enable-scale-out``); greedy unless ``temperature`` > 0 (request ``i`` seeded
+        ``seed + i``)."""
+        out = []
+        for i, p in enumerate(prompts):
+            params = {"max_tokens": max_new_tokens, "temperature": temperature,
+                      "detokenize": False, **({} if seed is None else {"seed": seed + i})}
+            answer = self.post("/inference/v1/generate",
+                               {"token_ids": list(p), "sampling_params": params})
+            out.append(list(answer["choices"][0]["token_ids"]))
+        return out
+
+    def close(self) -> None:
+        try:
+            self.call("close")
+        finally:
+            self.box.close()

@@ -1,0 +1,174 @@
+"""A streaming client of a vLLM server: completions with the weight versions that sampled them.
+
+vLLM's ``POST /inference/v1/generate`` (``vllm serve --enable-scale-out``)
+takes token ids and full ``SamplingParams`` (as a dict) and, with
+``"stream": true``, sends server-sent events; the final chunk of a choice
+carries ``weight_versions``: spans ``[start, end)`` of output-token indexes and
+the weight version that sampled them. A request that was in flight across an
+update (pause mode ``keep``) has two spans::
+
+    with StreamingClient(url, prompts, {"max_tokens": 32, "temperature": 1.0}) as client:
+        ...                               # updates happen; requests keep streaming
+        done = client.take()              # completions finished since the last take()
+        versions_seen(done)               # ["3", "4"]
+
+:func:`stream_generate` is one such request, for a rollout worker's own loop.
+Standard library HTTP only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """Output tokens ``[start, end)`` were sampled by weights ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """One finished choice of a streamed request."""
+
+    prompt: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    spans: tuple[Span, ...]
+    finish_reason: str | None
+    logprobs: tuple[float, ...] = ()  # of the sampled tokens, where requested
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return tuple(s.version for s in self.spans)
+
+
+def _events(resp: Any) -> Iterator[dict[str, Any]]:
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def stream_generate(url: str, prompt: Sequence[int], sampling_params: dict[str, Any], *,
+                    timeout_s: float = 600.0) -> list[Completion]:
+    """One streamed request: its finished choices (``n`` of them)."""
+    body = {"token_ids": list(prompt), "stream": True,
+            "sampling_params": {"detokenize": False, **sampling_params}}
+    req = urllib.request.Request(url.rstrip("/") + "/inference/v1/generate",
+                                 data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    out: list[Completion] = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for event in _events(resp):
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            for ch in event["choices"]:
+                i = ch["index"]
+                tokens.setdefault(i, []).extend(ch.get("token_ids") or ())
+                content = (ch.get("logprobs") or {}).get("content") or ()
+                logprobs.setdefault(i, []).extend(c["logprob"] for c in content)
+                if ch.get("finish_reason") is not None:
+                    spans = tuple(Span(version=s["version"], start=s["start"], end=s["end"])
+                                  for s in ch.get("weight_versions") or ())
+                    out.append(Completion(prompt=tuple(prompt), token_ids=tuple(tokens[i]),
+                                          spans=spans, finish_reason=ch["finish_reason"],
+                                          logprobs=tuple(logprobs[i])))
+    return out
+
+
+def versions_seen(completions: Sequence[Completion]) -> list[str]:
+    """The distinct weight versions that sampled any token of ``completions``, sorted."""
+    return sorted({v for c in completions for v in c.versions},
+                  key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v))
+
+
+class StreamingClient:
+    """``concurrency`` threads sending streamed requests, round robin over ``prompts``,
+    until :meth:`close`; finished completions are kept for :meth:`take`."""
+
+    def __init__(self, url: str, prompts: Sequence[Sequence[int]],
+                 sampling_params: dict[str, Any], *, concurrency: int = 2) -> None:
+        if not prompts:
+            raise ValueError("StreamingClient: no prompts")
+        self.url, self.params = url, dict(sampling_params)
+        self._prompts = itertools.cycle([tuple(p) for p in prompts])
+        self._done: list[Completion] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+        self.requests = 0
+        self.last_taken: list[Completion] = []
+        self._threads = [threading.Thread(target=self._loop, name=f"wt-stream-{i}", daemon=True)
+                         for i in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                prompt = next(self._prompts)
+                self.requests += 1
+            try:
+                done = stream_generate(self.url, prompt, self.params)
+            except Exception as exc:  # kept for the report; the loop goes on
+                with self._lock:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                if self._stop.wait(0.5):
+                    return
+                continue
+            with self._lock:
+                self._done.extend(done)
+
+    def take(self) -> list[Completion]:
+        """The completions finished since the previous call."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait_for_version(self, version: Any, *, timeout_s: float = 120.0) -> list[Completion]:
+        """The completions finished since the previous take, once one sampled (in part) by
+        ``version`` is among them; TimeoutError naming the versions seen otherwise (the
+        completions stay taken: :attr:`last_taken`)."""
+        import time
+
+        want, done = str(version), []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done += self.take()
+            self.last_taken = done
+            if any(want in c.versions for c in done):
+                return done
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}: no completion sampled by version {want} "
+                                   f"within {timeout_s:g} s (seen: {versions_seen(done)}; "
+                                   f"errors: {self.errors[-3:]})")
+            time.sleep(0.1)
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout_s)
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
