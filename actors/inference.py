@@ -51,6 +51,7 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
+from weight_transfer.engines.delta_rank import DeltaRankMixin
 from weight_transfer.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
 from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noqa: F401
 from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
@@ -77,7 +78,7 @@ def engine_name(adapter: Any) -> str:
     return name if isinstance(name, str) else type(adapter).__name__
 
 
-class InferenceMixin:
+class InferenceMixin(DeltaRankMixin):
     """Weight-transfer methods for an inference actor (an
     :class:`~weight_transfer.engines.rank.EngineRank`); see the module docstring."""
 
@@ -272,6 +273,7 @@ class InferenceMixin:
         return None if self._wt_mem.spec is None else self._wt_mem.spec.kind
 
     def wt_close(self) -> None:
+        self.wt_delta_close()
         self._wt_mem.close()
 
 

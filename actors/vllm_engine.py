@@ -328,6 +328,19 @@ class VllmRankFacade:
     def wt_close(self) -> None:
         self._get(self.owner.call.remote("close", None, self.rank))
 
+    def wt_delta_arena(self, slots: dict) -> Any:
+        """Sparse deltas: this rank's delta arena, registered once in its worker."""
+        return self._get(self.owner.call.remote("delta_arena", slots, self.rank))
+
+    def wt_delta_apply(self, version: int) -> Any:
+        """Sparse deltas: apply ``version``'s records in the worker, in place, before the
+        resume's finish_weight_update reprocesses repacked layers."""
+        from weight_transfer.engines.delta_rank import held_version
+
+        held = held_version(self._get(self.owner.events.remote()),
+                            self._get(self.owner.version.remote()))
+        return self._get(self.owner.call.remote("delta_apply", (version, held), self.rank))
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
         """Greedy (or, with ``temperature`` > 0, vLLM-sampled) continuations."""

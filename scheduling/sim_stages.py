@@ -115,15 +115,20 @@ def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.nda
     return cost, param
 
 
-def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
-    """Per mesh group, the cost arrays :func:`run_group` replays."""
+def group_costs(plan: Plan, cluster: ClusterConfig, *, wire: np.ndarray | None = None,
+                extra_prepare: np.ndarray | None = None) -> list[GroupCosts]:
+    """Per mesh group, the cost arrays :func:`run_group` replays; ``wire``: bytes each
+    piece puts on the wire when not the piece's own (sparse deltas), ``extra_prepare``:
+    seconds each piece adds to prepare (their diff and encode)."""
     h2d_p, gather_p, hops_p = _param_costs(plan, cluster)
     direct = plan.param_direct() if hasattr(plan, "param_direct") else np.zeros(
         len(plan.params), dtype=bool)
     gather_p, hops_p = np.where(direct, 0.0, gather_p), np.where(direct, 0, hops_p)
     piece_cost, piece_param = _piece_costs(plan, cluster)
+    if extra_prepare is not None:
+        piece_cost = piece_cost + extra_prepare
     piece_bytes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
-    nbytes = plan.task_nbytes().astype(np.float64)
+    nbytes = (plan.task_nbytes() if wire is None else wire[plan.task_piece]).astype(np.float64)
     task_param = piece_param[plan.task_piece]
     src = plan.task_src.astype(np.int64)
     n_tr = len(plan.trainer_ranks)

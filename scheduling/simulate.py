@@ -209,22 +209,28 @@ def simulate(
         raise ValueError("max_inflight and fill_rounds must be >= 1, resolution >= 0")
     if nic_model not in ("events", "bound"):
         raise ValueError(f"nic_model must be 'events' or 'bound', not {nic_model!r}")
-    total_lb, group_lb = lower_bounds(plan, cluster)
     if nic_model == "bound":
-        busy = dict(zip(plan.send_nics, (plan.send_bytes().sum(axis=0)
-                                         / cluster.send_bytes_per_s).tolist(), strict=True))
-        busy.update(zip(plan.recv_nics, (plan.recv_bytes().sum(axis=0)
-                                         / cluster.recv_bytes_per_s).tolist(), strict=True))
-        nic = SimResult(seconds=float(group_lb.sum()), lower_bound_seconds=total_lb,
-                        barrier_lower_bound_seconds=float(group_lb.sum()),
-                        group_seconds=tuple(float(x) for x in group_lb),
-                        group_lower_bounds=tuple(float(x) for x in group_lb),
-                        per_nic_busy_seconds=busy, events=0)
+        nic = bound_nics(plan, cluster)
     else:
         nic = _simulate_nics(plan, cluster, inflight, resolution, fill_rounds, record)
     # The event model already charges write_latency_us; the bound does not.
     return with_stages(plan, cluster, nic, inflight=inflight, record=record,
                        write_latency=nic_model == "bound")
+
+
+def bound_nics(plan: Plan, cluster: ClusterConfig) -> SimResult:
+    """Each group's NICs at their lower bound (``nic_model="bound"``)."""
+    total_lb, group_lb = lower_bounds(plan, cluster)
+    busy = dict(zip(plan.send_nics, (plan.send_bytes().sum(axis=0)
+                                     / cluster.send_bytes_per_s).tolist(), strict=True))
+    busy.update(zip(plan.recv_nics, (plan.recv_bytes().sum(axis=0)
+                                     / cluster.recv_bytes_per_s).tolist(), strict=True))
+    nic = SimResult(seconds=float(group_lb.sum()), lower_bound_seconds=total_lb,
+                    barrier_lower_bound_seconds=float(group_lb.sum()),
+                    group_seconds=tuple(float(x) for x in group_lb),
+                    group_lower_bounds=tuple(float(x) for x in group_lb),
+                    per_nic_busy_seconds=busy, events=0)
+    return nic
 
 
 def with_piece_bytes(plan: Plan, nbytes: np.ndarray) -> Plan:
@@ -286,8 +292,11 @@ def _simulate_nics(plan: Plan, cluster: ClusterConfig, inflight: int, resolution
 
 
 def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight: int,
-                record: bool = False, write_latency: bool = False) -> SimResult:
-    """``nic`` (the NIC model's result) with the stages around the NICs added."""
+                record: bool = False, write_latency: bool = False,
+                wire: np.ndarray | None = None,
+                extra_prepare: np.ndarray | None = None) -> SimResult:
+    """``nic`` (the NIC model's result) with the stages around the NICs added (``wire``,
+    ``extra_prepare``: see :func:`scheduling.sim_stages.group_costs`)."""
     from scheduling.sim_stages import STAGES, group_costs, run_group
 
     sim = cluster.sim
@@ -297,7 +306,8 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
     group_binding: list[str] = []
     start = np.zeros(plan.num_tasks) if record else None
     end = np.zeros(plan.num_tasks) if record else None
-    for g, costs in enumerate(group_costs(plan, cluster)):
+    for g, costs in enumerate(group_costs(plan, cluster, wire=wire,
+                                          extra_prepare=extra_prepare)):
         total = costs.write_bytes.sum(axis=1)
         t_nic = nic.group_seconds[g]
         rate = min(cluster.send_bytes_per_s, total.max(initial=0.0) / t_nic) if t_nic > 0 \

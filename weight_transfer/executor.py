@@ -84,6 +84,7 @@ from typing import Any
 
 import torch
 
+from weight_transfer.delta_write import DeltaStage, Where
 from weight_transfer.gather import (
     DEFAULT_BUCKET_BYTES,
     GatherBucket,
@@ -218,6 +219,7 @@ class RankTransfer:
         # contiguous slice of the gathered tensor straight from it: no copy at all.
         self.write_from_views = not transport.registers_sources
         self.arena = self._make_arena() if staging else None
+        self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
 
@@ -296,8 +298,13 @@ class RankTransfer:
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
     async def _write(self, work: BucketWork) -> BucketWork:
-        await asyncio.gather(*(self._write_task(buf, t) for p in work.params
-                               for buf, t in zip(p.prepared, p.tasks, strict=True)))
+        pairs = [(buf, t) for p in work.params for buf, t in zip(p.prepared, p.tasks,
+                                                                  strict=True)]
+        if self.delta is not None and self.delta.active:
+            await self.delta.write([(self._source(b), t) for b, t in pairs],
+                                   dense=self._write_task, record=self._write_record)
+        else:
+            await asyncio.gather(*(self._write_task(buf, t) for buf, t in pairs))
         for p in work.params:
             p.prepared = []
         if self.arena is not None:
@@ -322,6 +329,36 @@ class RankTransfer:
             Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
                  nbytes=task.nbytes)
         )
+
+    async def _write_record(self, where: Where, buf: torch.Tensor, task: WriteTask) -> None:
+        """A task's delta record into its engine rank's arena; it lands (for the report,
+        the integrity check and the engine bytes counted) as the piece's bytes ``buf``."""
+        start = time.perf_counter()
+        src, region, offset = where
+        try:
+            await self._run.writer.write(src, region, offset)
+        except TransportError as exc:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(task, exc)
+            return
+        self._run.landed(task, buf, self.integrity)
+        self._task_spans.append(Span(key=task.task_id, stage="write", start=start,
+                                     end=time.perf_counter(), nbytes=src.numel()))
+
+    def attach_delta(self, stage: DeltaStage | None) -> None:
+        """Write sparse deltas from the next run begun with a directive (None: dense)."""
+        if self.delta is not None and self.delta is not stage:
+            self.delta.close()
+        self.delta = stage
+
+    def delta_tasks(self, owners: set[str], ranges: set[tuple[int, int, int]]
+                    ) -> list[WriteTask]:
+        """This rank's tasks into engine ranks ``owners`` (all of them) or onto
+        ``ranges`` ((region addr, offset, nbytes)): those to re-send dense."""
+        return [t for g in self.groups for ts in g.tasks.values() for t in ts
+                if t.region.owner in owners
+                or (t.region.addr, t.region_offset, t.nbytes) in ranges]
 
     def _source(self, buf: torch.Tensor) -> torch.Tensor:
         """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
@@ -355,6 +392,8 @@ class RankTransfer:
         for group, layouts in zip(self.groups, self.layouts, strict=True):
             pipe = Pipeline(self._stages(), watermark=wm)
             await pipe.run(self._items(layouts))
+            if self.delta is not None and self.delta.active and group is self.groups[-1]:
+                await self.delta.headers(run.writer.write)  # after every record landed
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 t0 = time.perf_counter()
@@ -392,6 +431,7 @@ class RankTransfer:
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=False)
+        self.attach_delta(None)
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -240,6 +240,30 @@ def bench_designs(
                          timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))
 
 
+@bench_app.command("delta")
+def bench_delta(
+    model: Path | None = typer.Option(
+        None, help="Model YAML [configs/models/bench_dense.yaml; tiny_llama with --quick]."),
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s (every trainer and engine NIC)."),
+    updates: int = typer.Option(2, min=1, help="Rounds per (dtype, lr): one update per mode."),
+    lrs: str = typer.Option("1e-6,1e-5", help="AdamW learning rates, comma-separated."),
+    dtypes: str = typer.Option("bf16,fp8", help="Engine dtypes: bf16, fp8 (a fleet each)."),
+    quick: bool = typer.Option(False, "--quick", help="tiny_llama, one round (a test's size)."),
+    oracle: str = typer.Option("every", help="every|last: the reference-layout byte check "
+                               "after every update, or after each lr's last (the integrity "
+                               "check of every range runs after every update either way)."),
+    timeout_s: float = typer.Option(900.0, help="Timeout of each call to the actors."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Dense (gather) beside sparse delta updates: bytes, seconds, CPU of diff/encode/apply."""
+    from actors.bench.delta import run
+
+    raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
+                         lrs=lrs, dtypes=dtypes, quick=quick, timeout_s=timeout_s,
+                         json_path=json_path, oracle=oracle))
+
+
 @bench_app.command("integrity")
 def bench_integrity(
     config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
@@ -364,6 +388,9 @@ def simulate(
                                            "configurations, print predicted vs measured."),
     write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
                                                      "into this cluster YAML's sim: section."),
+    delta: float | None = typer.Option(
+        None, min=0.0, max=1.0, help="Also predict a sparse delta update with this share of "
+        "elements changed (measured: wt bench delta)."),
     gather: str = typer.Option("shard_direct", help="shard_direct|full|both (both: the two "
                                                     "side by side)."),
 ) -> None:
@@ -382,7 +409,8 @@ def simulate(
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
-                                  check=check, write_sim=write_sim, gather=gather))
+                                  check=check, write_sim=write_sim, gather=gather,
+                                  delta=delta))
 
 
 def main() -> None:

@@ -222,7 +222,8 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  gather_order: str, inflight: int | None, resolution: float,
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
                  calibrate: bool = False, check: bool = False,
-                 write_sim: Path | None = None, gather: str = "shard_direct") -> int:
+                 write_sim: Path | None = None, gather: str = "shard_direct",
+                 delta: float | None = None) -> int:
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
@@ -264,6 +265,9 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     })
     if calibration is not None:
         s["calibration"] = calibration
+    if delta is not None:
+        s["delta"] = _delta(p, r, delta, inflight=inflight, resolution=resolution,
+                            nic_model=nic_model)
     if sweep:
         s["sweep"] = _sweep(p)
     extra = [
@@ -280,6 +284,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         *[(f"watermark {w['watermark_bytes'] / 2**20:,.0f} MiB",
            f"{w['predicted_s']:.4f} s (+{w['over_bound']:.1%}, {w['binding']})")
           for w in s.get("sweep", [])],
+        *_delta_rows(s.get("delta")),
     ]
     console.print(_table(s, extra))
     emit_json(json_path, s, console)
@@ -290,3 +295,31 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         draw_gantt([sim_timeline(p.plan, r)], png)
         console.print(f"wrote {png}")
     return 0
+
+
+def _delta(p, dense, fraction: float, **kw) -> dict:
+    """``--delta FRACTION``: the same plan with sparse deltas (scheduling.sim_delta)."""
+    from scheduling.sim_delta import simulate_delta
+
+    r = simulate_delta(p.plan, p.cluster, fraction, max_inflight=kw["inflight"],
+                       resolution=kw["resolution"], nic_model=kw["nic_model"])
+    return {"fraction": fraction, "predicted_s": r.seconds, "binding": r.binding,
+            "lower_bound_s": r.lower_bound_seconds, "stages": r.stage_seconds,
+            "nic_predicted_s": r.nic_seconds, "dense_predicted_s": dense.seconds,
+            "dense_lower_bound_s": dense.lower_bound_seconds,
+            "speedup": dense.seconds / r.seconds if r.seconds > 0 else None}
+
+
+def _delta_rows(d: dict | None) -> list[tuple[str, str]]:
+    if d is None:
+        return []
+    return [
+        (f"delta ({d['fraction']:.2%} changed): predicted",
+         f"[bold]{d['predicted_s']:.4f} s[/bold] ({d['speedup']:.2f}x dense "
+         f"{d['dense_predicted_s']:.4f} s)"),
+        ("delta: binding stage", d["binding"]),
+        ("delta: lower bound (NICs)", f"{d['lower_bound_s']:.4f} s (dense "
+                                      f"{d['dense_lower_bound_s']:.4f} s)"),
+        ("delta: busy per stage, critical rank", ", ".join(
+            f"{k} {v:.4f}" for k, v in d["stages"].items())),
+    ]

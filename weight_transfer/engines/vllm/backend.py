@@ -20,6 +20,11 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   in progress ends without touching live memory), ``rollback`` (back to the version
   before the last flip), ``memory`` (the bytes each copy costs), ``live_checksum`` (the
   integrity hashes of the version served).
+* ``delta_arena`` / ``delta_apply``: sparse delta updates
+  (:class:`~weight_transfer.delta_apply.DeltaArena`): the arena registered once, and the
+  in-place apply of a version's records, run in the finish phase just before
+  ``finish_weight_update`` reprocesses the repacked layers (a range the apply refuses is
+  re-sent dense by the trainers in between, so the reprocess sees every byte).
 
 The NICs, regions, connection set-up, copies, checksums and statistics are the
 engine-neutral :class:`~weight_transfer.engines.registered.RegisteredMemory`,
@@ -49,6 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weight_transfer.delta_apply import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm import channel
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
@@ -115,6 +121,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._discard = False  # the update in progress ends without a flip
         self._complete = False  # the registered memory holds a whole version (flipped)
         self._staging = False  # vLLM's update session is open: the trainers may write
+        self._delta: DeltaArena | None = None  # sparse deltas: registered once (delta_arena)
 
     @property
     def meta(self) -> EngineRankMeta | None:
@@ -287,7 +294,29 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def _deregister(self, _req=None) -> int:
         return self.mem.deregister()
 
+    def _delta_arena(self, slots) -> Any:
+        """Register (once; again only for other slots) the delta arena; its region."""
+        arena = self._delta
+        if arena is not None and arena.fits(slots) and arena.region is not None:
+            return arena.region
+        if arena is not None:
+            arena.deregister()
+        if self.meta is None:
+            raise RuntimeError(f"{self.owner}: delta_arena before setup")
+        self._delta = DeltaArena(slots, owner=self.owner)
+        return self._delta.register(self.mem.nics[self.meta.nic])
+
+    def _delta_apply(self, req) -> DeltaApplied:
+        """Apply ``(version, held)``'s records in place (before finish_weight_update)."""
+        version, held = req
+        if self._delta is None:
+            raise RuntimeError(f"{self.owner}: delta_apply without a delta arena")
+        return self._delta.apply(version=version, held=held, buffers=self.mem.buffers)
+
     def _close(self, _req=None) -> None:
+        if self._delta is not None:
+            self._delta.deregister()
+            self._delta = None
         self.mem.close()
         self.views = {}
         self._shadow = self._standby = None
@@ -350,4 +379,6 @@ _OPS = {
     "discard": OneSidedBackend._discard_update,
     "rollback": OneSidedBackend._rollback,
     "close": OneSidedBackend._close,
+    "delta_arena": OneSidedBackend._delta_arena,
+    "delta_apply": OneSidedBackend._delta_apply,
 }
