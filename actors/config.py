@@ -152,6 +152,15 @@ class TransferSettings(_Frozen):
     # updates (actors.served_check): seconds between ticks (0: off) and bytes hashed per tick.
     integrity_watch_s: NonNegativeFloat = 0.0
     integrity_watch_bytes: PositiveInt = 64 << 20
+    # Sparse deltas (actors.controller_delta): write only changed elements, one-sided, into a
+    # delta arena per engine rank (this fraction of its bytes), applied in place at finish;
+    # a dense anchor every delta_anchor_every delta updates and after a plan, fault or re-sync.
+    delta: bool = False
+    delta_anchor_every: PositiveInt = 20
+    delta_arena_fraction: PositiveFloat = 0.25
+    # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
+    # them with no collective (scheduling.direct); full: every parameter gathered first.
+    gather: Literal["shard_direct", "full"] = "shard_direct"
     # How an update lands (weight_transfer.engines.shadow): in_place writes the memory the
     # engine computes with while it is paused; shadow writes a second copy while the engine
     # serves, then flips at a step boundary (the pause is the flip; rollback is one flip).
@@ -189,6 +198,9 @@ class TransferSettings(_Frozen):
     @model_validator(mode="after")
     def _nic_cap(self) -> TransferSettings:
         where = _where(type(self))
+        if self.delta_arena_fraction > 1:
+            raise ValueError(f"{where}.delta_arena_fraction must be in (0, 1], not "
+                             f"{self.delta_arena_fraction}")
         if self.nic_gbps is not None and self.transport != "simnic":
             raise ValueError(
                 f"{where}.nic_gbps caps simulated NICs only; transport is "

@@ -170,6 +170,11 @@ class WeightTransferController:
         return self.state.scheduler
 
     @property
+    def delta(self) -> Any:
+        """The :class:`~actors.controller_delta.DeltaChain` (``config.delta``), else None."""
+        return self._updates.delta
+
+    @property
     def group_copies(self) -> dict[str, int]:
         """Bytes each follower of a replica group got from its leader in the last update
         (``config.replica_groups``, :mod:`actors.replica_groups`)."""
@@ -281,6 +286,8 @@ class WeightTransferController:
         """Re-fill torn replica ``name`` from a peer holding the newest version and let it
         serve again; returns that version (see :meth:`ReplicaOps.resync`)."""
         with self._busy:
+            if self._updates.delta is not None:
+                self._updates.delta.request_anchor()  # a re-filled replica: dense next
             return self._replicas.resync(name)
 
     def check_integrity(self, mode: str = "full", *, heal: bool = False) -> ServedCheck:

@@ -81,7 +81,8 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
     state.barrier_key = BarrierKey.new()
     if state.scheduler is None:
         model = config.model or live_model_config(state, calls)
-        state.scheduler = ScheduleActor.remote(model, config.cluster, fp8=config.engine_fp8)
+        state.scheduler = ScheduleActor.remote(model, config.cluster, fp8=config.engine_fp8,
+                                               gather=config.gather)
     return replan(state, calls, config)
 
 

@@ -48,6 +48,7 @@ import ray
 from actors.completion_fence import completion_fence
 from actors.config import TransferConfig
 from actors.controller_calls import ControlCalls
+from actors.controller_delta import DeltaChain
 from actors.controller_replicas import HOLD_WAIT_S, ReplicaOps, hold
 from actors.controller_shadow import ShadowSteps
 from actors.controller_state import ControllerState
@@ -104,6 +105,7 @@ class UpdateSteps:
                  served: ServedWatch | None = None) -> None:
         self.state, self.calls, self.config = state, calls, config
         self.metrics, self.replica_ops, self.served = metrics, replicas, served
+        self.delta = DeltaChain(state, calls, config) if config.delta else None
 
     def run(self, version: int, *, trace: bool | str | os.PathLike, pause: bool,
             auto_resync: bool, after_transfer: Callable[[int], None] | None = None
@@ -127,8 +129,13 @@ class UpdateSteps:
                                    until=deadline - timeout * (1 - PAUSE_SHARE)))
             st.paused.update(names)
         paused_at = time.perf_counter()
+        if self.delta is not None:
+            self.delta.before(version)  # anchor or delta (actors.controller_delta)
         reports, errors = self._run_trainers(version, bool(trace),
                                              deadline - timeout * RESUME_SHARE)
+        if self.delta is not None and not errors:  # apply in place at finish, then repair
+            failed = set(faults) | {n for r in reports.values() for n in r.failed_replicas}
+            self.delta.after(version, [n for n in names if n not in failed])
         transfer_done = time.perf_counter()
         if after_transfer is not None:
             after_transfer(version)
@@ -139,6 +146,8 @@ class UpdateSteps:
                              reports=tuple(reports.values()), integrity=check,
                              refusals=refusals_of(version, errors))
         if errors or torn:
+            if self.delta is not None:
+                self.delta.failed()  # the next update is a dense anchor
             _merge(faults, hold(st, self.calls, torn, faults))
             record_failure(self.metrics, errors, reports, torn, st.versions)
             err = self._fail(version, reports, errors, faults, torn, check, auto_resync)

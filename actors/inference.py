@@ -37,6 +37,7 @@ offers ``generate`` and ``logits`` (every TP rank of the replica calls together)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -51,6 +52,7 @@ from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from weight_transfer.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
+from weight_transfer.engines.delta_rank import DeltaRankMixin
 from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noqa: F401
 from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
 from weight_transfer.engines.registered import RegisteredMemory
@@ -65,6 +67,7 @@ from weight_transfer.types import (
     PeerInfo,
     ShardSpec,
 )
+from weight_transfer.versions import Generation
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def engine_name(adapter: Any) -> str:
     return name if isinstance(name, str) else type(adapter).__name__
 
 
-class InferenceMixin:
+class InferenceMixin(DeltaRankMixin):
     """Weight-transfer methods for an inference actor (an
     :class:`~weight_transfer.engines.rank.EngineRank`); see the module docstring."""
 
@@ -270,6 +273,7 @@ class InferenceMixin:
         return None if self._wt_mem.spec is None else self._wt_mem.spec.kind
 
     def wt_close(self) -> None:
+        self.wt_delta_close()
         self._wt_mem.close()
 
 
@@ -302,15 +306,30 @@ class InferenceWorker(InferenceMixin, GroupMember):
         self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
                               replica=self.replica_name, rank=self.local, shard=self.shard,
                               nics=self.nic_names, transport=self.config.transport_spec)
+        # generate_tagged: the version of each step (a pause does not clear it: no step runs)
+        self.engine.version_of = lambda: self._wt_fence.served
         return self.node_id()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy generations (all TP ranks of the replica call together)."""
         return self.engine.generate(prompts, max_new_tokens)
 
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int
+                        ) -> list[Generation]:
+        """:meth:`generate`, each sequence with the weight versions that produced its tokens
+        (:class:`weight_transfer.versions.Generation`)."""
+        return self.engine.generate_tagged(prompts, max_new_tokens)
+
     def logits(self, ids: Any) -> torch.Tensor:
         """Float32 logits [B, T, vocab] (all TP ranks of the replica call together)."""
         return self.engine.forward(torch.as_tensor(ids, dtype=torch.long))
+
+    def tagged_logits(self, ids: Any) -> tuple[Any, torch.Tensor]:
+        """(version held, :meth:`logits`) computed as one engine step: held back while the
+        engine is paused, so never from a version being written (all TP ranks together)."""
+        guard = self.engine.step_guard
+        with guard() if guard is not None else contextlib.nullcontext():
+            return self._wt_fence.served, self.logits(ids)
 
     def step_times(self, since: float = 0.0) -> list[float]:
         """``time.time()`` at the start of each recent generation step after ``since``

@@ -100,12 +100,32 @@ class PlanSummary:
     # a target that checks writers per region (tcp) is told at the connection set-up
     regions_by_rank: dict[int, tuple[tuple[str, str, int], ...]] = field(
         default_factory=dict, hash=False)
+    # "full" or "shard_direct" (scheduling.direct); the bytes written from the sources' own
+    # shards with no gather; the parameters gathered in shard-direct mode
+    gather: str = "full"
+    direct_bytes: int = 0
+    gathered_params: int = 0
     # trainer rank -> replica -> engine rank -> bytes it writes there (the completion fence,
     # actors.completion_fence)
     dest_bytes_by_rank: dict[int, dict[str, dict[int, int]]] = field(
         default_factory=dict, hash=False)
     # engine rank ("engine0/tp1") -> bytes of its shadow copy (shadow mode; empty in place)
     shadow_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+
+    @property
+    def send_imbalance(self) -> float:
+        """Max / mean bytes over the sending NICs (1.0: perfectly balanced)."""
+        return _imbalance(list(self.send_nic_bytes.values()))
+
+    @property
+    def recv_imbalance(self) -> float:
+        """Max / mean bytes over the receiving NICs."""
+        return _imbalance(list(self.recv_nic_bytes.values()))
+
+
+def _imbalance(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -110,6 +110,12 @@ class RlConfig(_Section):
     target_end: PositiveInt = 100
     temperature: float = Field(default=1.0, ge=0.0)
     lr: PositiveFloat = 1e-3
+    # Rollouts whose oldest token came from weights more than max_lag versions behind the
+    # trainers' are dropped before the policy step (None: keep every rollout).
+    max_lag: int | None = Field(default=None, ge=0)
+    # Sample the next iteration's rollouts while the policy step and the weight update run
+    # (asynchronous RL): rollouts then straddle versions, and max_lag decides which count.
+    overlap: bool = False
 
     @model_validator(mode="after")
     def _band(self) -> RlConfig:

@@ -28,6 +28,7 @@ import ray
 from actors.messages import PlanResult, PlanSummary, TrainerRankMeta, check_trainer_metas
 from scheduling import Plan, compute_plan
 from scheduling.cluster import ClusterConfig
+from scheduling.direct import check_gather_mode
 from scheduling.serialize import dumps_plan, dumps_trainer_plan
 from weight_transfer.models import ModelConfig
 from weight_transfer.receipt import check_engine_meta
@@ -109,6 +110,9 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
         plan_seconds=seconds,
         expert_naming=expert_naming,
         regions_by_rank=regions_by_rank,
+        gather=plan.gather,
+        direct_bytes=int(nbytes[plan.task_direct()].sum()) if plan.num_tasks else 0,
+        gathered_params=len(plan.fallback),
         dest_bytes_by_rank=dest_bytes,
     )
 
@@ -116,8 +120,10 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
 class Scheduler:
     """The schedule actor's logic (``ScheduleActor`` is this class as a Ray actor)."""
 
-    def __init__(self, model: ModelConfig, cluster: ClusterConfig, *, fp8: bool) -> None:
+    def __init__(self, model: ModelConfig, cluster: ClusterConfig, *, fp8: bool,
+                 gather: str = "shard_direct") -> None:
         self.model, self.cluster, self.fp8 = model, cluster, fp8
+        self.gather = check_gather_mode(gather)
         self._plan: Plan | None = None
         self.plans_computed = 0
 
@@ -138,7 +144,7 @@ class Scheduler:
                              f"the {len(trainer_metas)} trainer ranks")
         meta = TrainerMeta(params=params, ranks=tuple(rank_infos))
         plan = compute_plan(meta, list(engine_metas), self.cluster, model=self.model,
-                            fp8=self.fp8, expert_naming=naming)
+                            fp8=self.fp8, expert_naming=naming, gather=self.gather)
         plan.validate()
         blobs = tuple(dumps_trainer_plan(plan.trainer_plan(r)) for r in range(len(rank_infos)))
         self._plan = plan
@@ -146,9 +152,12 @@ class Scheduler:
         seconds = time.perf_counter() - start
         summary = summarize(plan, plan_id=self.plans_computed, seconds=seconds,
                             expert_naming=naming)
-        log.info("plan %d: %d tasks, %d B, %d mesh groups, %d replicas in %.3f s",
+        log.info("plan %d: %d tasks, %d B, %d mesh groups, %d replicas in %.3f s; gather=%s, "
+                 "%.1f%% of bytes shard-direct, send NICs max/mean %.3f",
                  summary.plan_id, summary.num_tasks, summary.bytes_total, summary.num_groups,
-                 len(summary.replicas), seconds)
+                 len(summary.replicas), seconds, summary.gather,
+                 100 * summary.direct_bytes / max(summary.bytes_total, 1),
+                 summary.send_imbalance)
         return PlanResult(blobs=blobs, summary=summary)
 
     def plan_blob(self) -> bytes:

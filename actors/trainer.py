@@ -49,6 +49,7 @@ from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
 from actors.reports import RankReport, rank_report_of
+from actors.trainer_delta import TrainerDeltaMixin
 from actors.trainer_model import (
     build_sharded_model,
     gather_full_state,
@@ -87,7 +88,7 @@ class _Link:
     transfer: RankTransfer
 
 
-class TrainerMixin:
+class TrainerMixin(TrainerDeltaMixin):
     """Weight-transfer methods for a trainer actor; see the module docstring."""
 
     _wt_model: torch.nn.Module | None = None

@@ -19,7 +19,8 @@ prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
 fenced by the controller's epochs with the reference engine's fence
 (:class:`weight_transfer.engines.fence.CommandFence`): a stale one is ignored, a resume
 past its deadline refused (the replica stays paused); one fence per replica.
-The facade is an :class:`~weight_transfer.engines.rank.EngineRank`.
+The facade is an :class:`~weight_transfer.engines.rank.EngineRank` and a
+:class:`~weight_transfer.engines.rank.ShadowEngineRank` (shadow mode: :mod:`actors.vllm_shadow`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.handles import Launched
 from actors.live_config import check_actors
+from actors.vllm_shadow import VllmShadow
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -70,6 +72,7 @@ class VllmEngineOwner:
         self._resumed: set[int] = set()
         # The controller gives every rank of a replica the same epoch: one fence per replica.
         self.fence = CommandFence(self.replica)
+        self.shadow = VllmShadow(self.replica, self.link, self.fence)
 
     def _start(self, model_path: str | None, dtype: str, engine_kw: dict | None,
                env: dict[str, str] | None) -> Any:
@@ -90,17 +93,73 @@ class VllmEngineOwner:
                   **{**SMALL_ENGINE, **(engine_kw or {})})
         return VllmLink(llm)
 
-    def engine_meta(self, rank: int, transport: Any = None):
+    def engine_meta(self, rank: int, transport: Any = None, apply: str | None = None):
+        """Rank ``rank``'s registered memory (registered once for the replica; ``apply``
+        "shadow": the shadow is registered, replacing an in-place registration)."""
         from weight_transfer.engines.vllm.mailbox import SetupRequest
 
+        apply = apply or self.config.apply
+        if apply == "shadow":
+            self._require_shadow_link()
         with self._lock:
+            if self._metas is not None and apply != getattr(self.link, "apply", "in_place"):
+                self.link.call("close")  # registered in place: expose the shadow instead
+                self._metas = None
             if self._metas is None:
                 spec = transport or self.config.transport_spec
                 self._metas = self.link.setup(SetupRequest(
                     replica=self.replica, nics=self.nics, transport=spec,
                     node=ray.get_runtime_context().get_node_id(),
-                    address=this_host().address))
+                    address=this_host().address, apply=apply))
+                if apply == "shadow":
+                    self.shadow.memory = self.link.memory()
             return self._metas[rank]
+
+    def _require_shadow_link(self) -> None:
+        """ShadowError unless the link drives shadow mode (the offline ``LLM``'s VllmLink)."""
+        if not hasattr(self.link, "flip"):
+            from weight_transfer.engines.shadow import ShadowError
+
+            raise ShadowError(f"{self.replica}: shadow mode needs an offline vLLM engine "
+                              f"(VllmLink); this replica is driven through "
+                              f"{type(self.link).__name__}: use apply='in_place'")
+
+    # ------------------------------------------------------------------ shadow mode
+
+    def shadow_setup(self, rank: int, transport: Any = None):
+        self.engine_meta(rank, transport, apply="shadow")
+        return self.shadow.info(rank)
+
+    def shadow_info(self, rank: int):
+        if getattr(self.link, "apply", "in_place") != "shadow":
+            from weight_transfer.engines.shadow import ShadowError
+
+            raise ShadowError(f"{self.replica}: shadow mode is not set up on this vLLM engine "
+                              "(wt_shadow_setup() first)")
+        return self.shadow.info(rank)
+
+    def stage(self, version: Any, epoch: int | None = None) -> bool:
+        return self.shadow.stage(version, epoch)
+
+    def flip(self, version: Any, epoch: int | None = None, deadline: float | None = None
+             ) -> bool:
+        return self.shadow.flip(version, epoch, deadline)
+
+    def rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        return self.shadow.rollback(epoch, deadline)
+
+    def discard_shadow(self, epoch: int | None = None) -> bool:
+        return self.shadow.discard(epoch)
+
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """Wall-clock times (``time.time()``) of vLLM's engine steps that produced tokens
+        since ``since`` (vLLM stamps them with the host-wide monotonic clock)."""
+        clock = getattr(self.link, "clock", None)
+        if clock is None:
+            raise ValueError(f"{self.replica}: {type(self.link).__name__} does not time vLLM's "
+                             "engine steps (VllmLink does)")
+        offset = time.time() - time.monotonic()
+        return [t + offset for t in clock.times() if t + offset >= since]
 
     def call(self, op: str, request: Any, rank: int) -> Any:
         self.engine_meta(rank)
@@ -152,6 +211,14 @@ class VllmEngineOwner:
         with self._generating:  # the TP ranks' facades may ask at once
             return self.link.generate(prompts, max_new_tokens, temperature=temperature,
                                       seed=seed)
+
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int,
+                        temperature: float = 0.0, seed: int | None = None) -> list:
+        """:meth:`generate`, each a :class:`weight_transfer.versions.Generation` (vLLM's own
+        per-span weight versions)."""
+        with self._generating:
+            return self.link.generate_tagged(prompts, max_new_tokens, temperature=temperature,
+                                             seed=seed)
 
     def sample(self, prompts: list[list[int]], params: dict) -> list[list[dict]]:
         """Your full ``SamplingParams`` (a dict): per prompt its choices, with logprobs and
@@ -228,6 +295,30 @@ class VllmRankFacade:
         """Hashes of (region address, offset, length) rows of this rank's registered memory."""
         return self._get(self.owner.call.remote("checksum", ranges, self.rank))
 
+    # ---- shadow mode (ShadowEngineRank; actors.vllm_shadow)
+    def wt_shadow_setup(self, transport: Any = None):
+        return self._get(self.owner.shadow_setup.remote(self.rank, transport))
+
+    def wt_shadow_info(self):
+        return self._get(self.owner.shadow_info.remote(self.rank))
+
+    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+        return self._get(self.owner.stage.remote(version, epoch))
+
+    def wt_flip(self, version: Any, epoch: int | None = None,
+                deadline: float | None = None) -> bool:
+        return self._get(self.owner.flip.remote(version, epoch, deadline))
+
+    def wt_rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
+        return self._get(self.owner.rollback.remote(epoch, deadline))
+
+    def wt_discard_shadow(self, epoch: int | None = None) -> bool:
+        return self._get(self.owner.discard_shadow.remote(epoch))
+
+    def wt_live_checksum(self, ranges: Any) -> Any:
+        """Hashes of the same rows in the version served (vllm shadow: see the backend)."""
+        return self._get(self.owner.call.remote("live_checksum", ranges, self.rank))
+
     def wt_nic_stats(self) -> dict:
         return self._get(self.owner.call.remote("stats", None, self.rank))
 
@@ -237,10 +328,29 @@ class VllmRankFacade:
     def wt_close(self) -> None:
         self._get(self.owner.call.remote("close", None, self.rank))
 
+    def wt_delta_arena(self, slots: dict) -> Any:
+        """Sparse deltas: this rank's delta arena, registered once in its worker."""
+        return self._get(self.owner.call.remote("delta_arena", slots, self.rank))
+
+    def wt_delta_apply(self, version: int) -> Any:
+        """Sparse deltas: apply ``version``'s records in the worker, in place, before the
+        resume's finish_weight_update reprocesses repacked layers."""
+        from weight_transfer.engines.delta_rank import held_version
+
+        held = held_version(self._get(self.owner.events.remote()),
+                            self._get(self.owner.version.remote()))
+        return self._get(self.owner.call.remote("delta_apply", (version, held), self.rank))
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
         """Greedy (or, with ``temperature`` > 0, vLLM-sampled) continuations."""
         return self._get(self.owner.generate.remote(prompts, max_new_tokens, temperature, seed))
+
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int,
+                        temperature: float = 0.0, seed: int | None = None) -> list:
+        """:meth:`generate` with the weight versions that produced each sequence's tokens."""
+        return self._get(self.owner.generate_tagged.remote(prompts, max_new_tokens,
+                                                           temperature, seed))
 
 
 VllmEngine = ray.remote(max_concurrency=8)(VllmEngineOwner)

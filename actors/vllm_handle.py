@@ -53,7 +53,9 @@ from actors.vllm_engine import VllmEngineOwner, VllmRank
 # What the facades call on an owner (plus "tp": the engine's TP size).
 OWNER_METHODS = frozenset({"engine_meta", "call", "pause", "resume", "set_version", "version",
                            "vllm_version", "paused", "events", "generate", "startup_seconds",
-                           "shutdown", "tp"})
+                           "shutdown", "tp", "generate_tagged", "sample", "shadow_setup",
+                           "shadow_info", "stage", "flip", "rollback", "discard_shadow",
+                           "step_times"})
 
 
 def attached_owner(link: Any, replica: int, config: TransferConfig | None) -> VllmEngineOwner:

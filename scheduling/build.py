@@ -22,7 +22,6 @@ and meshes only::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,13 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduling.assign import (
-    assign_sources,
-    greedy_batches_many,
-    interleave_order,
-    mesh_groups,
-    spread_order,
-)
+from scheduling.assign import interleave_order, mesh_groups, spread_order
+from scheduling.build_assign import assign_tasks
+from scheduling.direct_assign import direct_pieces
 from scheduling.plan import Plan
 from scheduling.tables import (
     Interner,
@@ -120,24 +115,29 @@ def _granularity(
 
 def _split_pieces(
     pieces: Sequence[Piece], limit: np.ndarray, split: SplitFn
-) -> tuple[list[Piece], list[Piece], np.ndarray]:
-    """(all pieces after splitting, the new ones, origin: raw index or -1 for new ones)."""
+) -> tuple[list[Piece], list[Piece], np.ndarray, np.ndarray]:
+    """(all pieces after splitting, the new ones, origin: raw index or -1 for new ones,
+    parent: the raw index each piece comes from)."""
     out: list[Piece] = []
     new: list[Piece] = []
     origin: list[int] = []
+    parent: list[int] = []
     big = np.flatnonzero(np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)) > limit)
     last = 0
     for i in big.tolist():
         parts = split(pieces[i], int(limit[i]))
         out.extend(pieces[last:i])
         origin.extend(range(last, i))
+        parent.extend(range(last, i))
         out.extend(parts)
         new.extend(parts)
         origin.extend([-1] * len(parts))
+        parent.extend([i] * len(parts))
         last = i + 1
     out.extend(pieces[last:])
     origin.extend(range(last, len(pieces)))
-    return out, new, np.asarray(origin, dtype=np.int64)
+    parent.extend(range(last, len(pieces)))
+    return out, new, np.asarray(origin, dtype=np.int64), np.asarray(parent, dtype=np.int64)
 
 
 def _merge_tables(raw: PieceTable, new: PieceTable, origin: np.ndarray) -> PieceTable:
@@ -213,9 +213,11 @@ def _trainers(trainer_meta: TrainerMeta) -> _Trainers:
                      mesh_group=mesh_group, send_nics=send_nics, rank_nic=rank_nic)
 
 
-def _split_all(tr: _Trainers, raw: list[Sequence[Piece]], copies: np.ndarray, names, dtypes,
-               split: SplitFn, granularity: tuple[int, int, int]):
-    """Split pieces above their group's granularity: (pieces, table, shard of each piece)."""
+def _split_all(tr: _Trainers, raw: list[Sequence[Piece]], tags: list[np.ndarray],
+               copies: np.ndarray, names, dtypes, split: SplitFn,
+               granularity: tuple[int, int, int]):
+    """Split pieces above their group's granularity: (pieces, table, shard of each piece,
+    owner-set tag of each piece: its raw piece's)."""
     tables = [piece_table(ps, tr.param_index, names, dtypes) for ps in raw]
     gbytes = np.zeros(len(tr.groups))
     for t, c in zip(tables, copies, strict=True):
@@ -224,16 +226,18 @@ def _split_all(tr: _Trainers, raw: list[Sequence[Piece]], copies: np.ndarray, na
     gnics = np.array([len(np.unique(tr.rank_nic[[r for m in ms for r in tr.meshes[m].ranks]]))
                       for ms in tr.groups])
     gran = _granularity(gbytes, gnics, *granularity)
-    per_shard, merged = [], []
-    for ps, t in zip(raw, tables, strict=True):
-        out, new, origin = _split_pieces(ps, gran[tr.mesh_group[tr.param_mesh[t.param]]], split)
+    per_shard, merged, owner = [], [], []
+    for ps, t, tag in zip(raw, tables, tags, strict=True):
+        out, new, origin, parent = _split_pieces(ps, gran[tr.mesh_group[tr.param_mesh[t.param]]],
+                                                 split)
         per_shard.append(out)
+        owner.append(tag[parent])
         merged.append(_merge_tables(t, piece_table(new, tr.param_index, names, dtypes), origin))
     pieces = tuple(p for ps in per_shard for p in ps)
     piece_shard = np.repeat(np.arange(len(raw)), [len(ps) for ps in per_shard])
     pt = PieceTable(**{f: np.concatenate([getattr(t, f) for t in merged])
                        for f in ("param", "name", "offset", "nbytes", "dtype")})
-    return pieces, pt, piece_shard
+    return pieces, pt, piece_shard, np.concatenate(owner) if owner else np.zeros(0, np.int64)
 
 
 def _gather_positions(tr: _Trainers, pt: PieceTable, piece_shard: np.ndarray,
@@ -265,8 +269,10 @@ def build_plan(
     max_piece_bytes: int = 256 << 20,
     split: SplitFn | None = None,
     gather_order: str = "interleaved",
+    gather: str = "full",
 ) -> Plan:
-    """See the module docstring. Deterministic in its inputs."""
+    """See the module docstring. Deterministic in its inputs. ``gather``: ``"full"``
+    (every parameter gathered) or ``"shard_direct"`` (:mod:`scheduling.direct`)."""
     if gather_order not in GATHER_ORDERS:
         raise ValueError(f"gather_order must be one of {GATHER_ORDERS}, not {gather_order!r}")
     t0 = time.perf_counter()
@@ -275,8 +281,10 @@ def build_plan(
     shards, shard_engines = _shards(engines, pieces_by_shard)
     copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
     names, dtypes = Interner(), Interner()
-    pieces, pt, piece_shard = _split_all(
-        tr, [pieces_by_shard[s] for s in shards], copies, names, dtypes,
+    raw, tags, owner_sets, direct, fallback = direct_pieces(
+        [pieces_by_shard[s] for s in shards], tr.params, tr.param_index, gather)
+    pieces, pt, piece_shard, piece_owner = _split_all(
+        tr, raw, tags, copies, names, dtypes,
         split or split_piece, (pieces_per_nic, min_piece_bytes, max_piece_bytes))
     group_params, gpos = _gather_positions(tr, pt, piece_shard, copies,
                                            gather_order == "interleaved")
@@ -287,7 +295,8 @@ def build_plan(
     et = engine_table(engines, names, dtypes)
     recv_nic_ids: dict[str, int] = {}
     engine_nic = np.array([recv_nic_ids.setdefault(e.nic, len(recv_nic_ids)) for e in engines])
-    task_src, rotation = _assign(task_piece, pt, tr, len(recv_nic_ids))
+    task_src, rotation = assign_tasks(task_piece, pt, tr, len(recv_nic_ids),
+                                 (piece_owner[task_piece], owner_sets))
     task_row = grow_lookup(et, len(names))[task_dst, pt.name[task_piece]]
     _check_rows(task_row, task_piece, task_dst, pieces, engines)
     order = _final_order(task_src, gpos[pt.param[task_piece]], engine_nic[task_dst], rotation,
@@ -313,71 +322,13 @@ def build_plan(
         task_offset=et.offset[task_row] + pt.offset[task_piece],
         task_group=tr.mesh_group[tr.param_mesh[pt.param[task_piece]]].astype(np.int16),
         trainer_ptr=np.searchsorted(task_src, np.arange(len(tr.rank_nic) + 1)),
+        gather=gather,
+        direct_params=tuple(int(i) for i in np.flatnonzero(direct)),
+        fallback=fallback,
     )
     log.info("plan: %d tasks, %d pieces, %d groups; pieces and order %.2fs, assign %.2fs",
              plan.num_tasks, len(pieces), len(tr.groups), t1 - t0, time.perf_counter() - t1)
     return plan
-
-
-def _assign(task_piece: np.ndarray, pt: PieceTable, tr: _Trainers, n_recv_nics: int):
-    """Source rank and spread rotation of every task; tasks come in gather order."""
-    param_mesh, mesh_group, meshes, rank_nic = tr.param_mesh, tr.mesh_group, tr.meshes, tr.rank_nic
-    n = len(task_piece)
-    task_mesh = param_mesh[pt.param[task_piece]]
-    nbytes = pt.nbytes[task_piece]
-    src = np.empty(n, dtype=np.int64)
-    rotation = np.empty(n, dtype=np.int64)
-    bounds = np.concatenate(([0], np.flatnonzero(np.diff(task_mesh)) + 1, [n]))
-    runs = [(a, b, int(task_mesh[a])) for a, b in itertools.pairwise(bounds) if a < b]
-    nic_load = np.zeros(int(rank_nic.max()) + 1, dtype=np.int64)
-    rank_load = np.zeros(len(rank_nic), dtype=np.int64)
-    # each group is balanced on its own (barrier between): loads start at zero per group
-    for _, group_runs in itertools.groupby(runs, key=lambda r: int(mesh_group[r[2]])):
-        group_runs = list(group_runs)
-        nic_load[:] = 0
-        rank_load[:] = 0
-        if _independent(group_runs, meshes, rank_nic):
-            _assign_together(group_runs, nbytes, meshes, rank_nic, nic_load, rank_load, src)
-        else:
-            for a, b, m in group_runs:
-                src[a:b] = assign_sources(nbytes[a:b], meshes[m].ranks, rank_nic, nic_load,
-                                          rank_load)
-        for a, b, m in group_runs:
-            ranks = meshes[m].ranks
-            pos = np.zeros(len(rank_nic), dtype=np.int64)
-            pos[list(ranks)] = np.arange(len(ranks))
-            rotation[a:b] = pos[src[a:b]] * n_recv_nics // len(ranks)
-    return src, rotation
-
-
-def _independent(runs, meshes, rank_nic) -> bool:
-    """Whether runs can be assigned at once with the same result as one after the other:
-    one run per mesh, one mesh rank per NIC, no NIC shared between the meshes."""
-    seen: set[int] = set()
-    for _, _, m in runs:
-        nics = set(rank_nic[list(meshes[m].ranks)].tolist())
-        if len(nics) != len(meshes[m].ranks) or not seen.isdisjoint(nics):
-            return False
-        seen |= nics
-    return len({m for _, _, m in runs}) == len(runs)
-
-
-def _assign_together(runs, nbytes, meshes, rank_nic, nic_load, rank_load, src) -> None:
-    """:func:`assign_sources` of independent runs (:func:`_independent`), batch by batch
-    over all of them at once: the same greedy, far fewer Python steps."""
-    jobs, outs, lookups = [], [], []
-    for a, b, m in runs:
-        ranks = np.asarray(meshes[m].ranks, dtype=np.int64)
-        nics = np.unique(rank_nic[ranks])
-        lookup = np.empty(int(nics.max()) + 1, dtype=np.int64)
-        lookup[rank_nic[ranks]] = ranks
-        jobs.append((nbytes[a:b], nics))
-        outs.append(np.empty(b - a, dtype=np.int64))
-        lookups.append(lookup)
-    greedy_batches_many(jobs, nic_load, outs)
-    for (a, b, _), out, lookup in zip(runs, outs, lookups, strict=True):
-        src[a:b] = lookup[out]
-        np.add.at(rank_load, src[a:b], nbytes[a:b])
 
 
 def _check_rows(task_row, task_piece, task_dst, pieces, engines) -> None:

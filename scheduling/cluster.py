@@ -152,6 +152,14 @@ class SimConfig(_Strict):
         description="all-gather link across nodes, GB/s per rank (None: the trainer NIC rate)")
     gather_latency_us: float = Field(default=0.0, ge=0, description="latency of one ring hop")
     gathers: bool = Field(default=True, description="model full_tensor() all-gathers at all")
+    delta_diff_gbps: float | None = Field(
+        default=None, gt=0,
+        description="sparse deltas: diff + encode against the kept bytes, GB/s of engine bytes "
+                    "per trainer rank (None: free)")
+    delta_apply_gbps: float | None = Field(
+        default=None, gt=0,
+        description="sparse deltas: the engine's apply at finish (base digest, scatter, result "
+                    "digest), GB/s of engine bytes per engine rank (None: free)")
     fp8_quant_gbps: float | None = Field(
         default=None, gt=0, description="FP8 block quantization, GB/s of source bytes per rank")
     copy_gbps: float | None = Field(

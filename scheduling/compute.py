@@ -33,6 +33,7 @@ def compute_plan(
     min_piece_bytes: int = 1 << 20,
     max_piece_bytes: int = 256 << 20,
     gather_order: str = "interleaved",
+    gather: str = "shard_direct",
 ) -> Plan:
     """Match engine tensors to trainer parameters and build the plan. Pure, deterministic.
 
@@ -41,7 +42,10 @@ def compute_plan(
     balance granularity (a group's bytes per sending NIC / ``pieces_per_nic``,
     clamped to [``min_piece_bytes``, ``max_piece_bytes``]) are split first.
     ``gather_order`` is ``"interleaved"`` (destinations alternate, the default)
-    or ``"canonical"`` (the trainer metadata's order).
+    or ``"canonical"`` (the trainer metadata's order). ``gather`` is
+    ``"shard_direct"`` (a parameter whose pieces its ranks' own shards cover is
+    written from them with no collective, :mod:`scheduling.direct`) or ``"full"``
+    (every parameter gathered before it is written).
     """
     with gc_paused():  # ~10^6 acyclic objects: GC passes over them would cost seconds
         engines = tuple(engine_metas)
@@ -62,4 +66,5 @@ def compute_plan(
             min_piece_bytes=min_piece_bytes,
             max_piece_bytes=max_piece_bytes,
             gather_order=gather_order,
+            gather=gather,
         )

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from scheduling.decode import Reader
+from scheduling.direct import GATHER_MODES
 from scheduling.plan import Plan
 from weight_transfer.receipt import (
     check_engine_meta,
@@ -156,6 +157,25 @@ def _check_tasks(cols: dict, plan_parts: dict) -> None:
                              "outside its region")
 
 
+def _direct(rd: Reader, data: dict, parts: dict) -> None:
+    """The gather mode, shard-direct parameters and fallbacks (absent: a "full" plan)."""
+    n = len(parts["params"])
+    gather = rd.str(data["gather"], "gather") if "gather" in data else "full"
+    if gather not in GATHER_MODES:
+        raise ValueError(f"plan blob: gather must be one of {GATHER_MODES}, not {gather!r}")
+    direct = rd.ints(data.get("direct_params", []), "direct_params", hi=max(n - 1, 0))
+    if (n == 0 and direct) or list(direct) != sorted(set(direct)):
+        raise ValueError("plan blob: direct_params must be ascending parameter indices")
+    fallback = []
+    for i, v in enumerate(rd.list(data.get("fallback", []), "fallback")):
+        p, reason = rd.list(v, f"fallback[{i}]", 2)
+        fallback.append((check_int(p, f"plan blob: fallback[{i}]", hi=max(n - 1, 0)),
+                         rd.str(reason, f"fallback[{i}]: reason")))
+    if gather == "full" and direct:
+        raise ValueError("plan blob: a plan of gather mode 'full' lists direct_params")
+    parts.update(gather=gather, direct_params=tuple(direct), fallback=tuple(fallback))
+
+
 def decode_plan(data: dict, rd: Reader) -> Plan:
     """A :class:`Plan` from a decoded plan blob, every field checked (see the docstring)."""
     meshes = [rd.mesh(m, f"meshes[{i}]") for i, m in enumerate(rd.list(data, "meshes"))]
@@ -195,6 +215,7 @@ def decode_plan(data: dict, rd: Reader) -> Plan:
             len(parts["param_mesh"]) != len(parts["params"]):
         raise ValueError("plan blob: mesh_group must have one entry per mesh and param_mesh "
                          "one per parameter")
+    _direct(rd, data, parts)
     cols = _columns(rd, data)
     _check_tasks(cols, parts)
     check_int(len(cols["task_piece"]), "plan blob: task count")

@@ -39,13 +39,17 @@ class TrainerGroup:
 
     ``mesh`` is the rank's mesh in this group (``None`` if it has none: it only
     joins the barrier); ``params`` the names it gathers, in order; ``tasks``
-    its writes, in order.
+    its writes, in order; ``local`` the shard-direct parameters it writes from
+    its own shard with no collective (:mod:`scheduling.direct`), in order.
+    A task reads a parameter of ``params`` (from the gathered tensor) or of
+    ``local`` (from the rank's block of it, :mod:`weight_transfer.shard_blocks`).
     """
 
     group: int
     mesh: MeshDesc | None
     params: tuple[str, ...]
     tasks: tuple[WriteTask, ...]
+    local: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +86,12 @@ class Plan:
     task_offset: np.ndarray
     task_group: np.ndarray
     trainer_ptr: np.ndarray  # tasks of rank r: rows trainer_ptr[r]:trainer_ptr[r + 1]
+    # "full": every parameter gathered; "shard_direct": see scheduling.direct
+    gather: str = "full"
+    # params written from their owners' shards with no collective (indices, ascending)
+    direct_params: tuple[int, ...] = ()
+    # shard_direct: (param index, why it is gathered) of every gathered parameter
+    fallback: tuple[tuple[int, str], ...] = ()
 
     # ------------------------------------------------------------------ sizes
 
@@ -123,6 +133,20 @@ class Plan:
     def recv_bytes(self) -> np.ndarray:
         """Bytes received per (mesh group, engine NIC)."""
         return self._per_nic(self.recv_nic_of_task(), len(self.recv_nics))
+
+    def param_direct(self) -> np.ndarray:
+        """Per parameter: whether its ranks write it from their shards (no collective)."""
+        out = np.zeros(len(self.params), dtype=bool)
+        out[list(self.direct_params)] = True
+        return out
+
+    def task_direct(self) -> np.ndarray:
+        """Per task: whether it is written from its source rank's own shard."""
+        index = {p.name: i for i, p in enumerate(self.params)}
+        piece_param = np.fromiter((index[p.src_param] for p in self.pieces), np.int64,
+                                  len(self.pieces))
+        return self.param_direct()[piece_param[self.task_piece]] if self.num_tasks else \
+            np.zeros(0, dtype=bool)
 
     @property
     def param_group(self) -> dict[str, int]:
@@ -169,20 +193,28 @@ class Plan:
         """What trainer ``rank`` receives: per group, its mesh, gather order and tasks."""
         tasks = self.tasks_for(rank)
         param_mesh = np.asarray(self.param_mesh, dtype=np.int64)
+        direct = self.param_direct()
         groups = []
         for g, order in enumerate(self.group_params):
             mine = [m for m, mg in enumerate(self.mesh_group)
                     if mg == g and rank in self.meshes[m].ranks]
             params: tuple[str, ...] = ()
+            local: tuple[str, ...] = ()
+            group_tasks = tuple(t for t in tasks if t.mesh_group == g)
             if mine:
                 seq = np.asarray(order, dtype=np.int64)
-                params = tuple(self.params[p].name for p in seq[param_mesh[seq] == mine[0]])
+                seq = seq[param_mesh[seq] == mine[0]]
+                params = tuple(self.params[p].name for p in seq[~direct[seq]])
+                written = {t.piece.src_param for t in group_tasks}
+                local = tuple(n for n in (self.params[p].name for p in seq[direct[seq]])
+                              if n in written)
             groups.append(
                 TrainerGroup(
                     group=g,
                     mesh=self.meshes[mine[0]] if mine else None,
                     params=params,
-                    tasks=tuple(t for t in tasks if t.mesh_group == g),
+                    tasks=group_tasks,
+                    local=local,
                 )
             )
         return TrainerPlan(rank=rank, groups=tuple(groups))

@@ -81,7 +81,8 @@ def dumps_trainer_plan(tp: TrainerPlan) -> bytes:
             p = pieces.setdefault(t.piece, len(pieces))
             r = regions.setdefault(t.region, len(regions))
             tasks += [t.task_id, p, enc.s(t.dst_replica), t.dst_rank, r, t.region_offset]
-        groups.append([g.group, enc.mesh(g.mesh), [enc.s(n) for n in g.params], tasks])
+        groups.append([g.group, enc.mesh(g.mesh), [enc.s(n) for n in g.params], tasks,
+                       [enc.s(n) for n in g.local]])
     body = {
         "rank": tp.rank,
         "pieces": [enc.piece(p) for p in pieces],
@@ -101,7 +102,11 @@ def loads_trainer_plan(blob: bytes) -> TrainerPlan:
     groups, seen = [], set()
     for k, g in enumerate(rd.list(data, "groups")):
         where = f"groups[{k}]"
-        group, mesh, params, flat = rd.list(g, where, 4)
+        fields = rd.list(g, where)
+        if len(fields) not in (4, 5):  # 4: a plan of before shard-direct pieces (no local)
+            raise ValueError(f"trainer_plan blob: {where} must be a list of 5, not "
+                             f"{len(fields)} items")
+        group, mesh, params, flat, local = (*fields, [])[:5]
         check_int(group, f"trainer_plan blob: {where}: group", hi=1 << 24)
         if group in seen:
             raise ValueError(f"trainer_plan blob: mesh group {group} is listed twice")
@@ -123,8 +128,12 @@ def loads_trainer_plan(blob: bytes) -> TrainerPlan:
         names = tuple(rd.str(p, f"{where}: params") for p in rd.list(params, f"{where}: params"))
         if len(set(names)) != len(names):
             raise ValueError(f"trainer_plan blob: {where}: a parameter is gathered twice")
+        local = tuple(rd.str(p, f"{where}: local") for p in rd.list(local, f"{where}: local"))
+        if len(set(local)) != len(local) or set(local) & set(names):
+            raise ValueError(f"trainer_plan blob: {where}: a parameter is listed twice in "
+                             "local, or is both gathered and local")
         groups.append(TrainerGroup(group=group, mesh=rd.mesh(mesh, f"{where}: mesh"),
-                                   params=names, tasks=tasks))
+                                   params=names, tasks=tasks, local=local))
     plan = TrainerPlan(rank=rank, groups=tuple(groups))
     check_tasks(plan.tasks, f"trainer_plan blob of rank {rank}")
     return plan
@@ -164,6 +173,9 @@ def dumps_plan(plan: Plan) -> bytes:
         "mesh_group": list(plan.mesh_group),
         "param_mesh": list(plan.param_mesh),
         "group_params": [list(g) for g in plan.group_params],
+        "gather": enc.s(plan.gather),
+        "direct_params": list(plan.direct_params),
+        "fallback": [[i, enc.s(r)] for i, r in plan.fallback],
         "columns": {c: [str(getattr(plan, c).dtype), getattr(plan, c).astype(
             getattr(plan, c).dtype.newbyteorder("<")).tobytes()] for c in _COLUMNS},
     }

@@ -32,6 +32,11 @@ as the executor does), each gathered in one collective:
    ``write_overhead_us`` per write (sender CPU time, which does not overlap);
 5. **barrier**: the group ends when its slowest rank's last write ends.
 
+Shard-direct parameters (``plan.direct_params``, :mod:`scheduling.direct`) come
+first in each mesh's order, as the executor runs them: one item each, no gather
+and no wait for the mesh, their reserve the prepared pieces alone, and only a
+rank that writes one of its pieces pays its h2d and ``param_overhead_us``.
+
 The result per group: its seconds, and per stage the busy seconds of each rank.
 """
 
@@ -66,6 +71,8 @@ class GroupCosts:
     write_count: np.ndarray  # [R, K] writes
     reserve: np.ndarray  # [R, K] watermark bytes
     params: np.ndarray  # [R, K] parameters in each item (0: the rank has no such item)
+    # [R, K] whether the item waits for every rank of its mesh (a gather); None: every item
+    sync: np.ndarray | None = None
     tasks: tuple[np.ndarray, np.ndarray, np.ndarray]  # plan rows of the group, their (row, k)
 
 
@@ -108,12 +115,20 @@ def _piece_costs(plan: Plan, cluster: ClusterConfig) -> tuple[np.ndarray, np.nda
     return cost, param
 
 
-def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
-    """Per mesh group, the cost arrays :func:`run_group` replays."""
+def group_costs(plan: Plan, cluster: ClusterConfig, *, wire: np.ndarray | None = None,
+                extra_prepare: np.ndarray | None = None) -> list[GroupCosts]:
+    """Per mesh group, the cost arrays :func:`run_group` replays; ``wire``: bytes each
+    piece puts on the wire when not the piece's own (sparse deltas), ``extra_prepare``:
+    seconds each piece adds to prepare (their diff and encode)."""
     h2d_p, gather_p, hops_p = _param_costs(plan, cluster)
+    direct = plan.param_direct() if hasattr(plan, "param_direct") else np.zeros(
+        len(plan.params), dtype=bool)
+    gather_p, hops_p = np.where(direct, 0.0, gather_p), np.where(direct, 0, hops_p)
     piece_cost, piece_param = _piece_costs(plan, cluster)
+    if extra_prepare is not None:
+        piece_cost = piece_cost + extra_prepare
     piece_bytes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
-    nbytes = plan.task_nbytes().astype(np.float64)
+    nbytes = (plan.task_nbytes() if wire is None else wire[plan.task_piece]).astype(np.float64)
     task_param = piece_param[plan.task_piece]
     src = plan.task_src.astype(np.int64)
     n_tr = len(plan.trainer_ranks)
@@ -123,15 +138,18 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
         ranks = np.array(sorted(r for seq in seqs.values() for r in seq[0]), dtype=np.int64)
         rank_row = np.full(n_tr, -1, dtype=np.int64)
         rank_row[ranks] = np.arange(len(ranks))
-        items = {m: _items(plan, seq, cluster.sim) for m, (_, seq) in seqs.items()}
+        seqs = {m: (r, np.concatenate([seq[direct[seq]], seq[~direct[seq]]]))
+                for m, (r, seq) in seqs.items()}  # shard-direct parameters first
+        items = {m: _items(plan, seq, cluster.sim, direct) for m, (_, seq) in seqs.items()}
         k_max = max((len(it[1]) for it in items.values()), default=0)
         col = np.full(len(plan.params), -1, dtype=np.int64)  # its item in its mesh's order
         shape = (len(ranks), max(k_max, 1))
         h2d, gather, reserve = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         n_params = np.zeros(shape)  # parameters per item where the rank has an item
+        sync = np.zeros(shape, dtype=bool)
         mesh = np.zeros(len(ranks), dtype=np.int64)
         for m, (mesh_id, (mranks, seq)) in enumerate(seqs.items()):
-            item_of, item_reserve, coalesced = items[mesh_id]
+            item_of, item_reserve, coalesced, local = items[mesh_id]
             rows = rank_row[list(mranks)]
             mesh[rows] = m
             col[seq] = item_of
@@ -142,11 +160,15 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
                                                         coalesced, cluster.sim)
             reserve[rows[:, None], cols] = item_reserve
             n_params[rows[:, None], cols] = np.bincount(item_of, minlength=n_items)
+            sync[rows[:, None], cols] = ~local
         sel = np.flatnonzero(plan.task_group == g)
         key = rank_row[src[sel]] * shape[1] + col[task_param[sel]]
         size = shape[0] * shape[1]
         wbytes = np.bincount(key, nbytes[sel], minlength=size).reshape(shape)
         wcount = np.bincount(key, minlength=size).reshape(shape).astype(np.float64)
+        idle = ~sync & (wcount == 0)  # a shard-direct item the rank writes nothing of
+        h2d[idle] = 0.0
+        n_params[idle] = 0.0
         # Each distinct piece a rank writes is prepared (and reserved) once.
         pkey = np.unique(key * len(plan.pieces) + plan.task_piece[sel])
         pkey_pos, pkey_piece = pkey // len(plan.pieces), pkey % len(plan.pieces)
@@ -156,19 +178,25 @@ def group_costs(plan: Plan, cluster: ClusterConfig) -> list[GroupCosts]:
         reserve += np.bincount(pkey_pos, sizes, minlength=size).reshape(shape)
         out.append(GroupCosts(ranks=ranks, mesh=mesh, h2d=h2d, gather=gather, prepare=prep,
                               write_bytes=wbytes, write_count=wcount, reserve=reserve,
-                              params=n_params, tasks=(sel, key // shape[1], key % shape[1])))
+                              params=n_params, sync=sync,
+                              tasks=(sel, key // shape[1], key % shape[1])))
     return out
 
 
-def _items(plan: Plan, seq: np.ndarray, sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A mesh's pipeline items as the executor cuts them (:func:`plan_buckets`): per
-    parameter of ``seq`` its item, per item its gather reserve and whether coalesced."""
+def _items(plan: Plan, seq: np.ndarray, sim, direct: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A mesh's pipeline items as the executor cuts them: each shard-direct parameter
+    alone (they lead ``seq``), then :func:`plan_buckets`. Per parameter of ``seq`` its
+    item; per item its gather reserve, whether coalesced and whether shard-direct."""
     bucket_bytes = max(1, min(sim.bucket_bytes, sim.watermark_bytes // 4))  # as the executor
-    buckets = plan_buckets([plan.params[p] for p in seq.tolist()], mode=sim.gather_mode,
-                           bucket_bytes=bucket_bytes)
-    item_of = np.repeat(np.arange(len(buckets)), [len(b.params) for b in buckets])
-    return (item_of, np.array([reserve_bytes(b) for b in buckets], dtype=np.float64),
-            np.array([b.coalesced for b in buckets], dtype=bool))
+    n_local = int(direct[seq].sum())
+    buckets = plan_buckets([plan.params[p] for p in seq[n_local:].tolist()],
+                           mode=sim.gather_mode, bucket_bytes=bucket_bytes)
+    item_of = np.concatenate([np.arange(n_local), n_local + np.repeat(
+        np.arange(len(buckets)), [len(b.params) for b in buckets])]).astype(np.int64)
+    reserve = [0.0] * n_local + [reserve_bytes(b) for b in buckets]
+    coalesced = [False] * n_local + [b.coalesced for b in buckets]
+    return (item_of, np.array(reserve, dtype=np.float64), np.array(coalesced, dtype=bool),
+            np.arange(n_local + len(buckets)) < n_local)
 
 
 def _item_gathers(param_gather: np.ndarray, hops: np.ndarray, item_of: np.ndarray,
@@ -235,7 +263,9 @@ def run_group(c: GroupCosts, nic_seconds: np.ndarray, *, watermark: float,
         ready = np.maximum(prep_end, h2d_end)
         mesh_ready = np.full(n_mesh, -np.inf)
         np.maximum.at(mesh_ready, c.mesh, ready)
-        prep_end = mesh_ready[c.mesh] + c.gather[:, k] + c.prepare[:, k]
+        start = mesh_ready[c.mesh] if c.sync is None else np.where(  # a gather waits for all
+            c.sync[:, k], mesh_ready[c.mesh], ready)
+        prep_end = start + c.gather[:, k] + c.prepare[:, k]
         w_start[:, k] = np.maximum(prep_end, nic_free)
         nic_free = w_end[:, k] = w_start[:, k] + wtime[:, k]
     busy = {"h2d": c.h2d.sum(axis=1), "gather": c.gather.sum(axis=1),

@@ -34,6 +34,11 @@ least the sum of that work / the cores (:func:`cpu_floor`; ``binding`` is then
 skips the discrete-event NIC model and lets each group's NICs take their lower
 bound (fast, for sweeps).
 
+``piece_scale`` (a factor per piece of ``plan.pieces``, or one for all)
+scales the bytes each piece puts on the wire before anything is simulated
+(:func:`with_piece_bytes`): a sparse delta's encoded size, for example; the
+prepare costs follow the scaled bytes too.
+
 ``lower_bound_seconds`` is the issue's bound, max over NICs of bytes /
 bandwidth; ``barrier_lower_bound_seconds`` sums that bound per group, which is
 what any execution with barriers between groups must take at least.
@@ -189,29 +194,58 @@ def simulate(
     fill_rounds: int = 4,
     record: bool = False,
     nic_model: str = "events",
+    piece_scale: np.ndarray | float | None = None,
 ) -> SimResult:
     """Predict the execution time of ``plan`` on ``cluster`` (see the module docstring)."""
+    if piece_scale is not None:
+        scale = np.asarray(piece_scale, dtype=np.float64)
+        if scale.ndim and scale.shape != (len(plan.pieces),):
+            raise ValueError(f"piece bytes: piece_scale needs one factor or one per piece "
+                             f"({len(plan.pieces)}), got shape {scale.shape}")
+        sizes = np.fromiter((p.nbytes for p in plan.pieces), np.float64, len(plan.pieces))
+        plan = with_piece_bytes(plan, np.round(scale * sizes))
     inflight = max_inflight or cluster.sim.max_inflight
     if inflight < 1 or fill_rounds < 1 or resolution < 0:
         raise ValueError("max_inflight and fill_rounds must be >= 1, resolution >= 0")
     if nic_model not in ("events", "bound"):
         raise ValueError(f"nic_model must be 'events' or 'bound', not {nic_model!r}")
-    total_lb, group_lb = lower_bounds(plan, cluster)
     if nic_model == "bound":
-        busy = dict(zip(plan.send_nics, (plan.send_bytes().sum(axis=0)
-                                         / cluster.send_bytes_per_s).tolist(), strict=True))
-        busy.update(zip(plan.recv_nics, (plan.recv_bytes().sum(axis=0)
-                                         / cluster.recv_bytes_per_s).tolist(), strict=True))
-        nic = SimResult(seconds=float(group_lb.sum()), lower_bound_seconds=total_lb,
-                        barrier_lower_bound_seconds=float(group_lb.sum()),
-                        group_seconds=tuple(float(x) for x in group_lb),
-                        group_lower_bounds=tuple(float(x) for x in group_lb),
-                        per_nic_busy_seconds=busy, events=0)
+        nic = bound_nics(plan, cluster)
     else:
         nic = _simulate_nics(plan, cluster, inflight, resolution, fill_rounds, record)
     # The event model already charges write_latency_us; the bound does not.
     return with_stages(plan, cluster, nic, inflight=inflight, record=record,
                        write_latency=nic_model == "bound")
+
+
+def bound_nics(plan: Plan, cluster: ClusterConfig) -> SimResult:
+    """Each group's NICs at their lower bound (``nic_model="bound"``)."""
+    total_lb, group_lb = lower_bounds(plan, cluster)
+    busy = dict(zip(plan.send_nics, (plan.send_bytes().sum(axis=0)
+                                     / cluster.send_bytes_per_s).tolist(), strict=True))
+    busy.update(zip(plan.recv_nics, (plan.recv_bytes().sum(axis=0)
+                                     / cluster.recv_bytes_per_s).tolist(), strict=True))
+    nic = SimResult(seconds=float(group_lb.sum()), lower_bound_seconds=total_lb,
+                    barrier_lower_bound_seconds=float(group_lb.sum()),
+                    group_seconds=tuple(float(x) for x in group_lb),
+                    group_lower_bounds=tuple(float(x) for x in group_lb),
+                    per_nic_busy_seconds=busy, events=0)
+    return nic
+
+
+def with_piece_bytes(plan: Plan, nbytes: np.ndarray) -> Plan:
+    """``plan`` with piece ``k`` putting ``nbytes[k]`` bytes on the wire (>= 0), for the
+    simulator only: such a plan no longer validates (its pieces' sizes are not their
+    rectangles'). Tasks, sources and order stay as they are."""
+    import dataclasses
+
+    nbytes = np.asarray(nbytes)
+    if nbytes.shape != (len(plan.pieces),) or (nbytes < 0).any():
+        raise ValueError(f"piece bytes: need {len(plan.pieces)} values >= 0, got shape "
+                         f"{nbytes.shape}")
+    pieces = tuple(p if int(n) == p.nbytes else dataclasses.replace(p, nbytes=int(n))
+                   for p, n in zip(plan.pieces, nbytes.tolist(), strict=True))
+    return dataclasses.replace(plan, pieces=pieces)
 
 
 def _simulate_nics(plan: Plan, cluster: ClusterConfig, inflight: int, resolution: float,
@@ -258,8 +292,11 @@ def _simulate_nics(plan: Plan, cluster: ClusterConfig, inflight: int, resolution
 
 
 def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight: int,
-                record: bool = False, write_latency: bool = False) -> SimResult:
-    """``nic`` (the NIC model's result) with the stages around the NICs added."""
+                record: bool = False, write_latency: bool = False,
+                wire: np.ndarray | None = None,
+                extra_prepare: np.ndarray | None = None) -> SimResult:
+    """``nic`` (the NIC model's result) with the stages around the NICs added (``wire``,
+    ``extra_prepare``: see :func:`scheduling.sim_stages.group_costs`)."""
     from scheduling.sim_stages import STAGES, group_costs, run_group
 
     sim = cluster.sim
@@ -269,7 +306,8 @@ def with_stages(plan: Plan, cluster: ClusterConfig, nic: SimResult, *, inflight:
     group_binding: list[str] = []
     start = np.zeros(plan.num_tasks) if record else None
     end = np.zeros(plan.num_tasks) if record else None
-    for g, costs in enumerate(group_costs(plan, cluster)):
+    for g, costs in enumerate(group_costs(plan, cluster, wire=wire,
+                                          extra_prepare=extra_prepare)):
         total = costs.write_bytes.sum(axis=1)
         t_nic = nic.group_seconds[g]
         rate = min(cluster.send_bytes_per_s, total.max(initial=0.0) / t_nic) if t_nic > 0 \

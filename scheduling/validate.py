@@ -12,7 +12,11 @@ rank, tensor and byte range (or the piece and parameter):
   the tensor's offset in its region and inside the region, the source rank
   belongs to the parameter's mesh and the task sits in that mesh's group;
 * coverage: per engine tensor, the written ranges tile [0, nbytes) exactly -
-  no gap, no overlap; tensors of one region do not overlap each other.
+  no gap, no overlap; tensors of one region do not overlap each other;
+* shard-direct parameters (``plan.direct_params``): every task of one reads
+  a rectangle inside the block its source rank holds
+  (:func:`weight_transfer.shard_blocks.local_rect`), since it is written from
+  that block with no gather.
 
 Per-task checks are vectorized; per-piece checks loop over distinct pieces.
 """
@@ -26,6 +30,7 @@ import numpy as np
 
 from scheduling.tables import Interner, engine_table, grow_lookup, piece_table
 from weight_transfer.fp8_geometry import FP8_DTYPE, SCALE_DTYPE, scale_shape
+from weight_transfer.shard_blocks import local_rect
 from weight_transfer.types import Piece, Transform, dtype_size
 
 # A scheduling.plan.Plan. Not imported, not even for typing: plan.py imports this
@@ -173,6 +178,30 @@ def _coverage_problems(plan: PlanData, et, pt, names: Interner, rows: np.ndarray
     return out
 
 
+def _direct_problems(plan: PlanData, pt) -> list[str]:
+    direct_params = getattr(plan, "direct_params", ())
+    if not direct_params:
+        return []
+    direct = np.zeros(len(plan.params), dtype=bool)
+    direct[list(direct_params)] = True
+    rows = np.flatnonzero(direct[pt.param[plan.task_piece]])
+    pairs = np.unique(plan.task_piece[rows].astype(np.int64) * len(plan.trainer_ranks)
+                      + plan.task_src[rows])
+    out: list[str] = []
+    for key in pairs.tolist():
+        piece, rank = plan.pieces[key // len(plan.trainer_ranks)], key % len(plan.trainer_ranks)
+        meta = plan.params[int(pt.param[key // len(plan.trainer_ranks)])]
+        block = local_rect(meta, rank)
+        if block is None or any(not (a0 <= a and b <= b0) for (a, b), (a0, b0)
+                                in zip(piece.src_slice, block, strict=True)):
+            out.append(f"shard-direct piece {piece.src_param}{list(piece.src_slice)} -> "
+                       f"{piece.dst_tensor}@{piece.dst_offset}: source rank {rank} holds "
+                       f"{'no block' if block is None else list(block)} of it")
+            if len(out) >= MAX_SHOWN:
+                break
+    return out
+
+
 def validate_plan(plan: PlanData) -> None:
     """Raise ValueError listing violations (see the module docstring); return None if sound."""
     problems = _piece_problems(plan)
@@ -184,6 +213,7 @@ def validate_plan(plan: PlanData) -> None:
         rows = grow_lookup(et, len(names))[plan.task_dst, pt.name[plan.task_piece]]
         problems = _task_problems(plan, et, pt, names, rows)
         problems += _coverage_problems(plan, et, pt, names, rows)
+        problems += _direct_problems(plan, pt)
     if problems:
         shown = problems[:MAX_SHOWN]
         more = "" if len(problems) <= MAX_SHOWN else "\n  ..."

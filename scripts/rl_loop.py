@@ -2,6 +2,7 @@
 
     python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
     python scripts/rl_loop.py --engine vllm --cluster configs/clusters/vllm_cpu_tp1.yaml
+    python scripts/rl_loop.py --overlap --max-lag 0   # rollouts during updates; stale dropped
 """
 
 import sys

@@ -24,6 +24,13 @@ replayed as it is, for each mesh group in order:
    ``write`` (one-sided WRITEs of those pieces, concurrently);
 3. after the group's last parameter, a barrier over all trainer ranks.
 
+Shard-direct parameters (the group's ``local``, :mod:`scheduling.direct`)
+come first, each an item of its own with no collective: ``prepare`` cuts
+(and casts or quantizes) the rank's pieces from its own block of the
+parameter (``DTensor.to_local()``, which :func:`weight_transfer.shard_blocks.local_rect`
+places in global coordinates), so the same bytes land as from the gathered
+tensor; their watermark reservation is the prepared pieces alone.
+
 Staging (``staging=True``, the default): the prepared pieces are written into
 a :class:`~weight_transfer.staging.StagingArena` allocated, pre-faulted and
 registered with the transport once, when the transfer is built, and the
@@ -77,28 +84,30 @@ from typing import Any
 
 import torch
 
+from weight_transfer.delta_write import DeltaStage, Where
 from weight_transfer.gather import (
     DEFAULT_BUCKET_BYTES,
     GatherBucket,
     gather_bucket,
-    plan_buckets,
-    reserve_bytes,
 )
 from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.plan_check import GroupWork, check_trainer_plan
 from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.rank_items import BucketLayout, group_layouts, own_block
 from weight_transfer.retry import RetryingWriter, RetryPolicy
 from weight_transfer.run_log import RunLog
-from weight_transfer.staging import Lease, StagingArena, piece_slots
+from weight_transfer.shard_blocks import shifted
+from weight_transfer.staging import Lease, StagingArena
 from weight_transfer.transport.base import TransportError
-from weight_transfer.types import ParamMeta, Piece, WriteTask
+from weight_transfer.types import ParamMeta, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "to_device"]
+__all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "own_block",
+           "to_device"]
 
 
 @dataclass(slots=True)
@@ -109,32 +118,6 @@ class ParamWork:
     tasks: list[WriteTask]
     local: Any = None  # local shard (Tensor or DTensor)
     prepared: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class BucketLayout:
-    """What a bucket needs on this rank, derived once from the static plan: its parameters
-    with their tasks, each distinct piece's offset in the bucket's staging lease, the lease
-    size, the watermark reservation and the bytes it writes."""
-
-    bucket: GatherBucket
-    params: tuple[tuple[ParamMeta, tuple[WriteTask, ...]], ...]
-    slots: dict[Piece, int]
-    staged: int
-    reserve: int
-    nbytes: int
-
-
-def bucket_layout(group: GroupWork, bucket: GatherBucket) -> BucketLayout:
-    params = tuple((m, tuple(group.tasks.get(m.name, []))) for m in bucket.params)
-    tasks = [t for _, ts in params for t in ts]
-    # A piece sent to several replicas is prepared once: it has one slot, reserved once.
-    unique = list(dict.fromkeys(t.piece for t in tasks))
-    offsets, staged = piece_slots([q.nbytes for q in unique])
-    return BucketLayout(
-        bucket=bucket, params=params, slots=dict(zip(unique, offsets, strict=True)),
-        staged=staged, reserve=reserve_bytes(bucket) + sum(q.nbytes for q in unique),
-        nbytes=sum(t.nbytes for t in tasks))
 
 
 @dataclass(slots=True)
@@ -177,6 +160,7 @@ class TransferReport:
     checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
     hash_seconds: float = 0.0  # time spent hashing them
     dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
+    params_local: int = 0  # shard-direct parameters written from the rank's own blocks
 
 
 class RankTransfer:
@@ -209,10 +193,8 @@ class RankTransfer:
         # A bucket's gather holds at most a quarter of the watermark, so that buckets
         # still overlap in the pipeline (both values are the same on every rank).
         self.bucket_bytes = max(1, min(bucket_bytes, watermark_bytes // 4))
-        self.buckets = [plan_buckets(g.params, mode=gather, bucket_bytes=self.bucket_bytes)
+        self.layouts = [group_layouts(g, gather=gather, bucket_bytes=self.bucket_bytes)
                         for g in self.groups]
-        self.layouts = [[bucket_layout(g, b) for b in bs]
-                        for g, bs in zip(self.groups, self.buckets, strict=True)]
         self.bytes_planned = sum(lay.nbytes for group in self.layouts for lay in group)
         self.gather = gather
         # Every collective this rank issued in the last run, in order (tests of the contract).
@@ -237,8 +219,14 @@ class RankTransfer:
         # contiguous slice of the gathered tensor straight from it: no copy at all.
         self.write_from_views = not transport.registers_sources
         self.arena = self._make_arena() if staging else None
+        self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
+
+    @property
+    def buckets(self) -> list[list[GatherBucket]]:
+        """Per group, its items' buckets in order (a shard-direct parameter: one alone)."""
+        return [[lay.bucket for lay in group] for group in self.layouts]
 
     def _make_arena(self) -> StagingArena | None:
         """The staging arena of this rank (None when the rank writes nothing)."""
@@ -275,26 +263,32 @@ class RankTransfer:
         return work
 
     def _gather_and_prepare(self, work: BucketWork) -> BucketWork:
-        record = None if self.collectives is None else self.collectives.append
-        fulls = gather_bucket(work.bucket, [p.local for p in work.params], record=record)
+        if work.layout.local:
+            fulls = [own_block(p.meta, p.local, self.rank) for p in work.params]
+        else:
+            record = None if self.collectives is None else self.collectives.append
+            fulls = [(f, None) for f in gather_bucket(work.bucket, [p.local for p in work.params],
+                                                      record=record)]
         slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
         on_cuda = False
-        for p, full in zip(work.params, fulls, strict=True):
+        for p, (full, block) in zip(work.params, fulls, strict=True):
             p.local = None
             mine = list(dict.fromkeys(t.piece for t in p.tasks))
             if not mine:
                 continue
+            # a local block: the same pieces with sources relative to it
+            src = mine if block is None else [shifted(q, block) for q in mine]
             if work.lease is not None:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
                 views = self.write_from_views and not full.is_cuda
-                ready = dict(zip(mine, prepare_pieces_into(full, mine, outs, views=views),
+                ready = dict(zip(mine, prepare_pieces_into(full, src, outs, views=views),
                                  strict=True))
             else:
-                ready = dict(zip(mine, prepare_pieces(full, mine), strict=True))
+                ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
             p.prepared = [ready[t.piece] for t in p.tasks]
             on_cuda = on_cuda or full.is_cuda
         if on_cuda:
-            torch.cuda.current_stream(fulls[0].device).synchronize()
+            torch.cuda.current_stream(fulls[0][0].device).synchronize()
         return work
 
     async def _prepare(self, work: BucketWork) -> BucketWork:
@@ -304,8 +298,13 @@ class RankTransfer:
         return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
 
     async def _write(self, work: BucketWork) -> BucketWork:
-        await asyncio.gather(*(self._write_task(buf, t) for p in work.params
-                               for buf, t in zip(p.prepared, p.tasks, strict=True)))
+        pairs = [(buf, t) for p in work.params for buf, t in zip(p.prepared, p.tasks,
+                                                                  strict=True)]
+        if self.delta is not None and self.delta.active:
+            await self.delta.write([(self._source(b), t) for b, t in pairs],
+                                   dense=self._write_task, record=self._write_record)
+        else:
+            await asyncio.gather(*(self._write_task(buf, t) for buf, t in pairs))
         for p in work.params:
             p.prepared = []
         if self.arena is not None:
@@ -330,6 +329,36 @@ class RankTransfer:
             Span(key=task.task_id, stage="write", start=start, end=time.perf_counter(),
                  nbytes=task.nbytes)
         )
+
+    async def _write_record(self, where: Where, buf: torch.Tensor, task: WriteTask) -> None:
+        """A task's delta record into its engine rank's arena; it lands (for the report,
+        the integrity check and the engine bytes counted) as the piece's bytes ``buf``."""
+        start = time.perf_counter()
+        src, region, offset = where
+        try:
+            await self._run.writer.write(src, region, offset)
+        except TransportError as exc:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(task, exc)
+            return
+        self._run.landed(task, buf, self.integrity)
+        self._task_spans.append(Span(key=task.task_id, stage="write", start=start,
+                                     end=time.perf_counter(), nbytes=src.numel()))
+
+    def attach_delta(self, stage: DeltaStage | None) -> None:
+        """Write sparse deltas from the next run begun with a directive (None: dense)."""
+        if self.delta is not None and self.delta is not stage:
+            self.delta.close()
+        self.delta = stage
+
+    def delta_tasks(self, owners: set[str], ranges: set[tuple[int, int, int]]
+                    ) -> list[WriteTask]:
+        """This rank's tasks into engine ranks ``owners`` (all of them) or onto
+        ``ranges`` ((region addr, offset, nbytes)): those to re-send dense."""
+        return [t for g in self.groups for ts in g.tasks.values() for t in ts
+                if t.region.owner in owners
+                or (t.region.addr, t.region_offset, t.nbytes) in ranges]
 
     def _source(self, buf: torch.Tensor) -> torch.Tensor:
         """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
@@ -363,6 +392,8 @@ class RankTransfer:
         for group, layouts in zip(self.groups, self.layouts, strict=True):
             pipe = Pipeline(self._stages(), watermark=wm)
             await pipe.run(self._items(layouts))
+            if self.delta is not None and self.delta.active and group is self.groups[-1]:
+                await self.delta.headers(run.writer.write)  # after every record landed
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 t0 = time.perf_counter()
@@ -377,6 +408,7 @@ class RankTransfer:
             bytes_planned=self.bytes_planned,
             writes=len(self._task_spans),
             params_gathered=sum(len(g.params) for g in self.groups),
+            params_local=sum(len(g.local) for g in self.groups),
             barrier_seconds=barrier_s,
             watermark_peak=wm.peak,
             spans=tuple(spans),
@@ -399,6 +431,7 @@ class RankTransfer:
 
     def close(self) -> None:
         self._gather_pool.shutdown(wait=False)
+        self.attach_delta(None)
         if self.arena is not None:
             self.arena.close()
             self.arena = None

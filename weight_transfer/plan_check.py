@@ -2,9 +2,11 @@
 
 ``check_trainer_plan(plan, params)`` runs on the rank that received the plan
 (``scheduling.serialize.loads_trainer_plan`` already checked the blob's own
-fields): every parameter it gathers is one of the rank's, every task belongs
-to the rank and the group it sits in, reads a parameter of that group, and
-its source rectangle lies inside that parameter. It returns the tasks grouped
+fields): every parameter it gathers or writes from its own shard (``local``)
+is one of the rank's, every task belongs to the rank and the group it sits
+in, reads a parameter of that group, and its source rectangle lies inside
+that parameter, and for a local parameter inside the block this rank holds
+(:func:`weight_transfer.shard_blocks.local_rect`). It returns the tasks grouped
 by mesh group and parameter, as :class:`~weight_transfer.executor.RankTransfer`
 replays them::
 
@@ -18,16 +20,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weight_transfer.shard_blocks import local_rect
 from weight_transfer.types import ParamMeta, WriteTask
 
 
 @dataclass(frozen=True, slots=True)
 class GroupWork:
-    """One mesh group on this rank: parameters in gather order, tasks by parameter."""
+    """One mesh group on this rank: parameters in gather order, tasks by parameter, and the
+    shard-direct parameters it writes from its own shard (no collective), in order."""
 
     group: int
     params: tuple[ParamMeta, ...]
     tasks: dict[str, list[WriteTask]]
+    local: tuple[ParamMeta, ...] = ()
 
 
 def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork]:
@@ -39,7 +44,8 @@ def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork
     metas = {p.name: p for p in params}
     out = []
     for g in plan.groups:
-        missing = [n for n in g.params if n not in metas]
+        local = tuple(getattr(g, "local", ()))
+        missing = [n for n in (*g.params, *local) if n not in metas]
         if missing:
             raise ValueError(f"rank {plan.rank} group {g.group}: unknown parameters {missing[:10]}")
         tasks: dict[str, list[WriteTask]] = collections.defaultdict(list)
@@ -51,14 +57,30 @@ def check_trainer_plan(plan: Any, params: Sequence[ParamMeta]) -> list[GroupWork
                 )
             tasks[t.piece.src_param].append(t)
             _check_slice(t, metas.get(t.piece.src_param), plan.rank)
-        stray = sorted(set(tasks) - set(g.params))
+        stray = sorted(set(tasks) - set(g.params) - set(local))
         if stray:
             raise ValueError(
                 f"rank {plan.rank} group {g.group}: tasks read parameters the rank never "
                 f"gathers: {stray[:10]}"
             )
-        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks)))
+        for name in local:
+            _check_local(tasks.get(name, []), metas[name], plan.rank)
+        out.append(GroupWork(g.group, tuple(metas[n] for n in g.params), dict(tasks),
+                             tuple(metas[n] for n in local)))
     return out
+
+
+def _check_local(tasks: list[WriteTask], meta: ParamMeta, rank: int) -> None:
+    """Each task of a shard-direct parameter reads inside the block this rank holds."""
+    block = local_rect(meta, rank)
+    for t in tasks:
+        sl = t.piece.src_slice
+        if block is None or any(not a0 <= a < b <= b0
+                                for (a, b), (a0, b0) in zip(sl, block, strict=True)):
+            raise ValueError(
+                f"rank {rank} task {t.task_id}: source slice {sl} of {meta.name!r} is not "
+                f"inside the block the rank holds ({'none' if block is None else block}); "
+                "it cannot be written without a gather")
 
 
 def _check_slice(task: WriteTask, meta: ParamMeta | None, rank: int) -> None:

@@ -5,7 +5,12 @@ TP replicas, the controller set up over simnic) and runs on them, with the
 same NIC caps, ``--updates`` rounds of one update per design (interleaved, so
 that a change in the machine's load hits every design alike):
 
-* ``p2p`` (ours): ``controller.update(v)``, the static plan, pipelined;
+* ``p2p`` (ours): ``controller.update(v)``, the static plan, pipelined, with
+  shard-direct pieces (``TransferConfig.gather="shard_direct"``: a parameter
+  whose pieces its owners' shards cover is written from them, no gather);
+* ``p2p_gather`` (ours before shard-direct pieces): the same with
+  ``gather="full"``, every parameter gathered first (a second controller on the
+  same actors; whichever of the two runs is set up again, untimed, first);
 * ``rank0``: gather each parameter, trainer rank 0 broadcasts it over gloo to
   every engine rank, which loads it (OpenRLHF, verl);
 * ``rpc``: rank 0 calls each engine's ``update_weight(name, tensor)`` through Ray;
@@ -61,7 +66,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.bench.designs_fleet import DesignBench
+from actors.bench.designs_fleet import P2P_MODES, DesignBench
 from actors.bench.designs_report import draw_png, p2p_binding, table_of
 from actors.cli.progress import command_console, emit_json
 from actors.cli.sizes import parse_size
@@ -69,7 +74,7 @@ from actors.demo.fleet import connect_ray
 from actors.engine_registry import engine_names, engine_spec
 from actors.run_config import load_run_config, parse_run_config
 
-DESIGNS = ("p2p", "rank0", "rpc", "bucketed", "rdt")
+DESIGNS = ("p2p", "p2p_gather", "rank0", "rpc", "bucketed", "rdt")
 RDT_PROBE_TIMEOUT_S = 30.0
 
 
@@ -105,8 +110,8 @@ def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> float:
 
 def busiest_nic_bytes(bench: DesignBench, design: str, before: list, after: list) -> int:
     """Bytes through the busiest NIC (either direction) in one update of ``design``."""
-    if design == "p2p":
-        s = bench.fleet.controller.summary
+    if design in P2P_MODES:
+        s = bench.controllers[design].summary
         return max([*s.send_nic_bytes.values(), *s.recv_nic_bytes.values()])
     return max(max(a[k] - b[k] for k in ("tx", "rx")) for a, b in zip(after, before,
                                                                         strict=True))
@@ -147,9 +152,17 @@ def _verified(bench: DesignBench, design: str, seconds: list[float],
     problems = bench.verify()
     out = {"ok": not problems, "problems": problems, "seconds": seconds,
            "median_s": statistics.median(seconds), "busiest_nic_bytes": busiest}
-    if design == "p2p" and bench.last_report is not None:
+    if design in P2P_MODES and bench.last_report is not None:
         out["stages_s"] = dict(bench.last_report.stages)  # busy s of the slowest rank
     return out
+
+
+def shard_direct_speedup(results: dict[str, Any]) -> float | None:
+    """p2p_gather's median over p2p's, where both ran and verified."""
+    a, b = results.get("p2p", {}), results.get("p2p_gather", {})
+    if not (a.get("ok") and b.get("ok")):
+        return None
+    return b["median_s"] / a["median_s"]
 
 
 def gather_floor(bench: DesignBench, updates: int) -> float:
@@ -231,6 +244,11 @@ def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float
         console.print(table_of(results, total, rate, bound_bytes / rate,
                                f"{doc['model']} ({bench.engine} engine), {total / 1e9:.3f} GB "
                                f"per update, {key.replace('_', ' ')}"))
+        ratio = shard_direct_speedup(results)
+        if ratio is not None:
+            doc["passes"][key]["shard_direct_speedup"] = ratio
+            console.print(f"shard-direct (p2p) against gather-everything (p2p_gather): "
+                          f"{ratio:.2f}x faster")
     return doc
 
 

@@ -29,6 +29,15 @@ from actors.demo.checks import byte_problems
 from actors.demo.verify import _engine_digests, _trainer_digests
 from weight_transfer.types import EngineRankId
 
+# ours: p2p (shard-direct pieces, no gather where the owner's shard covers a piece) and
+# p2p_gather (every parameter gathered first: the mode before shard-direct pieces)
+P2P_MODES = {"p2p": "shard_direct", "p2p_gather": "full"}
+
+
+def mode_of(gather: str) -> str:
+    """The p2p design of a ``TransferConfig.gather`` mode."""
+    return next(d for d, m in P2P_MODES.items() if m == gather)
+
 
 class DesignBench(ABC):
     """The running fleet and the baselines' set-up on it (engine-independent part)."""
@@ -49,6 +58,25 @@ class DesignBench(ABC):
                    *self.join_engines(host, port, size)])
         self.version = 0
         self.last_report: Any = None
+        # ours in each gather mode (P2P_MODES): the fleet's controller for its own mode, a
+        # second one on the same actors for the other, set up again whenever it takes over
+        self.controllers = {mode_of(fleet.config.gather): fleet.controller}
+        self.active = mode_of(fleet.config.gather)
+
+    def controller(self, design: str) -> Any:
+        """The controller of p2p ``design``, set up (untimed) if another one ran last."""
+        from actors import WeightTransferController
+
+        if design not in self.controllers:
+            self.controllers[design] = WeightTransferController(
+                trainers=self.trainers, engines=list(self.fleet.replicas.values()),
+                config=self.fleet.config.replace(gather=P2P_MODES[design]))
+            self.active = None
+        ctl = self.controllers[design]
+        if self.active != design:
+            ctl.setup()  # the trainers now replay this controller's plan
+            self.active = design
+        return ctl
 
     def _get(self, refs: Any) -> Any:
         return ray.get(refs, timeout=self.timeout_s)
@@ -121,11 +149,12 @@ class DesignBench(ABC):
 
     def update(self, design: str) -> float:
         """Zero every engine byte, then one timed update of ``design``; seconds."""
+        ctl = self.controller(design) if design in P2P_MODES else None
         self.zero_engines()
         start = time.perf_counter()
-        if design == "p2p":
+        if ctl is not None:
             self.version += 1
-            self.last_report = self.fleet.controller.update(self.version)
+            self.last_report = ctl.update(self.version)
         elif design == "gather_only":
             self._get(self.refs(design))
         else:

@@ -196,8 +196,10 @@ def measure(model: Path, cluster_path: Path, updates: int, layout: str = "fsdp")
         engines = [dataclasses.replace(e, tensors=tuple(
             dataclasses.replace(t, region=tg.region) for t in e.tensors))
             for e, tg in zip(layout_engines, targets, strict=True)]
+        # gather="full": this bench measures the gathers themselves (shard-direct pieces
+        # would skip most of them; wt bench designs compares the two plans)
         plan = compute_plan(meta, engines, cluster, model=cfg, fp8=False,
-                            expert_naming=_naming(layout))
+                            expert_naming=_naming(layout), gather="full")
         for r, pipe in enumerate(pipes):
             pipe.send((dumps_trainer_plan(plan.trainer_plan(r)), [t.peer_info for t in targets]))
         version = 0

@@ -22,20 +22,25 @@ check, resume), then with a second controller set up with ``apply="shadow"``
     wt bench stall --json stall.json          # modes -> in_place / shadow -> stall_s ...
 
 ``--engine`` chooses the engine's client from :data:`STALL_CLIENTS` (how to
-generate on one replica and read its step times); ``reference`` here, another
-engine adds its own entry. Here trainers and engines share the machine's cores (on a
+generate on one replica and read its step times): ``reference``, or ``vllm``
+(:mod:`actors.bench.stall_vllm`: one real vLLM replica, TP=2, from
+``configs/runs/demo_vllm.yaml`` unless ``--config`` names another; its steps are
+vLLM's engine steps, its bytes checked against vLLM's own load_weights). The fleet
+and its byte check come from the engine registry (``start_fleet``, ``check_bytes``).
+Here trainers and engines share the machine's cores (on a
 cluster they are different GPUs): the trainer processes run at the lowest CPU priority
 in both modes, so that the transfer's CPU work does not pass for an engine stall.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +48,11 @@ from typing import Any
 import ray
 from rich.table import Table
 
+from actors.bench.stall_vllm import VllmStallClient
 from actors.cli.progress import command_console, emit_json, json_to_stdout
-from actors.demo.fleet import Fleet, fleet_session, token_batch
-from actors.demo.verify import check_bytes
-from actors.run_config import load_run_config
+from actors.demo.fleet import Fleet, connect_ray, fleet_session, token_batch
+from actors.engine_registry import engine_spec
+from actors.run_config import RunConfig, load_run_config
 
 MODES = ("in_place", "shadow")
 WARMUP_S = 1.0  # client requests before the first update (steps flowing)
@@ -86,7 +92,8 @@ class ReferenceClient:
 
 
 # engine name -> the client wt bench stall drives it with (another engine adds its own)
-STALL_CLIENTS: dict[str, Callable[[Fleet], Any]] = {"reference": ReferenceClient}
+STALL_CLIENTS: dict[str, Callable[[Fleet], Any]] = {"reference": ReferenceClient,
+                                                    "vllm": VllmStallClient}
 
 
 @dataclass(slots=True)
@@ -161,7 +168,7 @@ def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> 
             out.pauses.append(engine_pause(ctl, mode, start))
             time.sleep(SETTLE_S)  # steps after the update, before the checks load the engines
             checks: dict = {}
-            check_bytes(fleet, checks, out.problems, None)
+            engine_spec(fleet.engine).tool("check_bytes")(fleet, checks, out.problems, None)
             out.verified &= bool(checks.get("bytes"))
     out.problems += clients.errors
     out.verified &= not clients.errors
@@ -212,7 +219,34 @@ def render(rows: list[ModeResult]) -> Table:
     return table
 
 
-def run(*, config: Path, engine: str = "reference", updates: int = 3,
+@contextlib.contextmanager
+def engine_fleet(run_cfg: RunConfig, **overrides: Any) -> Iterator[Fleet]:
+    """The run's fleet, started by its engine's registered ``start_fleet`` (the demo's
+    fleet for the reference engine), closed after the block."""
+    if run_cfg.engine == "reference":
+        with fleet_session(run_cfg, **overrides) as fleet:
+            yield fleet
+        return
+    started = connect_ray(run_cfg)
+    fleet = None
+    try:
+        fleet = engine_spec(run_cfg.engine).tool("start_fleet")(run_cfg, **overrides)
+        yield fleet
+    finally:
+        if fleet is not None:
+            fleet.close()
+        if started:
+            ray.shutdown()
+
+
+def run_config_for(config: Path | None, engine: str) -> RunConfig:
+    """``config`` (default: the engine's demo config), run with ``engine``."""
+    path = Path(engine_spec(engine).demo_config) if config is None else config
+    run_cfg = load_run_config(path)
+    return run_cfg if run_cfg.engine == engine else run_cfg.with_overrides(engine=engine)
+
+
+def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
         json_out: Path | None = None) -> int:
     """Both modes on one fleet; exit 1 unless every update verified."""
     if engine not in STALL_CLIENTS:
@@ -221,9 +255,9 @@ def run(*, config: Path, engine: str = "reference", updates: int = 3,
     if updates < 1:
         raise ValueError(f"--updates must be at least 1, not {updates}")
     console = command_console(json_to_stdout(json_out))
-    run_cfg = load_run_config(config)
+    run_cfg = run_config_for(config, engine)
     rows: list[ModeResult] = []
-    with fleet_session(run_cfg, apply="in_place") as fleet:
+    with engine_fleet(run_cfg, apply="in_place") as fleet:
         renice(fleet.trainers)
         client = STALL_CLIENTS[engine](fleet)
         rows.append(measure(fleet, fleet.controller, client, "in_place", range(1, updates + 1)))

@@ -223,7 +223,9 @@ def bench_designs(
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
-    designs: str = typer.Option("p2p,rank0,rpc,bucketed,rdt", help="Which designs to run."),
+    designs: str = typer.Option("p2p,p2p_gather,rank0,rpc,bucketed,rdt",
+                                help="Which designs to run (p2p: shard-direct pieces; "
+                                     "p2p_gather: ours gathering every parameter)."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
     caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
     timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),
@@ -238,6 +240,30 @@ def bench_designs(
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,
                          timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))
+
+
+@bench_app.command("delta")
+def bench_delta(
+    model: Path | None = typer.Option(
+        None, help="Model YAML [configs/models/bench_dense.yaml; tiny_llama with --quick]."),
+    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s (every trainer and engine NIC)."),
+    updates: int = typer.Option(2, min=1, help="Rounds per (dtype, lr): one update per mode."),
+    lrs: str = typer.Option("1e-6,1e-5", help="AdamW learning rates, comma-separated."),
+    dtypes: str = typer.Option("bf16,fp8", help="Engine dtypes: bf16, fp8 (a fleet each)."),
+    quick: bool = typer.Option(False, "--quick", help="tiny_llama, one round (a test's size)."),
+    oracle: str = typer.Option("every", help="every|last: the reference-layout byte check "
+                               "after every update, or after each lr's last (the integrity "
+                               "check of every range runs after every update either way)."),
+    timeout_s: float = typer.Option(900.0, help="Timeout of each call to the actors."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """Dense (gather) beside sparse delta updates: bytes, seconds, CPU of diff/encode/apply."""
+    from actors.bench.delta import run
+
+    raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
+                         lrs=lrs, dtypes=dtypes, quick=quick, timeout_s=timeout_s,
+                         json_path=json_path, oracle=oracle))
 
 
 @bench_app.command("integrity")
@@ -276,9 +302,10 @@ def bench_served(
 
 @bench_app.command("stall")
 def bench_stall(
-    config: Path = typer.Option(Path("configs/runs/demo.yaml"), help="Run config (actors)."),
+    config: Path | None = typer.Option(
+        None, help="Run config (actors) [default: the engine's demo config]."),
     engine: str = typer.Option("reference", help="Engine whose client generates "
-                               "(actors.bench.stall.STALL_CLIENTS)."),
+                               "(actors.bench.stall.STALL_CLIENTS): reference or vllm."),
     updates: int = typer.Option(3, min=1, help="Updates per mode."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
@@ -335,13 +362,15 @@ def plan(
     expert_naming: str = typer.Option("per_expert", help="Trainer experts: per_expert|stacked."),
     gather_order: str = typer.Option("interleaved", help="interleaved|canonical."),
     validate: bool = typer.Option(True, help="Check every destination byte is written once."),
+    gather: str = typer.Option("shard_direct", help="shard_direct|full: pieces from the "
+                                                    "owners' shards, or every param gathered."),
 ) -> None:
     """Plan a model on a cluster from configs alone: tasks, bytes per NIC, bound, time."""
     from actors.cli.plan_cmd import run_plan
 
     raise typer.Exit(run_plan(model=model, cluster=cluster, json_path=json_path,
                               expert_naming=expert_naming, gather_order=gather_order,
-                              validate=validate))
+                              validate=validate, gather=gather))
 
 
 @app.command("simulate")
@@ -361,15 +390,29 @@ def simulate(
                                            "configurations, print predicted vs measured."),
     write_sim: Path | None = typer.Option(None, help="With --calibrate: write the constants "
                                                      "into this cluster YAML's sim: section."),
+    delta: float | None = typer.Option(
+        None, min=0.0, max=1.0, help="Also predict a sparse delta update with this share of "
+        "elements changed (measured: wt bench delta)."),
+    gather: str = typer.Option("shard_direct", help="shard_direct|full|both (both: the two "
+                                                    "side by side)."),
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.cli.plan_cmd import run_simulate
+
+    if gather == "both":
+        from actors.cli.gather_modes import run_both
+
+        raise typer.Exit(run_both(model=model, cluster=cluster, json_path=json_path,
+                                  expert_naming=expert_naming, gather_order=gather_order,
+                                  inflight=inflight, resolution=resolution,
+                                  nic_model=nic_model))
 
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
-                                  check=check, write_sim=write_sim))
+                                  check=check, write_sim=write_sim, gather=gather,
+                                  delta=delta))
 
 
 def main() -> None:

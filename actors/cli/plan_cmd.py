@@ -62,7 +62,8 @@ def _gb(n: float) -> str:
 
 
 def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
-          validate: bool, step: Callable[[str], None] = lambda _: None) -> Planned:
+          validate: bool, step: Callable[[str], None] = lambda _: None,
+          gather: str = "shard_direct") -> Planned:
     """Load configs, build metadata, compute (and validate) the plan, timing each step.
 
     ``step(name)`` is called as each step starts (a progress bar).
@@ -78,7 +79,7 @@ def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
         t1 = time.perf_counter()
         step("compute the plan")
         plan = compute_plan(tm, em, cl, model=cfg, expert_naming=expert_naming,
-                            gather_order=gather_order)
+                            gather_order=gather_order, gather=gather)
         # The plan lives until the command exits: keep later GC passes off its ~10^6 objects.
         gc.freeze()
     t2, c2 = time.perf_counter(), time.process_time()
@@ -101,7 +102,13 @@ def summary(p: Planned) -> dict[str, Any]:
         return float(x.max() / x.mean()) if x.size and x.mean() > 0 else 1.0
 
     total_lb, group_lb = lower_bounds(plan, p.cluster)
+    nbytes = plan.task_nbytes()
+    direct = float(nbytes[plan.task_direct()].sum() / nbytes.sum()) if plan.num_tasks else 0.0
     return {
+        "gather": plan.gather,
+        "direct_bytes_fraction": direct,
+        "gathered_params": len(plan.fallback) if plan.gather == "shard_direct" else len(
+            plan.params),
         "model": p.model.name or p.model.architecture,
         "cluster": p.cluster.name,
         "trainer_params": len(plan.params),
@@ -133,6 +140,8 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
         ("trainer params / engine tensors", f"{s['trainer_params']:,} / {s['tensors']:,}"),
         ("pieces / tasks / mesh groups", f"{s['pieces']:,} / {s['tasks']:,} / {s['groups']}"),
         ("bytes total", _gb(s["bytes_total"])),
+        ("gather mode / bytes written shard-direct",
+         f"{s['gather']} / {s['direct_bytes_fraction']:.1%}"),
     ]
     for side in ("send", "recv"):
         b = s[f"{side}_bytes_per_nic"]
@@ -154,13 +163,13 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
 
 
 def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
-             gather_order: str, validate: bool) -> int:
+             gather_order: str, validate: bool, gather: str = "shard_direct") -> int:
     console = command_console(json_path)
     try:
         with steps(console, "planning", 4 if validate else 3,
                    quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=validate, step=step)
+                      validate=validate, step=step, gather=gather)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
@@ -236,7 +245,8 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  gather_order: str, inflight: int | None, resolution: float,
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
                  calibrate: bool = False, check: bool = False,
-                 write_sim: Path | None = None) -> int:
+                 write_sim: Path | None = None, gather: str = "shard_direct",
+                 delta: float | None = None) -> int:
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
@@ -250,7 +260,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     try:
         with steps(console, "simulating", 4, quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=False, step=step)
+                      validate=False, step=step, gather=gather)
             step("simulate the NICs")
             t0 = time.perf_counter()
             r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution,
@@ -279,6 +289,9 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     if calibration is not None:
         s["calibration"] = calibration
     s["flip"] = flip_summary(p, r.seconds)
+    if delta is not None:
+        s["delta"] = _delta(p, r, delta, inflight=inflight, resolution=resolution,
+                            nic_model=nic_model)
     if sweep:
         s["sweep"] = _sweep(p)
     extra = [
@@ -296,6 +309,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         *[(f"watermark {w['watermark_bytes'] / 2**20:,.0f} MiB",
            f"{w['predicted_s']:.4f} s (+{w['over_bound']:.1%}, {w['binding']})")
           for w in s.get("sweep", [])],
+        *_delta_rows(s.get("delta")),
     ]
     console.print(_table(s, extra))
     emit_json(json_path, s, console)
@@ -306,3 +320,31 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
         draw_gantt([sim_timeline(p.plan, r)], png)
         console.print(f"wrote {png}")
     return 0
+
+
+def _delta(p, dense, fraction: float, **kw) -> dict:
+    """``--delta FRACTION``: the same plan with sparse deltas (scheduling.sim_delta)."""
+    from scheduling.sim_delta import simulate_delta
+
+    r = simulate_delta(p.plan, p.cluster, fraction, max_inflight=kw["inflight"],
+                       resolution=kw["resolution"], nic_model=kw["nic_model"])
+    return {"fraction": fraction, "predicted_s": r.seconds, "binding": r.binding,
+            "lower_bound_s": r.lower_bound_seconds, "stages": r.stage_seconds,
+            "nic_predicted_s": r.nic_seconds, "dense_predicted_s": dense.seconds,
+            "dense_lower_bound_s": dense.lower_bound_seconds,
+            "speedup": dense.seconds / r.seconds if r.seconds > 0 else None}
+
+
+def _delta_rows(d: dict | None) -> list[tuple[str, str]]:
+    if d is None:
+        return []
+    return [
+        (f"delta ({d['fraction']:.2%} changed): predicted",
+         f"[bold]{d['predicted_s']:.4f} s[/bold] ({d['speedup']:.2f}x dense "
+         f"{d['dense_predicted_s']:.4f} s)"),
+        ("delta: binding stage", d["binding"]),
+        ("delta: lower bound (NICs)", f"{d['lower_bound_s']:.4f} s (dense "
+                                      f"{d['dense_lower_bound_s']:.4f} s)"),
+        ("delta: busy per stage, critical rank", ", ".join(
+            f"{k} {v:.4f}" for k, v in d["stages"].items())),
+    ]

@@ -20,6 +20,13 @@ rollout tokens in ``[rl.target_start, rl.target_end)``. Run it with::
 
     python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
 
+Every rollout says which weight versions produced its tokens
+(:class:`weight_transfer.versions.Generation`). With ``--overlap`` the next
+iteration's rollouts are sampled while the policy step and the update run
+(asynchronous RL, one step off-policy: a rollout may straddle an update); ``--max-lag N`` drops the
+rollouts whose oldest token is more than N versions behind the trainers' weights
+before the policy step, and each iteration prints how many it dropped.
+
 With ``--engine vllm`` the replicas are real vLLM engines
 (:func:`actors.vllm_engine.launch_vllm_engines`, float32, started from the
 trainers' initial weights) and vLLM samples the rollouts itself (seeded
@@ -35,6 +42,7 @@ import logging
 import math
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,29 +56,35 @@ from actors.demo.checks import make_console
 from actors.demo.fleet import connect_ray, token_batch
 from actors.engine_registry import engine_spec
 from actors.run_config import RlConfig, RunConfig, load_run_config
+from weight_transfer.versions import Generation, VersionRecorder, fresh
 
 log = logging.getLogger(__name__)
 
 
 def sample_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
-                    gen: torch.Generator, engine: str = "reference") -> list[list[int]]:
+                    gen: torch.Generator, engine: str = "reference") -> list[Generation]:
     """``rl.rollout_tokens`` new tokens per prompt from one replica, as ``engine`` samples
-    (its registry hook ``sample_rollouts``; a vLLM replica samples itself, once)."""
+    (its registry hook ``sample_rollouts``; a vLLM replica samples itself, once), each with
+    the weight versions that produced its tokens."""
     return engine_spec(engine).tool("sample_rollouts")(replica, prompts, rl, gen)
 
 
 def reference_rollouts(replica: list, prompts: list[list[int]], rl: RlConfig,
-                       gen: torch.Generator) -> list[list[int]]:
+                       gen: torch.Generator) -> list[Generation]:
     """The reference engine's rollouts: all its TP ranks called, sampled here from the
-    logits (greedy: the engines' own ``generate``)."""
+    logits (greedy: the engines' own ``generate_tagged``); each token's version is the one
+    the engine held for its step."""
     if rl.temperature == 0:
-        return ray.get([a.generate.remote(prompts, rl.rollout_tokens) for a in replica])[0]
+        return ray.get([a.generate_tagged.remote(prompts, rl.rollout_tokens)
+                        for a in replica])[0]
     ids = torch.tensor(prompts, dtype=torch.long)
+    rec = VersionRecorder(len(prompts))
     for _ in range(rl.rollout_tokens):
-        logits = ray.get([a.logits.remote(ids) for a in replica])[0][:, -1].float()
-        probs = torch.softmax(logits / rl.temperature, dim=-1)
+        version, logits = ray.get([a.tagged_logits.remote(ids) for a in replica])[0]
+        rec.step(version)
+        probs = torch.softmax(logits[:, -1].float() / rl.temperature, dim=-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    return ids[:, len(prompts[0]):].tolist()
+    return rec.generations(ids[:, len(prompts[0]):].tolist())
 
 
 def toy_reward(rollout: list[int], rl: RlConfig) -> float:
@@ -84,26 +98,49 @@ def advantages_of(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunConfig,
-                 vocab: int, gen: torch.Generator) -> dict:
-    """Rollouts, rewards, one policy-gradient step, one weight update."""
+def draw_rollouts(it: int, replicas: list[list], run: RunConfig, vocab: int,
+                  gen: torch.Generator) -> tuple[list[list[int]], list[Generation]]:
+    """Iteration ``it``'s prompts and their rollouts, the prompts split over the replicas
+    (like OpenRLHF)."""
     rl = run.rl
     prompts = token_batch(vocab, rl.prompts, rl.prompt_len, seed=run.seed * 1000 + it)
     share = math.ceil(len(prompts) / len(replicas))
-    rollouts = []
-    for k, replica in enumerate(replicas):  # like OpenRLHF: prompts split over the engines
+    rollouts: list[Generation] = []
+    for k, replica in enumerate(replicas):
         chunk = prompts[k * share:(k + 1) * share]
         if chunk:
             rollouts += sample_rollouts(replica, chunk, rl, gen, run.engine)
+    return prompts, rollouts
+
+
+def rl_iteration(it: int, trainers: list, replicas: list[list], ctl, run: RunConfig,
+                 vocab: int, gen: torch.Generator, drawn: Future | None = None,
+                 ahead: ThreadPoolExecutor | None = None) -> tuple[dict, Future | None]:
+    """Rollouts (``drawn``: sampled ahead, during the last step and update), rewards, one
+    policy-gradient step on the rollouts at most ``rl.max_lag`` versions old, one weight
+    update; with ``ahead`` the next iteration's rollouts are sampled meanwhile (returned)."""
+    rl = run.rl
+    prompts, gens = drawn.result() if drawn is not None else draw_rollouts(
+        it, replicas, run, vocab, gen)
+    kept, dropped = (fresh(gens, current=it, max_lag=rl.max_lag) if rl.max_lag is not None
+                     else (list(range(len(gens))), 0))
+    rollouts = [list(g.tokens) for g in gens]
     rewards = [toy_reward(r, rl) for r in rollouts]
-    tokens = [p + r for p, r in zip(prompts, rollouts, strict=True)]
-    adv = advantages_of(rewards)
-    loss = ray.get([t.train_step.remote(tokens, advantages=adv, prompt_len=rl.prompt_len)
-                    for t in trainers])[0]
+    nxt = None  # asynchronous RL: the next rollouts sample during the step and the update
+    if ahead is not None and it + 1 < rl.iterations:
+        nxt = ahead.submit(draw_rollouts, it + 1, replicas, run, vocab, gen)
+    loss = None
+    if kept:  # the trainers hold version ``it``: staleness is measured against it
+        tokens = [prompts[i] + rollouts[i] for i in kept]
+        adv = advantages_of([rewards[i] for i in kept])
+        loss = ray.get([t.train_step.remote(tokens, advantages=adv, prompt_len=rl.prompt_len)
+                        for t in trainers])[0]
     report = ctl.update(version=it + 1)                                         # wt
     return {"iteration": it + 1, "mean_reward": sum(rewards) / len(rewards),
             "rewards": rewards, "loss": loss, "update_seconds": report.seconds,
-            "update_bytes": report.bytes, "weights_version": ctl.weights_version()}
+            "update_bytes": report.bytes, "weights_version": ctl.weights_version(),
+            "versions": [list(g.versions) for g in gens], "kept": len(kept),
+            "dropped": dropped}, nxt
 
 
 def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> Any:
@@ -114,6 +151,33 @@ def launch_replicas(cfg, run: RunConfig, trainers: list, workdir: Path) -> Any:
     if spec.has_tool("launch_replicas"):
         return spec.tool("launch_replicas")(cfg, trainers, workdir)
     return spec.launcher()(cfg)
+
+
+def _iterate(trainers, replicas, ctl, run: RunConfig, vocab: int, gen: torch.Generator,
+             console: Console) -> list[dict]:
+    history, drawn = [], None
+    with ThreadPoolExecutor(1, thread_name_prefix="rollouts") as pool:
+        ahead = pool if run.rl.overlap else None
+        for it in range(run.rl.iterations):
+            rec, drawn = rl_iteration(it, trainers, replicas, ctl, run, vocab, gen, drawn,
+                                      ahead)
+            console.print(f"iteration {rec['iteration']}: mean reward {rec['mean_reward']:.3f}, "
+                          f"loss {_loss(rec['loss'])}, update {rec['update_bytes'] / 1e6:.2f} MB "
+                          f"in {rec['update_seconds']:.3f} s, versions {rec['weights_version']}"
+                          + _dropped(rec, run.rl))
+            history.append(rec)
+    return history
+
+
+def _loss(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:+.4f}"
+
+
+def _dropped(rec: dict, rl: RlConfig) -> str:
+    if rl.max_lag is None:
+        return ""
+    return (f", dropped {rec['dropped']} of {rec['dropped'] + rec['kept']} rollouts more "
+            f"than {rl.max_lag} versions old")
 
 
 def run_rl(run: RunConfig, console: Console) -> list[dict]:
@@ -135,14 +199,7 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
         ctl.setup()                                                             # wt
         ctl.update(version=0)  # the replicas start from the trainers' initial weights
         gen = torch.Generator().manual_seed(run.seed)
-        history = []
-        for it in range(run.rl.iterations):
-            rec = rl_iteration(it, trainers, replicas, ctl, run, cfg.model.vocab_size, gen)
-            console.print(f"iteration {rec['iteration']}: mean reward {rec['mean_reward']:.3f}, "
-                          f"loss {rec['loss']:+.4f}, update {rec['update_bytes'] / 1e6:.2f} MB "
-                          f"in {rec['update_seconds']:.3f} s, versions {rec['weights_version']}")
-            history.append(rec)
-        return history
+        return _iterate(trainers, replicas, ctl, run, cfg.model.vocab_size, gen, console)
     finally:
         if ctl is not None:
             ctl.shutdown()
@@ -161,13 +218,20 @@ def main(
     engine: str | None = typer.Option(
         None, help="reference or vllm (real vLLM engines) [default: from --config]."),
     cluster: Path | None = typer.Option(None, help="Cluster YAML [default: from --config]."),
+    max_lag: int | None = typer.Option(
+        None, min=0, help="Drop rollouts more than this many versions old [rl.max_lag]."),
+    overlap: bool | None = typer.Option(
+        None, "--overlap/--no-overlap",
+        help="Sample the next rollouts during the update [rl.overlap]."),
 ) -> None:
     """Rollouts on the inference replicas, REINFORCE on the trainers, weight updates."""
     console = make_console()
     try:
         run = load_run_config(config).with_overrides(engine=engine, cluster=cluster)
-        if iterations is not None:
-            run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": iterations})
+        rl = {"iterations": iterations, "max_lag": max_lag, "overlap": overlap}
+        rl = {k: v for k, v in rl.items() if v is not None}
+        if rl:
+            run = run.with_overrides(rl={**run.rl.model_dump(), **rl})
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -175,11 +239,12 @@ def main(
     history = run_rl(run, console)
     table = Table(title=f"{run.name}: REINFORCE towards tokens "
                         f"[{run.rl.target_start}, {run.rl.target_end})")
-    for col in ("iteration", "mean reward", "loss", "update s", "MB"):
+    for col in ("iteration", "mean reward", "loss", "update s", "MB", "dropped"):
         table.add_column(col, justify="right")
     for r in history:
-        table.add_row(str(r["iteration"]), f"{r['mean_reward']:.3f}", f"{r['loss']:+.4f}",
-                      f"{r['update_seconds']:.3f}", f"{r['update_bytes'] / 1e6:.2f}")
+        table.add_row(str(r["iteration"]), f"{r['mean_reward']:.3f}", _loss(r["loss"]),
+                      f"{r['update_seconds']:.3f}", f"{r['update_bytes'] / 1e6:.2f}",
+                      f"{r['dropped']}/{r['dropped'] + r['kept']}")
     console.print(table)
     console.print(f"done in {time.perf_counter() - start:.1f} s")
     if json_path is not None:

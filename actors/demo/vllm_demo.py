@@ -74,9 +74,10 @@ def set_vllm_log_level(level: str) -> None:
     logging.getLogger("vllm").setLevel(level)
 
 
-def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
+def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: Any) -> Fleet:
     """Trainers, one vLLM engine per replica (from the trainers' initial weights) and the
-    controller after ``setup()``; vLLM logs at :func:`vllm_log_level`."""
+    controller after ``setup()``; vLLM logs at :func:`vllm_log_level` (``overrides``:
+    TransferConfig fields, see :func:`actors.demo.fleet.transfer_config`)."""
     from actors import WeightTransferController, launch_trainers
     from actors.cli.progress import PhaseBars
     from actors.testing.vllm_oracle import vllm_missing
@@ -85,7 +86,7 @@ def start_fleet(run: RunConfig, progress: Progress | None = None) -> Fleet:
     set_vllm_log_level(level)  # before vllm_missing() imports vLLM here
     if (why := vllm_missing()) is not None:
         raise RuntimeError(f"--engine vllm: {why} (install the `vllm` extra)")
-    config = transfer_config(run)
+    config = transfer_config(run, **overrides)
     if config.engine_fp8:
         _require_cuda("FP8 engines with vLLM")
     start = time.perf_counter()
@@ -127,14 +128,15 @@ def launch_replicas(config: Any, trainers: Any, workdir: Path,
                                env=ENGINE_ENV if env is None else env)
 
 
-def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any,
-                    gen: Any) -> list[list[int]]:
+def sample_rollouts(replica: list, prompts: list[list[int]], rl: Any, gen: Any) -> list:
     """``rl.rollout_tokens`` new tokens per prompt: a vLLM replica samples itself, once
-    (seeded from ``gen``)."""
+    (seeded from ``gen``); each a :class:`weight_transfer.versions.Generation` with vLLM's
+    own version spans."""
     import torch
 
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    return ray.get(replica[0].generate.remote(prompts, rl.rollout_tokens, rl.temperature, seed))
+    return ray.get(replica[0].generate_tagged.remote(prompts, rl.rollout_tokens,
+                                                     rl.temperature, seed))
 
 
 def _require_cuda(what: str) -> None:

@@ -4,7 +4,11 @@ Each trainer's :class:`~scheduling.plan.TrainerPlan` is run the way a real
 trainer runs it - per mesh group, per parameter in the group's gather order,
 ``prepare_piece`` on the full parameter, then the bytes copied into the
 destination region at the task's offset - except that the "remote" regions are
-local byte buffers. The result is every engine rank's tensors as raw bytes::
+local byte buffers. A shard-direct parameter (the group's ``local``) is cut from
+the rank's own block of it (:func:`weight_transfer.shard_blocks.local_rect`: the
+block the rank's DTensor holds) with the pieces shifted into it, as the executor
+does, so a piece that needs bytes outside that block fails. The result is every
+engine rank's tensors as raw bytes::
 
     engines = replay_in_memory(plan, full_state)          # {(replica, rank): {name: uint8}}
     engines[("engine0", 1)]["model.layers.0.self_attn.qkv_proj.weight"]
@@ -25,19 +29,26 @@ import torch
 from scheduling.plan import Plan, TrainerPlan
 from weight_transfer.executor import check_trainer_plan
 from weight_transfer.prepare import piece_bytes
+from weight_transfer.shard_blocks import local_rect, shifted
 from weight_transfer.types import ParamMeta, RegionDesc
 
 
 def _run_trainer(tp: TrainerPlan, params: Sequence[ParamMeta],
                  state: Mapping[str, torch.Tensor], buffers) -> None:
     for group in check_trainer_plan(tp, params):
-        for meta in group.params:
+        local = {m.name for m in group.local}
+        for meta in (*group.local, *group.params):
             name = meta.name
+            source, block = state[name], None
+            if name in local:  # the rank's own block, as DTensor.to_local() holds it
+                block = local_rect(meta, tp.rank)
+                source = source[tuple(slice(a, b) for a, b in block)].clone()
             prepared: dict = {}  # a piece going to several replicas is prepared once
             for t in group.tasks.get(name, ()):
                 data = prepared.get(t.piece)
                 if data is None:
-                    data = prepared[t.piece] = piece_bytes(state[name], t.piece)
+                    piece = t.piece if block is None else shifted(t.piece, block)
+                    data = prepared[t.piece] = piece_bytes(source, piece)
                 if data.numel() != t.nbytes:
                     raise ValueError(
                         f"task {t.task_id}: prepared {data.numel()} B, the piece says {t.nbytes}"

@@ -122,17 +122,55 @@ def _rank_check(rank: int, world: int, port: int, model_dir: str, model_yaml: st
     for p in pieces:
         ours[p.dst_tensor][p.dst_offset:p.dst_offset + p.nbytes] = piece_bytes(bf16[p.src_param], p)
     problems = [f"checkpoint tensor {n}: no trainer parameter" for n in missing]
+    direct, n_direct = _shard_direct_bytes(pieces, bf16, ours), 0
     for name, buf in ours.items():
         want = loaded[name].contiguous().reshape(-1).view(torch.uint8)
         if not torch.equal(buf[:exposed[name].nbytes], want[:exposed[name].nbytes]):
             problems.append(f"{name}: bytes differ from vLLM's load_weights")
+        got, n = direct[name]
+        n_direct += n
+        if not torch.equal(got[:exposed[name].nbytes], want[:exposed[name].nbytes]):
+            problems.append(f"{name}: shard-direct bytes differ from vLLM's load_weights")
     result = {
         "params": {n: [list(s.shape), s.dtype] for n, s in layout.params.items()},
         "transforms": sorted({str(p.transform) for p in layout.pieces}),
         "table": engine_table_differences(cfg, meta, shapes, expert_naming="stacked"),
         "bytes": problems,
+        "direct_parts": n_direct,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+DIRECT_FSDP = 4  # trainer ranks of the FSDP (Shard(0)) layout the shard-direct check assumes
+
+
+def _shard_direct_bytes(pieces, full: dict, like: dict) -> dict:
+    """Per engine tensor: (the bytes shard-direct mode lays from ``pieces`` when each trainer
+    parameter is FSDP-sharded over :data:`DIRECT_FSDP` ranks: a covered piece's parts cut
+    from their owner's block alone, the others from the full tensor; the count of parts)."""
+    from scheduling.direct import cover_piece
+    from weight_transfer.prepare import piece_bytes
+    from weight_transfer.shard_blocks import local_rect, shifted
+    from weight_transfer.types import MeshDesc, ParamMeta, Placement
+
+    mesh = MeshDesc(ranks=tuple(range(DIRECT_FSDP)), shape=(DIRECT_FSDP,))
+    out = {n: [torch.zeros_like(b), 0] for n, b in like.items()}
+    for p in pieces:
+        t = full[p.src_param]
+        meta = ParamMeta(name=p.src_param, shape=tuple(t.shape), dtype="bfloat16", mesh=mesh,
+                         placements=(Placement(kind="shard", dim=0),))
+        cov = cover_piece(p, meta)
+        parts = cov.parts or ((p, None),)
+        for part, owners in parts:
+            src, q = t, part
+            if owners is not None:  # the owner's block alone, as DTensor.to_local() holds it
+                block = local_rect(meta, owners[0])
+                src = t[tuple(slice(a, b) for a, b in block)].clone()
+                q = shifted(part, block)
+                out[p.dst_tensor][1] += 1
+            out[p.dst_tensor][0][part.dst_offset:part.dst_offset + part.nbytes] = \
+                piece_bytes(src, q)
+    return {n: (b, k) for n, (b, k) in out.items()}
 
 
 def save_fp8_model(model_yaml: str | Path, *, seed: int, root: str | Path) -> Path:

@@ -189,3 +189,11 @@ def write_update(nic, meta, state: dict[str, torch.Tensor]) -> int:
         return total
 
     return asyncio.run(run())
+
+
+def flip_registered_byte(worker, tensor: str, index: int) -> int:
+    """Worker side: invert byte ``index`` of registered tensor ``tensor`` (a write that
+    landed wrong, for integrity-check tests); returns the new byte."""
+    flat = worker.weight_transfer_engine.views[tensor].reshape(-1).view(torch.uint8)
+    flat[index] ^= 0xFF
+    return int(flat[index])

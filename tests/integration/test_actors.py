@@ -195,13 +195,16 @@ def test_a_revoked_engine_region_tears_only_its_replica(env):
     assert ctl.weights_version() == {"engine0": 9, "engine1": 9, "engine2": None}
 
 
-def test_fp8_engines_hold_the_reference_quantization(env):
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
+def test_fp8_engines_hold_the_reference_quantization(env, gather):
     cfg, trainers, _, _ = env
     fp8_cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                        CONFIGS / "clusters" / "local_cpu.yaml", fp8=True)
+                                        CONFIGS / "clusters" / "local_cpu.yaml", fp8=True,
+                                        gather=gather)
     fp8_replicas = launch_engines(fp8_cfg, replicas=[0])
     ctl = WeightTransferController(trainers=trainers, engines=fp8_replicas, config=fp8_cfg)
     summary = ctl.setup()  # the trainers now replay the FP8 plan
+    assert summary.gather == gather and (summary.direct_bytes > 0) == (gather != "full")
     train(trainers, 10)
     report = ctl.update(10)
     assert report.bytes == summary.bytes_total
@@ -230,3 +233,23 @@ def test_no_model_or_cluster_file_with_live_actors(env):
             ctl.config.cluster.source) == (2, 2, "")
     assert ns["report"].bytes == ctl.summary.bytes_total > 0
     assert mismatches(cfg, trainers, replicas) == []
+
+
+def test_both_gather_modes_land_the_reference_bytes(env):
+    """FSDP, bf16: after a step, an update gathering every parameter and one writing
+    shard-direct pieces from the owners' shards each land every reference byte."""
+    cfg, trainers, replicas, _ = env
+    for step, gather in ((12, "full"), (13, "shard_direct")):
+        ctl = WeightTransferController(trainers=trainers, engines=replicas,
+                                       config=cfg.replace(gather=gather))
+        summary = ctl.setup()
+        train(trainers, step)
+        report = ctl.update(step, trace=True)
+        assert report.bytes == summary.bytes_total
+        assert mismatches(cfg, trainers, replicas) == [], gather
+        assert summary.gather == gather
+        if gather == "full":
+            assert summary.direct_bytes == 0
+        else:  # all but the norms: their parts would be tiny, they are gathered
+            assert summary.direct_bytes > 0.95 * summary.bytes_total
+            assert summary.send_imbalance < 1.2

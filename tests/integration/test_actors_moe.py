@@ -78,14 +78,20 @@ def test_one_step_over_four_ranks_equals_one_process(env):
             assert moved > 0.5, name  # the step really changed these weights
 
 
-def test_updates_land_exact_bytes_and_generations(env):
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
+def test_updates_land_exact_bytes_and_generations(env, gather):
+    """EP x FSDP stacked experts: the same bytes land gathering every parameter or writing
+    shard-direct pieces (the experts' (Shard(0), Shard(1)) blocks cut per expert)."""
     cfg, trainers, replicas = env
-    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    ctl = WeightTransferController(trainers=trainers, engines=replicas,
+                                   config=cfg.replace(gather=gather))
     summary = ctl.setup()
     assert summary.expert_naming == "stacked"
+    assert (summary.direct_bytes > 0) == (gather == "shard_direct")
     for version in (1, 2):
         tokens = torch.randint(0, cfg.model.vocab_size, (4, 12),
-                               generator=torch.Generator().manual_seed(10 + version))
+                               generator=torch.Generator().manual_seed(
+                                   10 + version + 10 * (gather == "full")))
         ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
         assert ctl.update(version).bytes == summary.bytes_total
         assert engine_mismatches(cfg.model, trainers, replicas) == []

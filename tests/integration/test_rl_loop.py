@@ -32,3 +32,26 @@ def test_two_iterations_advance_the_replicas_version(ray_job):  # on the shared 
         assert all(math.isfinite(r) and 0.0 <= r <= 1.0 for r in h["rewards"])
         assert math.isfinite(h["loss"]) and h["update_bytes"] > 0
     assert "iteration 2: mean reward" in console.export_text()
+
+
+def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job):
+    """Rollouts sampled during the policy step and the update (``overlap``) start at the
+    version before it; with ``max_lag=0`` exactly those are dropped, the count printed."""
+    run = load_run_config("configs/runs/rl_loop.yaml")
+    run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 3, "overlap": True,
+                                 "max_lag": 0})
+    console = Console(record=True, width=200)
+    history = run_rl(run, console)
+    text = console.export_text()
+    for it, h in enumerate(history):
+        assert len(h["versions"]) == run.rl.prompts == h["kept"] + h["dropped"]
+        for versions in h["versions"]:  # each rollout: versions it-1 then it, in order
+            assert versions == sorted(versions) and set(versions) <= {it - 1, it}, versions
+        stale = sum(min(v) < it for v in h["versions"])
+        assert h["dropped"] == stale
+        assert (h["loss"] is None) == (stale == run.rl.prompts)
+        assert f"iteration {it + 1}: " in text
+        assert f"dropped {h['dropped']} of {run.rl.prompts} rollouts more than 0" in text
+    assert history[0]["dropped"] == 0  # sampled after update 0, before the first step
+    # iteration 2's rollouts began while the trainers stepped (version 0 still served)
+    assert history[1]["dropped"] > 0

@@ -68,6 +68,8 @@ def test_controller_updates_a_vllm_replica(env):
     cfg, trainers, replicas, owners, ctl, root = env
     summary = ctl.setup()
     assert summary.bytes_total > 0
+    # the default gather mode: most bytes written from the FSDP2 shards, no gather
+    assert summary.gather == "shard_direct" and summary.direct_bytes > summary.bytes_total / 2
     shapes = {n: tuple(p.shape) for n, p in build_hf_model(cfg.model, seed=0).named_parameters()}
     for rank in range(2):  # the layout recorded from vLLM is the one our tables give
         meta = ray.get(owners[0].engine_meta.remote(rank))

@@ -41,6 +41,17 @@ def test_both_engines_implement_the_protocol_with_its_parameters(cls):
         assert got == want, (cls.__name__, name, got, want)
 
 
+@pytest.mark.parametrize("cls", [InferenceMixin, VllmRankFacade])
+def test_both_engines_implement_shadow_mode_with_its_parameters(cls):
+    from weight_transfer.engines.rank import SHADOW_RANK_METHODS, ShadowEngineRank
+
+    for name in SHADOW_RANK_METHODS:
+        want = list(inspect.signature(getattr(ShadowEngineRank, name)).parameters)
+        got = [p for p in inspect.signature(getattr(cls, name)).parameters
+               if p != "_ray_trace_ctx"]
+        assert got == want, (cls.__name__, name, got, want)
+
+
 def test_production_actors_carry_no_fault_hooks():
     hooks = {n for c in (EngineFaultHooks, TrainerFaultHooks) for n in vars(c)
              if n.startswith("wt_")}
@@ -134,7 +145,8 @@ def test_the_vllm_backend_opens_the_update_window_only_for_the_writes():
     calls: list[str] = []
     mem = SimpleNamespace(open_window=lambda: calls.append("open"),
                           close_window=lambda: calls.append("close"))
-    rank = SimpleNamespace(mem=mem, owner="engine0/tp0", _repack=[], finished=0)
+    rank = SimpleNamespace(mem=mem, owner="engine0/tp0", _repack=[], finished=0,
+                           _standby=None, _shadow=None)
     OneSidedBackend.start_weight_update(rank)
     assert calls == ["open"]
     OneSidedBackend.finish_weight_update(rank)

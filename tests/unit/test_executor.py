@@ -29,7 +29,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 class Setup:
     """Engine buffers registered on one simnic target; a plan over their real regions."""
 
-    def __init__(self, model: str, *, fp8: bool, bandwidth_gbps=None):
+    def __init__(self, model: str, *, fp8: bool, bandwidth_gbps=None, gather="shard_direct"):
         self.cfg = load_model_config(CONFIGS / "models" / f"{model}.yaml")
         self.cluster = load_cluster_config(CONFIGS / "clusters" / "local_cpu.yaml")
         self.state = random_state_dict(self.cfg, seed=3)
@@ -46,7 +46,8 @@ class Setup:
             tensors = tuple(dataclasses.replace(t, region=real) for t in e.tensors)
             engines.append(dataclasses.replace(e, tensors=tensors))
         self.engines = engines
-        self.plan = compute_plan(self.trainer_meta, engines, self.cluster, model=self.cfg, fp8=fp8)
+        self.plan = compute_plan(self.trainer_meta, engines, self.cluster, model=self.cfg, fp8=fp8,
+                                 gather=gather)
         self.writer = SimNic(owner="trainers", nic="trainer-nic", bandwidth_gbps=bandwidth_gbps)
         for target in self.targets.values():
             self.writer.connect(target.peer_info("trainers"))
@@ -70,10 +71,11 @@ class Setup:
             target.close()
 
 
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
 @pytest.mark.parametrize("model,fp8", [("tiny_llama", False), ("tiny_moe", False),
                                        ("tiny_moe", True)])
-def test_every_engine_byte_equals_reference(model, fp8):
-    s = Setup(model, fp8=fp8)
+def test_every_engine_byte_equals_reference(model, fp8, gather):
+    s = Setup(model, fp8=fp8, gather=gather)
     try:
         async def run_all():
             return [await s.transfer(r.rank, watermark_bytes=4 << 20).run(version=1)
@@ -92,7 +94,7 @@ def test_every_engine_byte_equals_reference(model, fp8):
 
 
 def test_watermark_peak_bounded_and_oversized_params_still_run():
-    s = Setup("tiny_moe", fp8=False)
+    s = Setup("tiny_moe", fp8=False, gather="full")
     try:
         biggest = max(p.nbytes for p in s.trainer_meta.params)
         limit = biggest // 2  # smaller than the embedding: it must run alone, not deadlock
@@ -157,7 +159,7 @@ class CountingParam:
 
 
 def test_each_rank_gathers_its_meshes_params_once_in_plan_order():
-    s = Setup("tiny_moe", fp8=True)
+    s = Setup("tiny_moe", fp8=True, gather="full")
     try:
         for r in s.trainer_meta.ranks:
             log = []

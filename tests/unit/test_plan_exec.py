@@ -79,18 +79,21 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
 @pytest.mark.parametrize(("name", "changes", "shape"), CASES)
-def test_plan_lands_reference_bytes(name, changes, shape):
+def test_plan_lands_reference_bytes(name, changes, shape, gather):
     cl = cluster(**shape)
-    plan = run_and_compare(model(name, **changes), cl, min_piece_bytes=1)
+    plan = run_and_compare(model(name, **changes), cl, min_piece_bytes=1, gather=gather)
     assert plan.num_tasks > 0
+    assert bool(plan.direct_params) == (gather == "shard_direct")
 
 
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_stacked_expert_naming(fp8):
+def test_stacked_expert_naming(fp8, gather):
     cfg = model("tiny_moe")
     cl = cluster(ep=2, tp=2, iep=2, fp8=fp8)
-    plan = run_and_compare(cfg, cl, expert_naming="stacked", min_piece_bytes=1)
+    plan = run_and_compare(cfg, cl, expert_naming="stacked", min_piece_bytes=1, gather=gather)
     # stacked experts live on the 2-D (EP x FSDP) mesh over every rank: the same ranks
     # as the dense mesh, so one scheduling mesh and one group
     assert plan.num_groups == 1
@@ -140,7 +143,8 @@ def random_setup(draw):
     }
     naming = draw(st.sampled_from(["per_expert", "stacked"])) if experts > 1 else "per_expert"
     plan_kw = {"min_piece_bytes": draw(st.sampled_from([1, 4096, 1 << 20])),
-               "pieces_per_nic": draw(st.integers(1, 64))}
+               "pieces_per_nic": draw(st.integers(1, 64)),
+               "gather": draw(st.sampled_from(["shard_direct", "full"]))}
     return base, changes, shape, naming, plan_kw, draw(st.integers(0, 3))
 
 
@@ -158,7 +162,7 @@ def test_random_models_meshes_and_degrees_land_reference_bytes(setup):
 def test_replay_refuses_a_task_whose_parameter_the_group_never_gathers():
     cfg, cl = model("tiny_llama"), cluster()
     tm = trainer_meta_from_config(cfg, cl)
-    plan = compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg)
+    plan = compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg, gather="full")
     tp = plan.trainer_plan(0)
     g0 = tp.groups[0]
     dropped = next(t.piece.src_param for t in g0.tasks)

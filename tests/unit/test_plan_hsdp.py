@@ -30,7 +30,10 @@ def _plan(model: str, replicate: int, **trainer):
         update={"replicate": replicate, **trainer})})
     cfg = load_model_config(ROOT / "configs/models" / model)
     tm = trainer_meta_from_config(cfg, cl)
-    return compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg), cl
+    # gather="full": after the gather every rank of a mesh holds the tensor, so HSDP and FSDP
+    # plan alike (shard-direct sources differ by ownership: tests/unit/test_direct.py)
+    return compute_plan(tm, engine_metas_from_config(cfg, cl), cl, model=cfg,
+                        gather="full"), cl
 
 
 @pytest.mark.parametrize("model", ["tiny_llama.yaml", "tiny_moe.yaml"])

@@ -22,14 +22,16 @@ COLUMNS = ("task_piece", "task_src", "task_dst", "task_region", "task_offset", "
            "trainer_ptr")
 
 
-@pytest.fixture(scope="module", params=[("tiny_deepseek_v3", True), ("tiny_qwen2", False)])
+@pytest.fixture(scope="module", params=[("tiny_deepseek_v3", True, "shard_direct"),
+                                        ("tiny_qwen2", False, "shard_direct"),
+                                        ("tiny_qwen2", False, "full")])
 def plan(request):
-    name, fp8 = request.param
+    name, fp8, gather = request.param
     cfg = load_model_config(ROOT / f"configs/models/{name}.yaml")
     cl = load_cluster_config(ROOT / "configs/clusters/local_cpu.yaml")
     tm = trainer_meta_from_config(cfg, cl)
     em = engine_metas_from_config(cfg, cl, fp8=fp8)
-    return compute_plan(tm, em, cl, model=cfg, fp8=fp8, min_piece_bytes=1024)
+    return compute_plan(tm, em, cl, model=cfg, fp8=fp8, min_piece_bytes=1024, gather=gather)
 
 
 def test_plan_round_trip(plan):
@@ -38,7 +40,8 @@ def test_plan_round_trip(plan):
         assert getattr(back, c).dtype == getattr(plan, c).dtype
         assert np.array_equal(getattr(back, c), getattr(plan, c)), c
     for field in ("params", "trainer_ranks", "engines", "pieces", "regions", "send_nics",
-                  "recv_nics", "meshes", "mesh_group", "param_mesh", "group_params"):
+                  "recv_nics", "meshes", "mesh_group", "param_mesh", "group_params",
+                  "gather", "direct_params", "fallback"):
         assert getattr(back, field) == getattr(plan, field), field
     back.validate()
     assert dumps_plan(back) == dumps_plan(plan)
@@ -57,8 +60,9 @@ def test_trainer_plan_round_trip_is_exact_and_deduplicated(plan):
         # names live only in the string table; pieces, regions and tasks hold indices
         for row in raw["pieces"] + raw["regions"]:
             assert all(isinstance(v, int | list) for v in row), row
-        for _group, _mesh, params, flat in raw["groups"]:
-            assert all(isinstance(v, int) for v in params + flat)
+        for _group, _mesh, params, flat, local in raw["groups"]:
+            assert all(isinstance(v, int) for v in params + flat + local)
+        assert any(g.local for g in tp.groups) == bool(plan.direct_params)
 
 
 def test_wrong_or_corrupt_blobs(plan):

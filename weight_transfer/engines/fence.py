@@ -59,6 +59,9 @@ class CommandFence:
     def __init__(self, owner: str, *, events_kept: int = EVENTS_KEPT) -> None:
         self.owner = owner
         self.version: Any = None
+        # The version generation computes with: set by a resume or a version command. A
+        # pause does not clear it (no step runs while paused; version-tagged outputs).
+        self.served: Any = None
         self.epoch = 0  # the newest controller epoch seen
         # The latest events only: a long run must not grow the engine's memory.
         self._events: deque[Event] = deque(maxlen=events_kept)
@@ -108,6 +111,7 @@ class CommandFence:
                 return False
             if version is not KEEP:
                 self.version = version
+            self.served = self.version
             go()
         return True
 
@@ -117,7 +121,7 @@ class CommandFence:
         with self._lock:
             if not self._admit(epoch, "version"):
                 return False
-            self.version = version
+            self.version = self.served = version
             if apply is not None:
                 apply(version)
             self.record("version")
@@ -136,7 +140,7 @@ class CommandFence:
                             what, time.time() - deadline)
                 self.record(f"late {what}")
                 return False
-            self.version = run(self.version)
+            self.version = self.served = run(self.version)
             self.record(what)
         return True
 

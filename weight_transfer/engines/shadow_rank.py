@@ -101,7 +101,7 @@ class ShadowControl:
         def run(live: Any) -> Any:
             copy.state.check_flip(version)  # refused before the engine is paused
             self.mem.close_window()  # no write lands once the shadow serves
-            self._swap_at_boundary(timeout_s)
+            self._swap_at_boundary(timeout_s, serve=version)
             copy.state.flip(version, live=live)
             return version
 
@@ -112,13 +112,14 @@ class ShadowControl:
         copy = self.require()
 
         def run(live: Any) -> Any:
-            copy.state.check_rollback()
-            self._swap_at_boundary(timeout_s)
+            back = copy.state.check_rollback()
+            self._swap_at_boundary(timeout_s, serve=back)
             return copy.state.rollback(live=live)
 
         return self.fence.swap("rollback", epoch, deadline, run)
 
-    def _swap_at_boundary(self, timeout_s: float) -> None:
+    def _swap_at_boundary(self, timeout_s: float, serve: Any) -> None:
+        """The swap at a step boundary; the steps after it are tagged ``serve``."""
         copy, b = self.require(), self.boundary
         b.pause()
         try:
@@ -128,6 +129,7 @@ class ShadowControl:
             start = time.perf_counter()  # at the boundary: from here the engine waits
             flush_gpudirect_writes(copy.device)  # GPU: RDMA writes visible before kernels read
             copy.swap()
+            self.fence.served = serve  # version-tagged outputs: the steps from here on
             reset = getattr(b, "reset_cache", None)
             if reset is not None:
                 reset()

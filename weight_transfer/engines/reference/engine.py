@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ from weight_transfer.models import ModelConfig
 from weight_transfer.naming import scale_name
 from weight_transfer.quant import dequantize_fp8_blocks
 from weight_transfer.types import ShardSpec
+from weight_transfer.versions import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class ReferenceEngine:
         self._theta = rope_theta(cfg)
         self._rope = rope_cos_sin(0, cfg.head_size, self._theta)
         self.step_guard: Callable[[], AbstractContextManager] | None = None
+        # The version the engine holds, read at every step by generate_tagged (set by the
+        # rank that owns the engine; None: no versions known).
+        self.version_of: Callable[[], Any] | None = None
         logger.info("reference engine %s tp%d/%d ep%d/%d fp8=%s: %d tensors, %d bytes",
                     cfg.name, shard.tp_rank, shard.tp_size, shard.ep_rank, shard.ep_size, fp8,
                     len(self.tensors), self._mem.nbytes)
@@ -155,3 +160,12 @@ class ReferenceEngine:
         return greedy_loop(
             prompts, max_new_tokens, lambda ids: self.forward(ids)[:, -1], self.step_guard
         )
+
+    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int
+                        ) -> list[Generation]:
+        """:meth:`generate`, each sequence with the versions that produced its tokens (the
+        version held read at every step, inside ``step_guard()``)."""
+        check_prompts(prompts, self.cfg.vocab_size, max_new_tokens)
+        version_of = self.version_of or (lambda: None)
+        return greedy_loop(prompts, max_new_tokens, lambda ids: self.forward(ids)[:, -1],
+                           self.step_guard, version_of)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from weight_transfer.models import ModelConfig
 from weight_transfer.types import ShardSpec
+from weight_transfer.versions import Generation, VersionRecorder
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_EPS = 1e-6
@@ -78,25 +80,35 @@ def greedy_loop(
     max_new_tokens: int,
     last_logits: Callable[[torch.Tensor], torch.Tensor],
     step_guard: Callable[[], contextlib.AbstractContextManager] | None = None,
-) -> list[list[int]]:
+    version_of: Callable[[], Any] | None = None,
+) -> list[list[int]] | list[Generation]:
     """Greedy continuations (new tokens only); prompts of one length run as a batch.
 
     ``last_logits(ids)`` gives the logits of the last position of each row; each
     step recomputes the whole prefix and runs inside ``step_guard()`` if given.
+    With ``version_of`` (the version the engine holds, read inside each step's
+    guard) the result is one :class:`~weight_transfer.versions.Generation` per
+    prompt, its spans the versions that produced its tokens.
     """
     out: list[list[int]] = [[] for _ in prompts]
+    tagged: list[Generation | None] = [None] * len(prompts)
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
     for idx in by_len.values():
         ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
+        rec = VersionRecorder(len(idx))
         for _ in range(max_new_tokens):
             with step_guard() if step_guard else contextlib.nullcontext():
+                if version_of is not None:
+                    rec.step(version_of())
                 nxt = last_logits(ids).argmax(dim=-1)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
+        rows = [ids[row, len(prompts[i]) :].tolist() for row, i in enumerate(idx)]
+        gens = rec.generations(rows) if version_of is not None else [None] * len(idx)
         for row, i in enumerate(idx):
-            out[i] = ids[row, len(prompts[i]) :].tolist()
-    return out
+            out[i], tagged[i] = rows[row], gens[row]
+    return out if version_of is None else tagged
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

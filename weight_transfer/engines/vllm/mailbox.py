@@ -43,6 +43,9 @@ class SetupRequest:
     node: str = ""
     address: str = ""
     checkpoint: tuple[TensorSpec, ...] = ()  # empty: read from the model's safetensors
+    # in_place: the trainers write the memory vLLM computes with (the engine paused);
+    # shadow: a second copy, flipped in at finish_weight_update (engines.vllm.shadow)
+    apply: str = "in_place"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

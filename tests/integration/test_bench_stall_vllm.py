@@ -1,0 +1,43 @@
+"""``wt bench stall --engine vllm`` end to end: 2 FSDP2 trainer ranks -> one real vLLM replica
+x TP2 (the vLLM demo's fleet), one update per mode while a client generates continuously.
+Every update is verified against vLLM's own ``load_weights`` of the trainers' weights (both
+modes), the JSON has the reference bench's shape, and the stalls are vLLM's own engine-step
+gaps. One engine start.
+
+Speed is never asserted (two shared cores): only that the numbers are real (steps were
+timed around every update, shadow mode states its memory, in place adds none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from actors.bench.stall import run, run_config_for
+
+# Skipped where vLLM cannot be imported (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def test_the_vllm_stall_bench_defaults_to_one_replica_tp2():
+    run_cfg = run_config_for(None, "vllm")
+    assert run_cfg.engine == "vllm" and run_cfg.cluster.name == "vllm_cpu.yaml"
+
+
+def test_both_modes_verified_on_vllm(tmp_path):
+    out = tmp_path / "stall.json"
+    rc = run(config=None, engine="vllm", updates=1, json_out=out)
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["verified"] is True, doc
+    assert (doc["engine"], set(doc["modes"])) == ("vllm", {"in_place", "shadow"})
+    for mode in ("in_place", "shadow"):
+        row = doc["modes"][mode]
+        assert row["verified"] and row["problems"] == [], row
+        assert len(row["stalls"]) == len(row["updates"]) == 1
+        assert math.isfinite(row["stall_s"]) and row["stall_s"] > 0
+        assert 0 < row["step_gap_s"] <= row["stall_s"]
+        assert row["engine_pause_s"] > 0 and row["update_s"] > 0
+    assert doc["modes"]["in_place"]["extra_engine_bytes"] == 0
+    assert doc["modes"]["shadow"]["extra_engine_bytes"] > 0

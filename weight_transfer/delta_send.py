@@ -1,0 +1,262 @@
+"""Trainer side of sparse deltas: the bytes last written per piece, and the records that
+turn an engine's copy of them into this step's bytes, written one-sided.
+
+Works on "the exact engine-format bytes a rank is about to write for one piece",
+whatever produced them (a gather, or the rank's own shard), so it sits between
+``prepare`` and ``write`` of :mod:`weight_transfer.executor`. Per update::
+
+    sender = DeltaSender(slots, transport=nic, rank=0)   # once: slots in engine arenas
+    sender.begin(DeltaDirective(version=8, anchor=False, held={"engine0": 7}))
+    enc = sender.encode(piece, buf)        # diff against the base, smallest encoding;
+                                           # the base becomes buf (a thread may run this)
+    where = sender.place(task, enc)        # (source, region, offset) of its record in the
+                                           # engine's arena, or None: write it dense
+    for src, region, off in sender.finish(): ...   # one slot header per engine rank, last
+
+A task goes dense when the update is an anchor, when its replica does not hold the
+base version the record names (stale or torn: the controller's view, ``held``),
+when the delta would not be smaller than the piece, or when its slot is full.
+Each slot is mirrored in a local buffer registered once as a write source, so a
+record is built where it is sent from; :meth:`DeltaSender.repair` gives the dense
+bytes of ranges an engine could not apply (its digest or version differed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from weight_transfer.delta_codec import (
+    RECORD,
+    RECORD_MAGIC,
+    SLOT_HEADER,
+    Encoding,
+    Record,
+    changed,
+    digest,
+    elements,
+    encode,
+    pack_slot_header,
+)
+from weight_transfer.staging import allocate_staging
+from weight_transfer.types import Piece, RegionDesc, WriteTask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaSlot:
+    """This trainer rank's slot in one engine rank's delta arena (bytes at ``offset``)."""
+
+    region: RegionDesc
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaDirective:
+    """What the controller says before an update: dense for all (``anchor``), and the
+    version each replica holds completely (None: torn or never filled)."""
+
+    version: int
+    anchor: bool = False
+    held: dict[str, int | None] = field(default_factory=dict, hash=False)
+
+
+@dataclass(slots=True)
+class Base:
+    """The bytes of a piece last written, with their version and digest."""
+
+    version: int
+    data: np.ndarray
+    digest: int
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A piece's record (header + payload, ready to copy), or None when it goes dense."""
+
+    piece: Piece
+    record: np.ndarray | None
+    meta: Record | None
+
+
+@dataclass(slots=True)
+class DeltaStats:
+    """Counters of one update on this rank (``as_dict`` crosses Ray)."""
+
+    pieces: int = 0
+    delta_tasks: int = 0
+    dense_tasks: int = 0
+    delta_wire_bytes: int = 0  # records and slot headers written
+    dense_wire_bytes: int = 0  # bytes of tasks written dense
+    elements: int = 0
+    changed: int = 0
+    encodings: dict[str, int] = field(default_factory=dict)
+    scale_blocks: int = 0  # FP8 128x128 blocks (scale elements) diffed
+    scale_blocks_changed: int = 0  # ... whose scale changed (their bytes re-sent)
+    diff_s: float = 0.0
+    encode_s: float = 0.0
+    base_bytes: int = 0  # host memory holding the last written bytes
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def itemsize_of(piece: Piece) -> int:
+    return getattr(torch, piece.dst_dtype).itemsize
+
+
+class DeltaSender:
+    """See the module docstring."""
+
+    def __init__(self, slots: Mapping[str, DeltaSlot], *, transport: object = None,
+                 rank: int = 0) -> None:
+        self.rank, self.slots = rank, dict(slots)
+        self.base: dict[Piece, Base] = {}
+        self.layout: dict[str, int] = {}
+        total = 0
+        for owner, slot in self.slots.items():
+            if slot.size <= SLOT_HEADER:
+                raise ValueError(f"trainer rank {rank}: delta slot of {slot.size} B in "
+                                 f"{owner}'s arena cannot hold its {SLOT_HEADER} B header")
+            self.layout[owner] = total
+            total += slot.size
+        self.mirror = allocate_staging(max(total, 1), None).numpy()
+        self.transport = transport
+        register = getattr(transport, "register_source", None)
+        self._handle = register(torch.from_numpy(self.mirror)) if register else None
+        self.directive = DeltaDirective(version=0, anchor=True)
+        self.stats = DeltaStats()
+        self._cursor: dict[str, int] = {}
+        self._count: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- one update
+
+    def begin(self, directive: DeltaDirective) -> None:
+        self.directive = directive
+        self.stats = DeltaStats(base_bytes=sum(b.data.nbytes for b in self.base.values()))
+        self._cursor = {o: SLOT_HEADER for o in self.slots}
+        self._count = {o: 0 for o in self.slots}
+
+    def encode(self, piece: Piece, buf: torch.Tensor) -> Encoded:
+        """Diff ``buf`` (the piece's engine bytes, uint8) against the base, encode it, and
+        make ``buf`` the base of the next update."""
+        new = buf.cpu().numpy() if buf.is_cuda else buf.numpy()
+        version, st = self.directive.version, self.stats
+        st.pieces += 1
+        base = self.base.get(piece)
+        if base is None:
+            data = np.empty(new.nbytes, dtype=np.uint8)
+            data[:] = new
+            self.base[piece] = Base(version=version, data=data, digest=digest(data))
+            st.base_bytes += data.nbytes
+            return Encoded(piece=piece, record=None, meta=None)
+        size = itemsize_of(piece)
+        t0 = time.perf_counter()
+        idx = changed(base.data, new, size) if not self.directive.anchor else None
+        t1 = time.perf_counter()
+        st.diff_s += t1 - t0
+        out = Encoded(piece=piece, record=None, meta=None)
+        if idx is not None:
+            n = new.nbytes // size if new.nbytes % size == 0 else new.nbytes
+            st.elements += n
+            st.changed += idx.size
+            if piece.dst_tensor.endswith("_scale_inv"):
+                st.scale_blocks += n
+                st.scale_blocks_changed += idx.size
+            kind, payload = encode(new, idx, size)
+            if kind is not Encoding.DENSE and RECORD.size + payload.nbytes < new.nbytes:
+                out = self._record(piece, base, new, kind, payload, idx.size, size)
+            st.encodings[kind.name] = st.encodings.get(kind.name, 0) + 1
+        if idx is None:
+            base.data[:] = new
+        else:  # only the changed elements: a scatter, not a copy of the piece
+            view = elements(base.data, size)
+            view[idx] = elements(new, size)[idx]
+        base.version, base.digest = version, digest(base.data)
+        if out.meta is not None:
+            out.meta = _with_new_digest(out.meta, base.digest)
+            out.meta.pack_into(out.record, 0)
+        st.encode_s += time.perf_counter() - t1
+        return out
+
+    @staticmethod
+    def _record(piece: Piece, base: Base, new: np.ndarray, kind: Encoding,
+                payload: np.ndarray, count: int, size: int) -> Encoded:
+        meta = Record(kind=kind, itemsize=size, region_addr=0, region_offset=0,
+                      nbytes=new.nbytes, payload=payload.nbytes, base_version=base.version,
+                      base_digest=base.digest, new_digest=0, count=count)
+        rec = np.zeros(meta.wire_bytes, dtype=np.uint8)
+        rec[RECORD.size : RECORD.size + payload.nbytes] = payload
+        return Encoded(piece=piece, record=rec, meta=meta)
+
+    def place(self, task: WriteTask, enc: Encoded) -> tuple[torch.Tensor, RegionDesc, int] | None:
+        """Where ``task``'s record goes (source view, the arena's region, offset), or None:
+        the task is written dense. Runs on the event loop (cursors are not locked)."""
+        owner, st = task.region.owner, self.stats
+        slot = self.slots.get(owner)
+        ok = (enc.meta is not None and slot is not None and not self.directive.anchor
+              and self.directive.held.get(task.dst_replica) == enc.meta.base_version)
+        at = self._cursor.get(owner, 0)
+        if not ok or at + enc.record.nbytes > slot.size:
+            st.dense_tasks += 1
+            st.dense_wire_bytes += task.nbytes
+            return None
+        rec = enc.record
+        RECORD.pack_into(rec, 0, *_fields(enc.meta, task))
+        start = self.layout[owner] + at
+        self.mirror[start : start + rec.nbytes] = rec
+        self._cursor[owner] = at + rec.nbytes
+        self._count[owner] += 1
+        st.delta_tasks += 1
+        st.delta_wire_bytes += rec.nbytes
+        src = torch.from_numpy(self.mirror[start : start + rec.nbytes])
+        return src, slot.region, slot.offset + at
+
+    def finish(self) -> list[tuple[torch.Tensor, RegionDesc, int]]:
+        """One slot header per engine rank (written after every record landed): the
+        version, the records and their digest; a slot with none says so too."""
+        out = []
+        for owner, slot in self.slots.items():
+            start = self.layout[owner]
+            used = self._cursor.get(owner, SLOT_HEADER) - SLOT_HEADER
+            view = self.mirror[start : start + slot.size]
+            pack_slot_header(view, version=self.directive.version,
+                             records=self._count.get(owner, 0), used=used)
+            self.stats.delta_wire_bytes += SLOT_HEADER
+            out.append((torch.from_numpy(view[:SLOT_HEADER]), slot.region, slot.offset))
+        return out
+
+    def repair(self, tasks: list[WriteTask]) -> list[tuple[torch.Tensor, WriteTask]]:
+        """The bytes last written (this version's) of ``tasks``: their dense re-send."""
+        out = []
+        for t in tasks:
+            base = self.base.get(t.piece)
+            if base is None:
+                raise RuntimeError(f"trainer rank {self.rank}: no bytes kept for task "
+                                   f"{t.task_id} ({t.piece.dst_tensor}) to repair")
+            out.append((torch.from_numpy(base.data), t))
+        return out
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self.transport.deregister_source(self._handle)
+            self._handle = None
+
+
+def _with_new_digest(meta: Record, new_digest: int) -> Record:
+    return Record(kind=meta.kind, itemsize=meta.itemsize, region_addr=0, region_offset=0,
+                  nbytes=meta.nbytes, payload=meta.payload, base_version=meta.base_version,
+                  base_digest=meta.base_digest, new_digest=new_digest, count=meta.count)
+
+
+def _fields(meta: Record, task: WriteTask) -> tuple:
+    return (RECORD_MAGIC, int(meta.kind), meta.itemsize, 0, task.region.addr,
+            task.region_offset, meta.nbytes, meta.payload, meta.base_version,
+            meta.base_digest, meta.new_digest, meta.count)
