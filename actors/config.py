@@ -219,6 +219,11 @@ class TransferSettings(_Frozen):
                 f"{_where(type(self))}.apply='shadow' does not combine with replica_groups (a "
                 "group's followers are filled from their leader's live memory, which a shadow "
                 "update writes only at the flip): leave replica_groups empty or use in_place")
+        if self.apply == "shadow" and self.delta:
+            raise ValueError(
+                f"{_where(type(self))}.apply='shadow' does not combine with delta=True (delta "
+                "records are applied to live memory at finish; an apply at the flip is not "
+                "built): set delta=False or use in_place")
         return self
 
     @property

@@ -32,12 +32,7 @@ from scheduling.simulate import (
     with_stages,
 )
 from weight_transfer.delta_codec import RECORD, choose, encoded_size
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
+from weight_transfer.types import dtype_size
 
 
 def piece_wire_bytes(plan: Plan, fraction: float) -> np.ndarray:
@@ -47,7 +42,7 @@ def piece_wire_bytes(plan: Plan, fraction: float) -> np.ndarray:
     out = np.zeros(len(plan.pieces))
     sizes: dict[str, int] = {}
     for i, p in enumerate(plan.pieces):
-        s = sizes.setdefault(p.dst_dtype, _itemsize(p.dst_dtype))
+        s = sizes.setdefault(p.dst_dtype, dtype_size(p.dst_dtype))
         n = p.nbytes // s
         k = round(fraction * n)
         enc = RECORD.size + encoded_size(choose(n, k, s), n, k, s)

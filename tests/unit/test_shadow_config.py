@@ -118,3 +118,9 @@ def test_an_adapter_without_a_second_copy_is_refused_by_the_rank_naming_the_engi
 def test_shadow_mode_does_not_combine_with_replica_groups():
     with pytest.raises(ValueError, match="apply='shadow' does not combine with replica_groups"):
         TransferConfig(apply="shadow", replica_groups=[["engine0", "engine1"]])
+
+
+def test_shadow_mode_does_not_combine_with_deltas():
+    with pytest.raises(ValueError, match="apply='shadow' does not combine with delta=True"):
+        TransferConfig(apply="shadow", delta=True)
+    assert TransferConfig(apply="in_place", delta=True).delta
