@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,8 +39,7 @@ from actors.controller_replicas import hold
 from actors.controller_state import ControllerState
 from actors.engine_control import RankFault, describe_faults, fan_out, next_epoch, wall_deadline
 from actors.integrity_check import verify_update
-from actors.reports import UpdateReport
-from actors.telemetry import UpdateClock, record_failure, record_success
+from actors.telemetry import UpdateClock, record_failure
 from actors.update_outcome import (
     RESUME_SHARE,
     UpdateOutcome,
@@ -74,7 +74,7 @@ class ShadowSteps:
     def __init__(self, steps: Any) -> None:
         self.steps = steps  # actors.controller_update.UpdateSteps: state, calls, config ...
 
-    def run(self, version: int, *, trace: bool, auto_resync: bool,
+    def run(self, version: int, *, trace: bool | str | os.PathLike, auto_resync: bool,
             after_transfer: Any = None) -> Any:
         s = self.steps
         st, ledger, cfg = s.state, s.calls.ledger, s.config
@@ -125,17 +125,9 @@ class ShadowSteps:
                             f"touched and keep serving versions "
                             f"{[kept[n] for n in sorted(kept)]}.{fenced}",)
             return dataclasses.replace(done, error=err)
-        nbytes, calls = ledger.since(snap)
-        end = time.perf_counter()
-        clock = UpdateClock(start=start, paused=staged_at, transferred=transfer_done, end=end,
-                            offset=offset)
-        report = UpdateReport.combine(
-            version=version, seconds=end - start, per_rank=list(reports.values()),
-            pause_seconds=staged_at - start, resume_seconds=end - transfer_done,
-            control_bytes=nbytes, control_calls=calls, replicas=tuple(names),
-            trace=s._trace(version, clock, list(reports.values())) if trace else None,
-            integrity=check)
-        record_success(s.metrics, report, st.versions)
+        clock = UpdateClock(start=start, paused=staged_at, transferred=transfer_done,
+                            end=time.perf_counter(), offset=offset)
+        report = s.succeeded(version, clock, reports, names, ledger.since(snap), check, trace)
         return dataclasses.replace(done, report=report)
 
     def _flip(self, version: int, good: list[str], deadline: float,

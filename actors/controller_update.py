@@ -114,7 +114,7 @@ class UpdateSteps:
         :func:`check_version` first); ``after_transfer(version)``, a test hook, runs
         between the writes and the check."""
         if self.config.apply == "shadow":
-            return ShadowSteps(self).run(version, trace=bool(trace), auto_resync=auto_resync,
+            return ShadowSteps(self).run(version, trace=trace, auto_resync=auto_resync,
                                          after_transfer=after_transfer)
         st, ledger = self.state, self.calls.ledger
         offset = UpdateClock.wall_offset()
@@ -152,20 +152,26 @@ class UpdateSteps:
             record_failure(self.metrics, errors, reports, torn, st.versions)
             err = self._fail(version, reports, errors, faults, torn, check, auto_resync)
             return dataclasses.replace(done, error=err)
-        nbytes, calls = ledger.since(snap)
-        end = time.perf_counter()
-        clock = UpdateClock(start=start, paused=paused_at, transferred=transfer_done, end=end,
-                            offset=offset)
+        clock = UpdateClock(start=start, paused=paused_at, transferred=transfer_done,
+                            end=time.perf_counter(), offset=offset)
+        report = self.succeeded(version, clock, reports, names, ledger.since(snap), check, trace)
+        return dataclasses.replace(done, report=report)
+
+    def succeeded(self, version: int, clock: UpdateClock, reports: dict[int, RankReport],
+                  names: list[str], control: tuple[int, int], check: IntegrityResult | None,
+                  trace: bool | str | os.PathLike) -> UpdateReport:
+        """The report of a successful update (``control``: bytes and calls of the control
+        plane), recorded in the metrics; its trace written where ``trace`` is a path."""
+        per_rank = list(reports.values())
         report = UpdateReport.combine(
-            version=version, seconds=end - start, per_rank=list(reports.values()),
-            pause_seconds=paused_at - start, resume_seconds=end - transfer_done,
-            control_bytes=nbytes, control_calls=calls, replicas=tuple(names),
-            trace=self._trace(version, clock, list(reports.values())) if trace else None,
-            integrity=check)
-        record_success(self.metrics, report, st.versions)
+            version=version, seconds=clock.end - clock.start, per_rank=per_rank,
+            pause_seconds=clock.paused - clock.start, resume_seconds=clock.end - clock.transferred,
+            control_bytes=control[0], control_calls=control[1], replicas=tuple(names),
+            trace=self._trace(version, clock, per_rank) if trace else None, integrity=check)
+        record_success(self.metrics, report, self.state.versions)
         if trace and not isinstance(trace, bool):
             write_chrome_trace(trace, [report.trace])
-        return dataclasses.replace(done, report=report)
+        return report
 
     def _check_and_resume(self, version: int, names: list[str],
                           faults: dict[str, list[RankFault]], reports: dict[int, RankReport],

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ def test_a_failed_check_leaves_live_memory_untouched_and_the_next_update_heals(e
     assert engine_mismatches(cfg.model, trainers, replicas) == []
 
 
-def test_rollback_restores_the_previous_bytes_exactly(env):
+def test_rollback_restores_the_previous_bytes_exactly(env, tmp_path):
     cfg, trainers, replicas, ctl = env
     train(trainers, 4)
     ctl.after_transfer = lambda v: ctl.rollback()
@@ -150,5 +151,7 @@ def test_rollback_restores_the_previous_bytes_exactly(env):
     assert len(lines) == 1 and lines[0]["outcome"] == "ok"
     assert lines[0]["before"] == {"engine0": 6, "engine1": 6}
     assert lines[0]["after"] == {"engine0": 5, "engine1": 5}
-    ctl.update(7)  # and updates go on from there
+    trace = tmp_path / "update7.json"
+    report = ctl.update(7, trace=trace)  # and updates go on from there, traced as in place
     assert engine_mismatches(cfg.model, trainers, replicas) == []
+    assert report.trace is not None and json.loads(trace.read_text())["traceEvents"]
