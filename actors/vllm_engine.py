@@ -95,9 +95,13 @@ class VllmEngineOwner:
 
     def engine_meta(self, rank: int, transport: Any = None, apply: str | None = None):
         """Rank ``rank``'s registered memory (registered once for the replica; ``apply``
-        "shadow": the shadow is registered, replacing an in-place registration)."""
+        "shadow": the shadow is registered, replacing an in-place registration, and the
+        reverse for "in_place"; None: the registration there is, else the config's mode)."""
         from weight_transfer.engines.vllm.mailbox import SetupRequest
 
+        with self._lock:
+            if apply is None and self._metas is not None:
+                return self._metas[rank]  # a controller's plain call: keep the mode set up
         apply = apply or self.config.apply
         if apply == "shadow":
             self._require_shadow_link()

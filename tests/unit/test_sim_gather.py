@@ -103,7 +103,7 @@ def _plan(replicate: int, **sim):
         update={"replicate": replicate})})
     cfg = load_model_config(ROOT / "configs/models/tiny_llama.yaml")
     plan = compute_plan(trainer_meta_from_config(cfg, cl), engine_metas_from_config(cfg, cl),
-                        cl, model=cfg)
+                        cl, model=cfg, gather="full")  # these tests time the gathers
     return plan, cl
 
 
