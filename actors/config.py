@@ -158,6 +158,9 @@ class TransferSettings(_Frozen):
     delta: bool = False
     delta_anchor_every: PositiveInt = 20
     delta_arena_fraction: PositiveFloat = 0.25
+    # "time": each trainer rank writes dense when its measured rates say deltas would
+    # take longer (weight_transfer.delta_policy); "off": deltas whenever they are smaller.
+    delta_fallback: Literal["time", "off"] = "time"
     # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
     # them with no collective (scheduling.direct); full: every parameter gathered first.
     gather: Literal["shard_direct", "full"] = "shard_direct"

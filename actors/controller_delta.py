@@ -73,6 +73,8 @@ class DeltaChain:
         self.force = True
         self.anchor = True
         self.last: DeltaRound | None = None
+        self.fallback = config.delta_fallback == "time"
+        self.apply_s_per_byte: float | None = None  # measured, handed to the time rule
 
     def request_anchor(self) -> None:
         """The next update writes every piece dense (after a re-sync, a fault ...)."""
@@ -104,8 +106,8 @@ class DeltaChain:
         for owner, layout, region in zip(owners, layouts, self._get(refs), strict=True):
             for rank, (off, size) in layout.items():
                 slots[rank][owner] = DeltaSlot(region=region, offset=off, size=size)
-        self._get([t.wt_delta_connect.remote(s) for t, s in zip(st.trainers, slots,
-                                                                strict=True)])
+        self._get([t.wt_delta_connect.remote(s, self.fallback)
+                   for t, s in zip(st.trainers, slots, strict=True)])
         self.plan_id = st.summary.plan_id
         self.force = True
         log.info("delta arenas wired for plan %d: %d engine ranks", self.plan_id, len(owners))
@@ -116,7 +118,8 @@ class DeltaChain:
             self.wire()
         self.anchor = self.force or self.since_anchor >= self.every
         directive = DeltaDirective(version=version, anchor=self.anchor,
-                                   held=dict(self.state.versions))
+                                   held=dict(self.state.versions),
+                                   apply_s_per_byte=self.apply_s_per_byte)
         self._get([t.wt_delta_begin.remote(directive) for t in self.state.trainers])
         return directive
 
@@ -128,6 +131,11 @@ class DeltaChain:
         refs = [a.wt_delta_apply.remote(version) for n in names for a in st.replicas[n]]
         applied = tuple(self._get(refs))
         t1 = time.perf_counter()
+        covered = sum(a.bytes for a in applied)
+        if covered:  # summed over engine ranks: as if they applied one after another
+            rate = sum(a.seconds for a in applied) / covered
+            old = self.apply_s_per_byte
+            self.apply_s_per_byte = rate if old is None else (old + rate) / 2
         bad = [[a.owner for a in applied if rank in a.bad_slots]
                for rank in range(len(st.trainers))]
         ranges = sorted({r for a in applied for r in a.stale})

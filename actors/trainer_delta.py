@@ -12,6 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
+from weight_transfer.delta_policy import DeltaRates
 from weight_transfer.delta_send import DeltaDirective, DeltaSender, DeltaSlot
 from weight_transfer.delta_write import DeltaStage
 
@@ -38,14 +39,22 @@ class TrainerDeltaMixin:
                     need[t.region.owner] = need.get(t.region.owner, 0) + t.nbytes
         return need
 
-    def wt_delta_connect(self, slots: dict[str, DeltaSlot] | None) -> int:
+    def wt_delta_connect(self, slots: dict[str, DeltaSlot] | None,
+                         fallback: bool = True) -> int:
         """This rank's slots in the engines' delta arenas (None: back to dense); the
-        bytes kept of the last write start empty (the next update is a dense anchor)."""
+        bytes kept of the last write start empty (the next update is a dense anchor).
+        ``fallback``: the time rule (:mod:`weight_transfer.delta_policy`) decides per
+        update whether deltas pay; its measured rates are kept across plans."""
         transfer = self._wt_transfer()
         if slots is None:
             transfer.attach_delta(None)
             return 0
-        sender = DeltaSender(slots, transport=self._wt_link.nic, rank=self._wt_rank)
+        rates = None
+        if fallback:
+            rates = getattr(self, "_wt_delta_rates", None) or DeltaRates()
+            self._wt_delta_rates = rates
+        sender = DeltaSender(slots, transport=self._wt_link.nic, rank=self._wt_rank,
+                             rates=rates, written=sum(self.wt_delta_need().values()))
         transfer.attach_delta(DeltaStage(sender))
         log.info("trainer rank %d: delta slots in %d engine ranks (%d B mirrored)",
                  self._wt_rank, len(slots), sender.mirror.nbytes)

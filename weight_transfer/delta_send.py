@@ -15,7 +15,10 @@ whatever produced them (a gather, or the rank's own shard), so it sits between
 
 A task goes dense when the update is an anchor, when its replica does not hold the
 base version the record names (stale or torn: the controller's view, ``held``),
-when the delta would not be smaller than the piece, or when its slot is full.
+when the delta would not be smaller than the piece, when its slot is full, or
+when the rank's time rule (:mod:`weight_transfer.delta_policy`, with ``rates``)
+says a dense update costs it less time than deltas (``dense_time``: such a
+piece is not diffed at all; its kept bytes are refreshed by a copy).
 Each slot is mirrored in a local buffer registered once as a write source, so a
 record is built where it is sent from; :meth:`DeltaSender.repair` gives the dense
 bytes of ranges an engine could not apply (its digest or version differed).
@@ -24,6 +27,7 @@ bytes of ranges an engine could not apply (its digest or version differed).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +47,8 @@ from weight_transfer.delta_codec import (
     encode,
     pack_slot_header,
 )
+from weight_transfer.delta_policy import Choice, DeltaRates
+from weight_transfer.delta_source import KeptSource, fp8_changes, keep_source, supported
 from weight_transfer.staging import allocate_staging
 from weight_transfer.types import Piece, RegionDesc, WriteTask
 
@@ -61,11 +67,13 @@ class DeltaSlot:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeltaDirective:
     """What the controller says before an update: dense for all (``anchor``), and the
-    version each replica holds completely (None: torn or never filled)."""
+    version each replica holds completely (None: torn or never filled), and the engines'
+    measured apply seconds per destination byte (None: not measured yet)."""
 
     version: int
     anchor: bool = False
     held: dict[str, int | None] = field(default_factory=dict, hash=False)
+    apply_s_per_byte: float | None = None
 
 
 @dataclass(slots=True)
@@ -103,6 +111,13 @@ class DeltaStats:
     diff_s: float = 0.0
     encode_s: float = 0.0
     base_bytes: int = 0  # host memory holding the last written bytes
+    diffed_bytes: int = 0  # engine bytes of the pieces diffed (the encode rate's bytes)
+    fallback: str = ""  # the time rule's decision and why (delta_policy); "" without one
+    est_delta_s: float | None = None
+    est_dense_s: float | None = None
+    time_dense_pieces: int = 0  # pieces written dense by the time rule, not diffed
+    source_pieces: int = 0  # FP8 pieces whose changes came from the source (delta_source)
+    source_s: float = 0.0  # ... the time that took (diff and quantization of changes)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -116,8 +131,15 @@ class DeltaSender:
     """See the module docstring."""
 
     def __init__(self, slots: Mapping[str, DeltaSlot], *, transport: object = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, rates: DeltaRates | None = None, written: int = 0) -> None:
         self.rank, self.slots = rank, dict(slots)
+        self.rates, self.written = rates, written  # the time rule (None: always deltas)
+        self.choice: Choice | None = None
+        self.turn = 0
+        self._index = 0
+        self.sources: dict[Piece, KeptSource] = {}  # FP8 weight piece -> its source kept
+        self._pre: dict[Piece, np.ndarray] = {}  # changed indices found from the source
+        self._lock = threading.Lock()  # encode (delta thread) and prepare_fp8 (gather)
         self.base: dict[Piece, Base] = {}
         self.layout: dict[str, int] = {}
         total = 0
@@ -140,13 +162,52 @@ class DeltaSender:
 
     def begin(self, directive: DeltaDirective) -> None:
         self.directive = directive
-        self.stats = DeltaStats(base_bytes=sum(b.data.nbytes for b in self.base.values()))
+        kept = sum(b.data.nbytes for b in self.base.values())
+        self.stats = DeltaStats(base_bytes=kept)
+        self.choice, self._index = None, 0
+        if self.rates is not None and not directive.anchor and self.base:
+            self.turn += 1
+            self.choice = self.rates.choose(diffed=kept, written=self.written,
+                                            apply_s_per_byte=directive.apply_s_per_byte,
+                                            turn=self.turn)
+            self.stats.fallback = self.choice.reason
+            self.stats.est_delta_s = self.choice.est_delta_s
+            self.stats.est_dense_s = self.choice.est_dense_s
         self._cursor = {o: SLOT_HEADER for o in self.slots}
         self._count = {o: 0 for o in self.slots}
+
+    def prepare_fp8(self, weight: Piece, scale: Piece, rect: torch.Tensor) -> bool:
+        """New bytes of an FP8 weight piece and its scale piece from the source rectangle
+        (:mod:`weight_transfer.delta_source`): True when both bases now hold them (the
+        changed indices wait for :meth:`encode`); False: quantize them as usual."""
+        bw, bs, kept = self.base.get(weight), self.base.get(scale), self.sources.get(weight)
+        if (self.directive.anchor or bw is None or bs is None or kept is None
+                or weight in self._pre or not supported(rect)):
+            return False
+        with self._lock:
+            t0 = time.perf_counter()
+            got = fp8_changes(kept, rect, bw.data, bs.data.view(np.float32))
+            self.stats.source_s += time.perf_counter() - t0
+            if got is None:
+                return False
+            self._pre[weight], self._pre[scale] = got
+            self.stats.source_pieces += 2
+        return True
+
+    def keep_fp8_source(self, weight: Piece, rect: torch.Tensor) -> None:
+        """Keep ``rect`` (after the piece was quantized whole) for :meth:`prepare_fp8`."""
+        if supported(rect):
+            with self._lock:
+                self.sources[weight] = keep_source(rect)
 
     def encode(self, piece: Piece, buf: torch.Tensor) -> Encoded:
         """Diff ``buf`` (the piece's engine bytes, uint8) against the base, encode it, and
         make ``buf`` the base of the next update."""
+        with self._lock:
+            return self._encode(piece, buf)
+
+    def _encode(self, piece: Piece, buf: torch.Tensor) -> Encoded:
+        pre = self._pre.pop(piece, None)  # the base holds the new bytes already
         new = buf.cpu().numpy() if buf.is_cuda else buf.numpy()
         version, st = self.directive.version, self.stats
         st.pieces += 1
@@ -158,12 +219,24 @@ class DeltaSender:
             st.base_bytes += data.nbytes
             return Encoded(piece=piece, record=None, meta=None)
         size = itemsize_of(piece)
+        index, self._index = self._index, self._index + 1
+        choice = self.choice
+        if choice is not None and not choice.delta and not choice.probe(index):
+            if pre is None:
+                base.data[:] = new  # dense by the time rule: no diff, the kept bytes refreshed
+            base.version, base.digest = version, digest(base.data)
+            st.time_dense_pieces += 1
+            return Encoded(piece=piece, record=None, meta=None)
         t0 = time.perf_counter()
-        idx = changed(base.data, new, size) if not self.directive.anchor else None
+        if pre is not None:
+            idx = pre
+        else:
+            idx = changed(base.data, new, size) if not self.directive.anchor else None
         t1 = time.perf_counter()
         st.diff_s += t1 - t0
         out = Encoded(piece=piece, record=None, meta=None)
         if idx is not None:
+            st.diffed_bytes += new.nbytes
             n = new.nbytes // size if new.nbytes % size == 0 else new.nbytes
             st.elements += n
             st.changed += idx.size
@@ -218,6 +291,16 @@ class DeltaSender:
         st.delta_wire_bytes += rec.nbytes
         src = torch.from_numpy(self.mirror[start : start + rec.nbytes])
         return src, slot.region, slot.offset + at
+
+    def measured(self, dense_bytes: int, dense_seconds: float) -> None:
+        """After an update: its encode rate, and (when dense writes were most of its bytes)
+        the rank's dense write rate, into ``rates``."""
+        st = self.stats
+        if self.rates is None:
+            return
+        self.rates.measured_encode(st.diff_s + st.encode_s, st.diffed_bytes)
+        if dense_bytes * 2 >= self.written:
+            self.rates.measured_dense(dense_bytes, dense_seconds)
 
     def finish(self) -> list[tuple[torch.Tensor, RegionDesc, int]]:
         """One slot header per engine rank (written after every record landed): the

@@ -9,9 +9,18 @@ depend on how pieces are made. Encoding runs on one thread of its own (numpy
 releases the GIL in the diff and the scatter), so the next bucket's gather
 overlaps it; the WRITEs then run concurrently as dense ones do. After the last
 bucket, :meth:`DeltaStage.headers` writes every slot header (the engine reads a
-slot only through its header, so a header lands after its records)::
+slot only through its header, so a header lands after its records). The
+intervals of the dense writes give the rank's dense write rate
+(:meth:`~weight_transfer.delta_send.DeltaSender.measured`, the time rule's
+``r_nic``)::
+
+FP8 pieces are prepared here too (:meth:`DeltaStage.prepare_into`, in the
+prepare stage): where the sender keeps the source rectangle, only its changed
+elements are quantized (:mod:`weight_transfer.delta_source`), else the pair is
+quantized whole as usual and its source kept for the next update::
 
     stage = DeltaStage(sender)
+    sources = stage.prepare_into(full, pieces, rects_of, outs, views=False)
     await stage.write(pairs, dense=write_task, record=write_record)
     await stage.headers(write)          # at the end of the run
 """
@@ -19,13 +28,16 @@ slot only through its header, so a header lands after its records)::
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from weight_transfer.delta_policy import busy_seconds
 from weight_transfer.delta_send import DeltaDirective, DeltaSender, Encoded
-from weight_transfer.types import Piece, RegionDesc, WriteTask
+from weight_transfer.prepare import prepare_pieces_into, source_rect
+from weight_transfer.types import Piece, RegionDesc, Transform, WriteTask
 
 Where = tuple[torch.Tensor, RegionDesc, int]
 DenseWrite = Callable[[torch.Tensor, WriteTask], Awaitable[None]]
@@ -38,11 +50,46 @@ class DeltaStage:
     def __init__(self, sender: DeltaSender) -> None:
         self.sender = sender
         self.active = False  # between begin() and the end of the run
+        self._dense: list[tuple[float, float]] = []  # this run's dense writes in flight
+        self._dense_bytes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-delta-{sender.rank}")
 
     def begin(self, directive: DeltaDirective) -> None:
         self.sender.begin(directive)
         self.active = True
+        self._dense, self._dense_bytes = [], 0
+
+    def prepare_into(self, full: torch.Tensor, pieces: Sequence[Piece],
+                     srcs: Sequence[Piece], outs: Sequence[torch.Tensor], *,
+                     views: bool = False) -> list[torch.Tensor]:
+        """:func:`~weight_transfer.prepare.prepare_pieces_into` of ``pieces`` (``srcs``: the
+        same pieces with sources relative to ``full``), an FP8 pair's bytes from its
+        source's changes where the sender can (copied into their ``outs``)."""
+        ready: dict[int, torch.Tensor] = {}
+        pairs: dict[tuple, dict[Transform, int]] = {}
+        for i, p in enumerate(pieces):
+            if p.transform in (Transform.FP8_WEIGHT, Transform.FP8_SCALE):
+                pairs.setdefault(srcs[i].src_slice, {})[p.transform] = i
+        kept = []
+        for pair in pairs.values():
+            w, sc = pair.get(Transform.FP8_WEIGHT), pair.get(Transform.FP8_SCALE)
+            if w is None or sc is None:
+                continue
+            rect = source_rect(full, srcs[w])
+            if self.sender.prepare_fp8(pieces[w], pieces[sc], rect):
+                for i in (w, sc):
+                    outs[i].numpy()[:] = self.sender.base[pieces[i]].data
+                    ready[i] = outs[i]
+            else:
+                kept.append((pieces[w], rect))
+        rest = [i for i in range(len(pieces)) if i not in ready]
+        if rest:
+            got = prepare_pieces_into(full, [srcs[i] for i in rest], [outs[i] for i in rest],
+                                      views=views)
+            ready.update(zip(rest, got, strict=True))
+        for weight, rect in kept:  # quantized whole: the source kept for the next update
+            self.sender.keep_fp8_source(weight, rect)
+        return [ready[i] for i in range(len(pieces))]
 
     def _encode(self, pieces: dict[Piece, torch.Tensor]) -> dict[Piece, Encoded]:
         return {p: self.sender.encode(p, buf) for p, buf in pieces.items()}
@@ -55,14 +102,22 @@ class DeltaStage:
         jobs = []
         for buf, task in pairs:
             where = self.sender.place(task, enc[task.piece])
-            jobs.append(dense(buf, task) if where is None else record(where, buf, task))
+            jobs.append(self._timed(dense(buf, task), task.nbytes) if where is None
+                        else record(where, buf, task))
         await asyncio.gather(*jobs)
+
+    async def _timed(self, job: Awaitable[None], nbytes: int) -> None:
+        start = time.perf_counter()
+        await job
+        self._dense.append((start, time.perf_counter()))
+        self._dense_bytes += nbytes
 
     async def headers(self, write: Callable[[torch.Tensor, RegionDesc, int], Awaitable[None]]
                       ) -> None:
         try:
             await asyncio.gather(*(write(src, region, off)
                                    for src, region, off in self.sender.finish()))
+            self.sender.measured(self._dense_bytes, busy_seconds(self._dense))
         finally:
             self.active = False
 

@@ -281,8 +281,11 @@ class RankTransfer:
             if work.lease is not None:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
                 views = self.write_from_views and not full.is_cuda
-                ready = dict(zip(mine, prepare_pieces_into(full, src, outs, views=views),
-                                 strict=True))
+                if self.delta is not None and self.delta.active and not full.is_cuda:
+                    got = self.delta.prepare_into(full, mine, src, outs, views=views)
+                else:  # (a delta run prepares FP8 pieces from their source's changes)
+                    got = prepare_pieces_into(full, src, outs, views=views)
+                ready = dict(zip(mine, got, strict=True))
             else:
                 ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
             p.prepared = [ready[t.piece] for t in p.tasks]

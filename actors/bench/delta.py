@@ -13,8 +13,12 @@ trainers and one update:
   the others still gathered), when this build's planner has it;
 * ``delta``: shard-direct pieces (or gathered ones in a build without them), only
   the changed elements, encoded, into each engine rank's arena, applied in place
-  at finish.
+  at finish; where a trainer rank's time rule (``TransferConfig.delta_fallback``,
+  :mod:`weight_transfer.delta_policy`) says dense is faster, that rank's pieces
+  dense (``fallback``: each rank's decision and estimates, printed per round).
 
+Before the measured rounds, one dense and one delta update warm the fleet up
+(the time rule's first delta update only probes: it measures its rates).
 Switching between ``gather="full"`` and ``"shard_direct"`` is a re-plan
 (``controller.setup()``), so each learning rate alternates ``shard_direct`` and
 ``delta`` on the shard-direct plan first, then runs its ``gather`` rounds.
@@ -128,6 +132,8 @@ class DeltaBench:
                 "scale_blocks_changed": total("scale_blocks_changed"),
                 "delta_tasks": total("delta_tasks"), "dense_tasks": total("dense_tasks"),
                 "base_bytes": total("base_bytes"),
+                "time_dense_pieces": total("time_dense_pieces"),
+                "fallback": sorted({s["fallback"] for s in stats if s["fallback"]}),
                 "encodings": _merge_counts(s["encodings"] for s in stats)}
 
     def _gather_mode(self, mode: str) -> None:
@@ -165,6 +171,8 @@ def summarize(rows: list[dict[str, Any]], *, dtype: str, lr: float) -> list[dict
                     "repaired_bytes": sum(r["repaired_bytes"] for r in mine),
                     "encodings": _merge_counts(r["encodings"] for r in mine),
                     "base_bytes": max(r["base_bytes"] for r in mine),
+                    "time_dense_pieces": sum(r["time_dense_pieces"] for r in mine),
+                    "fallback": sorted({f for r in mine for f in r["fallback"]}),
                     "rounds": len(mine)})
     return out
 
@@ -203,6 +211,8 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
         bench = DeltaBench(fleet, timeout_s)
         modes = modes_of(fleet.config)
         bench.update(modes[1] if len(modes) > 2 else "gather")  # dense anyway: not measured
+        # Not measured either: the time rule's first delta update probes (its rates)
+        bench.update("delta", oracle=False)
         runs, rows = [], []
         for lr in lrs:
             bench.set_lr(lr)
@@ -239,6 +249,9 @@ def _rounds(bench: DeltaBench, mine: list, order: list[str], *, dtype: str, lr: 
                       f"in {row['seconds']:.3f} s (CPU s: diff {row['diff_s']:.3f}, "
                       f"encode {row['encode_s']:.3f}, apply {row['apply_s']:.3f}), "
                       f"{'verified' if row['verified'] else 'NOT verified'}")
+        if row["fallback"]:
+            console.print(f"    time rule ({row['time_dense_pieces']} pieces dense by time): "
+                          + "; ".join(row["fallback"]))
 
 
 def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
