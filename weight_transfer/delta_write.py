@@ -75,7 +75,7 @@ class DeltaStage:
             w, sc = pair.get(Transform.FP8_WEIGHT), pair.get(Transform.FP8_SCALE)
             if w is None or sc is None:
                 continue
-            rect = source_rect(full, srcs[w])
+            rect = source_rect(full, srcs[w]).detach()
             if self.sender.prepare_fp8(pieces[w], pieces[sc], rect):
                 for i in (w, sc):
                     outs[i].numpy()[:] = self.sender.base[pieces[i]].data

@@ -95,6 +95,7 @@ def test_stage_prepares_fp8_from_source_changes() -> None:
     g = torch.Generator().manual_seed(11)
     rows, cols = 384, 300
     full = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    param = torch.nn.Parameter(full)  # a trainer's parameter: requires grad, same storage
     pieces = _fp8_pieces(rows, cols)
     region = RegionDesc(owner="engine0/tp0", nic="n", addr=1, length=1 << 20, rkey=1)
     stage = DeltaStage(DeltaSender({"engine0/tp0": DeltaSlot(region=region, offset=0,
@@ -105,7 +106,7 @@ def test_stage_prepares_fp8_from_source_changes() -> None:
                 _step(g, full, 0.005, [(1, 1, 0.3 * version)])
             stage.begin(DeltaDirective(version=version, anchor=version == 1))
             outs = [torch.zeros(p.nbytes, dtype=torch.uint8) for p in pieces]
-            got = stage.prepare_into(full, pieces, pieces, outs)
+            got = stage.prepare_into(param, pieces, pieces, outs)
             want = prepare_pieces_into(full, pieces,
                                        [torch.zeros(p.nbytes, dtype=torch.uint8)
                                         for p in pieces])
