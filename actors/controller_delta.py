@@ -74,7 +74,7 @@ class DeltaChain:
         self.anchor = True
         self.last: DeltaRound | None = None
         self.fallback = config.delta_fallback == "time"
-        self.apply_s_per_byte: float | None = None  # measured, handed to the time rule
+        self.apply_s_per_record: float | None = None  # measured, handed to the time rule
 
     def request_anchor(self) -> None:
         """The next update writes every piece dense (after a re-sync, a fault ...)."""
@@ -119,7 +119,7 @@ class DeltaChain:
         self.anchor = self.force or self.since_anchor >= self.every
         directive = DeltaDirective(version=version, anchor=self.anchor,
                                    held=dict(self.state.versions),
-                                   apply_s_per_byte=self.apply_s_per_byte)
+                                   apply_s_per_record=self.apply_s_per_record)
         self._get([t.wt_delta_begin.remote(directive) for t in self.state.trainers])
         return directive
 
@@ -131,11 +131,11 @@ class DeltaChain:
         refs = [a.wt_delta_apply.remote(version) for n in names for a in st.replicas[n]]
         applied = tuple(self._get(refs))
         t1 = time.perf_counter()
-        covered = sum(a.bytes for a in applied)
-        if covered:  # summed over engine ranks: as if they applied one after another
-            rate = sum(a.seconds for a in applied) / covered
-            old = self.apply_s_per_byte
-            self.apply_s_per_byte = rate if old is None else (old + rate) / 2
+        records = sum(a.records for a in applied)
+        if records:  # summed over engine ranks: as if they applied one after another
+            rate = sum(a.seconds for a in applied) / records
+            old = self.apply_s_per_record
+            self.apply_s_per_record = rate if old is None else (old + rate) / 2
         bad = [[a.owner for a in applied if rank in a.bad_slots]
                for rank in range(len(st.trainers))]
         ranges = sorted({r for a in applied for r in a.stale})

@@ -7,14 +7,16 @@ bytes it saves. So before each non-anchor update every trainer rank compares,
 from rates measured in its earlier updates, what its share of the update costs
 each way::
 
-    t_delta = B * r_encode + W * r_apply       # B: bytes it diffs (its pieces, once
-    t_dense = W / r_nic                        # each); W: bytes its tasks write dense
+    t_delta = P * r_encode + T * r_apply       # P: its pieces (each diffed once), T: its
+    t_dense = W / r_nic                        # tasks (records), W: bytes they write dense
 
-* ``r_encode``: seconds per byte of its diff + encode (the pieces it diffed in
-  earlier updates; a moving average, :data:`SMOOTH`);
-* ``r_apply``: the engines' apply seconds per destination byte their records
-  covered (summed over engine ranks: a conservative serial estimate), measured
-  by the controller and handed over in the directive;
+* ``r_encode``: seconds of its diff + encode per piece diffed in earlier updates
+  (a moving average, :data:`SMOOTH`); per piece, not per byte, so that a sample
+  of pieces (the probes) estimates the whole update without bias whatever the
+  mix of piece sizes (a per-byte rate of small pieces is mostly fixed cost);
+* ``r_apply``: the engines' apply seconds per record (summed over engine
+  ranks: a conservative serial estimate), measured by the controller and
+  handed over in the directive;
 * ``r_nic``: this rank's dense write rate, its dense bytes over the time its
   dense writes were in flight (the union of the write intervals).
 
@@ -29,7 +31,7 @@ estimates and the reason land in the rank's
 ``est_dense_s``)::
 
     rates = DeltaRates()                         # kept across plans by the trainer
-    choice = rates.choose(diffed=B, written=W, apply_s_per_byte=r, turn=7)
+    choice = rates.choose(pieces=P, tasks=T, written=W, apply_s_per_record=r, turn=7)
     choice.delta, choice.reason, choice.probe(piece_index)
 """
 
@@ -75,30 +77,31 @@ class Choice:
 class DeltaRates:
     """The measured rates of one trainer rank (see the module docstring)."""
 
-    encode_s_per_byte: float | None = None
+    encode_s_per_piece: float | None = None
     nic_bytes_per_s: float | None = None
     history: list[str] = field(default_factory=list)
 
-    def measured_encode(self, seconds: float, nbytes: int) -> None:
-        if nbytes > 0:
-            self.encode_s_per_byte = _blend(self.encode_s_per_byte, seconds / nbytes)
+    def measured_encode(self, seconds: float, pieces: int) -> None:
+        if pieces > 0:
+            self.encode_s_per_piece = _blend(self.encode_s_per_piece, seconds / pieces)
 
     def measured_dense(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.nic_bytes_per_s = _blend(self.nic_bytes_per_s, nbytes / seconds)
 
-    def choose(self, *, diffed: int, written: int, apply_s_per_byte: float | None,
-               turn: int) -> Choice:
-        """Deltas or dense for an update of ``diffed`` bytes to diff, ``written`` to write."""
-        enc, nic = self.encode_s_per_byte, self.nic_bytes_per_s
+    def choose(self, *, pieces: int, tasks: int, written: int,
+               apply_s_per_record: float | None, turn: int) -> Choice:
+        """Deltas or dense for an update of ``pieces`` to diff, ``tasks`` writing
+        ``written`` bytes."""
+        enc, nic = self.encode_s_per_piece, self.nic_bytes_per_s
         if nic is None:
             return Choice(delta=False, turn=turn,
                           reason="probe: no dense write rate measured yet")
         dense_s = written / nic
-        if enc is None or apply_s_per_byte is None:
+        if enc is None or apply_s_per_record is None:
             return Choice(delta=False, turn=turn, est_dense_s=dense_s,
                           reason="probe: no delta rates measured yet")
-        delta_s = diffed * enc + written * apply_s_per_byte
+        delta_s = pieces * enc + tasks * apply_s_per_record
         if delta_s <= dense_s:
             return Choice(delta=True, turn=turn, est_delta_s=delta_s, est_dense_s=dense_s,
                           reason=f"delta est {delta_s:.3f} s <= dense est {dense_s:.3f} s")

@@ -68,12 +68,12 @@ class DeltaSlot:
 class DeltaDirective:
     """What the controller says before an update: dense for all (``anchor``), and the
     version each replica holds completely (None: torn or never filled), and the engines'
-    measured apply seconds per destination byte (None: not measured yet)."""
+    measured apply seconds per record (None: not measured yet)."""
 
     version: int
     anchor: bool = False
     held: dict[str, int | None] = field(default_factory=dict, hash=False)
-    apply_s_per_byte: float | None = None
+    apply_s_per_record: float | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +111,8 @@ class DeltaStats:
     diff_s: float = 0.0
     encode_s: float = 0.0
     base_bytes: int = 0  # host memory holding the last written bytes
-    diffed_bytes: int = 0  # engine bytes of the pieces diffed (the encode rate's bytes)
+    diffed_bytes: int = 0  # engine bytes of the pieces diffed
+    diffed_pieces: int = 0  # ... and their count (the time rule's encode rate)
     fallback: str = ""  # the time rule's decision and why (delta_policy); "" without one
     est_delta_s: float | None = None
     est_dense_s: float | None = None
@@ -131,9 +132,11 @@ class DeltaSender:
     """See the module docstring."""
 
     def __init__(self, slots: Mapping[str, DeltaSlot], *, transport: object = None,
-                 rank: int = 0, rates: DeltaRates | None = None, written: int = 0) -> None:
+                 rank: int = 0, rates: DeltaRates | None = None, written: int = 0,
+                 tasks: int = 0) -> None:
         self.rank, self.slots = rank, dict(slots)
-        self.rates, self.written = rates, written  # the time rule (None: always deltas)
+        # the time rule (None: always deltas), and the bytes and tasks this rank writes
+        self.rates, self.written, self.tasks = rates, written, tasks
         self.choice: Choice | None = None
         self.turn = 0
         self._index = 0
@@ -167,8 +170,9 @@ class DeltaSender:
         self.choice, self._index = None, 0
         if self.rates is not None and not directive.anchor and self.base:
             self.turn += 1
-            self.choice = self.rates.choose(diffed=kept, written=self.written,
-                                            apply_s_per_byte=directive.apply_s_per_byte,
+            self.choice = self.rates.choose(pieces=len(self.base), tasks=self.tasks,
+                                            written=self.written,
+                                            apply_s_per_record=directive.apply_s_per_record,
                                             turn=self.turn)
             self.stats.fallback = self.choice.reason
             self.stats.est_delta_s = self.choice.est_delta_s
@@ -237,6 +241,7 @@ class DeltaSender:
         out = Encoded(piece=piece, record=None, meta=None)
         if idx is not None:
             st.diffed_bytes += new.nbytes
+            st.diffed_pieces += 1
             n = new.nbytes // size if new.nbytes % size == 0 else new.nbytes
             st.elements += n
             st.changed += idx.size
@@ -298,7 +303,7 @@ class DeltaSender:
         st = self.stats
         if self.rates is None:
             return
-        self.rates.measured_encode(st.diff_s + st.encode_s, st.diffed_bytes)
+        self.rates.measured_encode(st.diff_s + st.encode_s, st.diffed_pieces)
         if dense_bytes * 2 >= self.written:
             self.rates.measured_dense(dense_bytes, dense_seconds)
 

@@ -21,18 +21,20 @@ def test_busy_seconds_counts_overlap_once() -> None:
 
 def test_choice_from_rates() -> None:
     rates = DeltaRates()
-    assert "no dense write rate" in rates.choose(diffed=100, written=200,
-                                                 apply_s_per_byte=1e-9, turn=0).reason
+    assert "no dense write rate" in rates.choose(pieces=10, tasks=20, written=200,
+                                                 apply_s_per_record=1e-5, turn=0).reason
     rates.measured_dense(nbytes=50_000_000, seconds=1.0)  # a NIC capped at 0.05 GB/s
-    probe = rates.choose(diffed=100, written=200, apply_s_per_byte=None, turn=0)
+    probe = rates.choose(pieces=10, tasks=20, written=200, apply_s_per_record=None, turn=0)
     assert not probe.delta and probe.reason.startswith("probe")
-    rates.measured_encode(seconds=0.1, nbytes=100_000_000)  # 1 GB/s of diff and encode
-    fast = rates.choose(diffed=10**8, written=2 * 10**8, apply_s_per_byte=1e-9, turn=0)
+    rates.measured_encode(seconds=0.1, pieces=100)  # 1 ms per piece diffed and encoded
+    fast = rates.choose(pieces=100, tasks=200, written=2 * 10**8, apply_s_per_record=1e-3,
+                        turn=0)
     assert fast.delta and fast.est_delta_s == pytest.approx(0.3)
     assert fast.est_dense_s == pytest.approx(4.0)
     for _ in range(20):  # the NIC gets fast (uncapped): dense wins
         rates.measured_dense(nbytes=10 * 10**9, seconds=1.0)
-    slow = rates.choose(diffed=10**8, written=2 * 10**8, apply_s_per_byte=1e-9, turn=3)
+    slow = rates.choose(pieces=100, tasks=200, written=2 * 10**8, apply_s_per_record=1e-3,
+                        turn=3)
     assert not slow.delta and slow.reason.startswith("dense_time")
     assert sum(slow.probe(i) for i in range(10 * PROBE_SHARE)) == 10
 
@@ -40,7 +42,7 @@ def test_choice_from_rates() -> None:
 def _sender(rates: DeltaRates, pieces: list[Piece]) -> DeltaSender:
     region = RegionDesc(owner="e/tp0", nic="n", addr=1, length=1 << 20, rkey=1)
     return DeltaSender({"e/tp0": DeltaSlot(region=region, offset=0, size=1 << 20)},
-                       rates=rates, written=sum(p.nbytes for p in pieces))
+                       rates=rates, written=sum(p.nbytes for p in pieces), tasks=len(pieces))
 
 
 def test_sender_writes_dense_by_time_and_probes() -> None:
@@ -48,14 +50,14 @@ def test_sender_writes_dense_by_time_and_probes() -> None:
                     src_param=f"p{i}", src_slice=((0, 2048),)) for i in range(2 * PROBE_SHARE)]
     rng = np.random.default_rng(0)
     values = {p: rng.integers(0, 256, p.nbytes, dtype=np.uint8) for p in pieces}
-    rates = DeltaRates(encode_s_per_byte=1e-6, nic_bytes_per_s=1e12)  # dense far faster
+    rates = DeltaRates(encode_s_per_piece=1.0, nic_bytes_per_s=1e12)  # dense far faster
     s = _sender(rates, pieces)
     s.begin(DeltaDirective(version=1, anchor=True))
     for p in pieces:
         s.encode(p, torch.from_numpy(values[p]))
     for p in pieces:
         values[p][::97] ^= 1
-    s.begin(DeltaDirective(version=2, apply_s_per_byte=1e-9))
+    s.begin(DeltaDirective(version=2, apply_s_per_record=1e-5))
     assert s.stats.fallback.startswith("dense_time")
     enc = [s.encode(p, torch.from_numpy(values[p])) for p in pieces]
     st = s.stats
@@ -65,7 +67,7 @@ def test_sender_writes_dense_by_time_and_probes() -> None:
     for p in pieces:  # kept bytes are the new ones either way, at the new version
         assert np.array_equal(s.base[p].data, values[p]) and s.base[p].version == 2
     s.measured(dense_bytes=0, dense_seconds=0.0)
-    assert rates.encode_s_per_byte < 1e-6  # the probes measured the encode rate again
+    assert rates.encode_s_per_piece < 1.0  # the probes measured the encode rate again
 
 
 def test_sender_without_rates_always_sends_deltas() -> None:
