@@ -10,10 +10,13 @@ each way::
     t_delta = P * r_encode + T * r_apply       # P: its pieces (each diffed once), T: its
     t_dense = W / r_nic                        # tasks (records), W: bytes they write dense
 
-* ``r_encode``: seconds of its diff + encode per piece diffed in earlier updates
-  (a moving average, :data:`SMOOTH`); per piece, not per byte, so that a sample
-  of pieces (the probes) estimates the whole update without bias whatever the
-  mix of piece sizes (a per-byte rate of small pieces is mostly fixed cost);
+* ``r_encode``: CPU seconds (of the encoding thread) of its diff + encode per
+  piece diffed: set by an update that diffed most pieces, blended
+  (:data:`SMOOTH`) with a probe's sample; per piece, not per byte, so that a
+  sample of pieces estimates the whole update without bias whatever the mix of
+  piece sizes (a per-byte rate of small pieces is mostly fixed cost), and CPU,
+  not wall, time: a probe runs beside a dense update's quantization, whose
+  contention a delta update (which does not quantize whole pieces) does not have;
 * ``r_apply``: the engines' apply seconds per record (summed over engine
   ranks: a conservative serial estimate), measured by the controller and
   handed over in the directive;
@@ -81,9 +84,12 @@ class DeltaRates:
     nic_bytes_per_s: float | None = None
     history: list[str] = field(default_factory=list)
 
-    def measured_encode(self, seconds: float, pieces: int) -> None:
+    def measured_encode(self, seconds: float, pieces: int, whole: bool = False) -> None:
+        """``seconds`` of CPU for ``pieces`` diffed; ``whole``: most of an update's pieces
+        (it replaces the rate; a probe's sample is blended in)."""
         if pieces > 0:
-            self.encode_s_per_piece = _blend(self.encode_s_per_piece, seconds / pieces)
+            old = None if whole else self.encode_s_per_piece
+            self.encode_s_per_piece = _blend(old, seconds / pieces)
 
     def measured_dense(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:

@@ -113,6 +113,7 @@ class DeltaStats:
     base_bytes: int = 0  # host memory holding the last written bytes
     diffed_bytes: int = 0  # engine bytes of the pieces diffed
     diffed_pieces: int = 0  # ... and their count (the time rule's encode rate)
+    encode_cpu_s: float = 0.0  # this thread's CPU seconds of those diffs and encodes
     fallback: str = ""  # the time rule's decision and why (delta_policy); "" without one
     est_delta_s: float | None = None
     est_dense_s: float | None = None
@@ -231,7 +232,7 @@ class DeltaSender:
             base.version, base.digest = version, digest(base.data)
             st.time_dense_pieces += 1
             return Encoded(piece=piece, record=None, meta=None)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if pre is not None:
             idx = pre
         else:
@@ -262,6 +263,8 @@ class DeltaSender:
             out.meta = _with_new_digest(out.meta, base.digest)
             out.meta.pack_into(out.record, 0)
         st.encode_s += time.perf_counter() - t1
+        if idx is not None:
+            st.encode_cpu_s += time.thread_time() - c0
         return out
 
     @staticmethod
@@ -303,7 +306,8 @@ class DeltaSender:
         st = self.stats
         if self.rates is None:
             return
-        self.rates.measured_encode(st.diff_s + st.encode_s, st.diffed_pieces)
+        self.rates.measured_encode(st.encode_cpu_s, st.diffed_pieces,
+                                   whole=st.diffed_pieces * 2 > len(self.base))
         if dense_bytes * 2 >= self.written:
             self.rates.measured_dense(dense_bytes, dense_seconds)
 
