@@ -110,7 +110,7 @@ class DeltaStats:
     scale_blocks_changed: int = 0  # ... whose scale changed (their bytes re-sent)
     diff_s: float = 0.0
     encode_s: float = 0.0
-    base_bytes: int = 0  # host memory holding the last written bytes
+    base_bytes: int = 0  # host memory holding the last written bytes (and FP8 sources)
     diffed_bytes: int = 0  # engine bytes of the pieces diffed
     diffed_pieces: int = 0  # ... and their count (the time rule's encode rate)
     encode_cpu_s: float = 0.0  # this thread's CPU seconds of those diffs and encodes
@@ -167,6 +167,7 @@ class DeltaSender:
     def begin(self, directive: DeltaDirective) -> None:
         self.directive = directive
         kept = sum(b.data.nbytes for b in self.base.values())
+        kept += sum(k.data.nbytes + k.amax.nbytes for k in self.sources.values())
         self.stats = DeltaStats(base_bytes=kept)
         self.choice, self._index = None, 0
         if self.rates is not None and not directive.anchor and self.base:
