@@ -74,7 +74,8 @@ class DeltaChain:
         self.anchor = True
         self.last: DeltaRound | None = None
         self.fallback = config.delta_fallback == "time"
-        self.apply_s_per_record: float | None = None  # measured, handed to the time rule
+        self.apply_s_per_byte: float | None = None  # measured, handed to the time rule
+        self._most_records = 0
 
     def request_anchor(self) -> None:
         """The next update writes every piece dense (after a re-sync, a fault ...)."""
@@ -119,9 +120,21 @@ class DeltaChain:
         self.anchor = self.force or self.since_anchor >= self.every
         directive = DeltaDirective(version=version, anchor=self.anchor,
                                    held=dict(self.state.versions),
-                                   apply_s_per_record=self.apply_s_per_record)
+                                   apply_s_per_byte=self.apply_s_per_byte)
         self._get([t.wt_delta_begin.remote(directive) for t in self.state.trainers])
         return directive
+
+    def _apply_rate(self, applied: tuple[DeltaApplied, ...]) -> None:
+        """The engines' apply seconds per destination byte (summed over engine ranks: as if
+        they applied one after another), set by a round with most records, else blended."""
+        covered, records = sum(a.bytes for a in applied), sum(a.records for a in applied)
+        if not covered:
+            return
+        rate = sum(a.seconds for a in applied) / covered
+        self._most_records = max(self._most_records, records)
+        old = self.apply_s_per_byte
+        whole = old is None or records * 2 >= self._most_records
+        self.apply_s_per_byte = rate if whole else (old + rate) / 2
 
     def after(self, version: int, names: list[str]) -> DeltaRound:
         """Every rank of replicas ``names`` applies ``version`` in place; the trainers
@@ -131,11 +144,7 @@ class DeltaChain:
         refs = [a.wt_delta_apply.remote(version) for n in names for a in st.replicas[n]]
         applied = tuple(self._get(refs))
         t1 = time.perf_counter()
-        records = sum(a.records for a in applied)
-        if records:  # summed over engine ranks: as if they applied one after another
-            rate = sum(a.seconds for a in applied) / records
-            old = self.apply_s_per_record
-            self.apply_s_per_record = rate if old is None else (old + rate) / 2
+        self._apply_rate(applied)
         bad = [[a.owner for a in applied if rank in a.bad_slots]
                for rank in range(len(st.trainers))]
         ranges = sorted({r for a in applied for r in a.stale})

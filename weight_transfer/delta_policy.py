@@ -7,8 +7,8 @@ bytes it saves. So before each non-anchor update every trainer rank compares,
 from rates measured in its earlier updates, what its share of the update costs
 each way::
 
-    t_delta = P * r_encode + T * r_apply       # P: its pieces (each diffed once), T: its
-    t_dense = W / r_nic                        # tasks (records), W: bytes they write dense
+    t_delta = P * r_encode + W * r_apply       # P: its pieces (each diffed once), W: the
+    t_dense = W / r_nic                        # bytes its tasks write (dense, or records' ranges)
 
 * ``r_encode``: CPU seconds (of the encoding thread) of its diff + encode per
   piece diffed: set by an update that diffed most pieces, blended
@@ -17,9 +17,11 @@ each way::
   piece sizes (a per-byte rate of small pieces is mostly fixed cost), and CPU,
   not wall, time: a probe runs beside a dense update's quantization, whose
   contention a delta update (which does not quantize whole pieces) does not have;
-* ``r_apply``: the engines' apply seconds per record (summed over engine
-  ranks: a conservative serial estimate), measured by the controller and
-  handed over in the directive;
+* ``r_apply``: the engines' apply seconds per destination byte their records
+  covered (two digests of every range and the scatter: per byte; summed over
+  engine ranks, a conservative serial estimate), measured by the controller
+  (set by a round with most records, blended from a probe's) and handed over
+  in the directive;
 * ``r_nic``: this rank's dense write rate, its dense bytes over the time its
   dense writes were in flight (the union of the write intervals).
 
@@ -34,7 +36,7 @@ estimates and the reason land in the rank's
 ``est_dense_s``)::
 
     rates = DeltaRates()                         # kept across plans by the trainer
-    choice = rates.choose(pieces=P, tasks=T, written=W, apply_s_per_record=r, turn=7)
+    choice = rates.choose(pieces=P, written=W, apply_s_per_byte=r, turn=7)
     choice.delta, choice.reason, choice.probe(piece_index)
 """
 
@@ -95,19 +97,19 @@ class DeltaRates:
         if nbytes > 0 and seconds > 0:
             self.nic_bytes_per_s = _blend(self.nic_bytes_per_s, nbytes / seconds)
 
-    def choose(self, *, pieces: int, tasks: int, written: int,
-               apply_s_per_record: float | None, turn: int) -> Choice:
-        """Deltas or dense for an update of ``pieces`` to diff, ``tasks`` writing
-        ``written`` bytes."""
+    def choose(self, *, pieces: int, written: int, apply_s_per_byte: float | None,
+               turn: int) -> Choice:
+        """Deltas or dense for an update of ``pieces`` to diff whose tasks write ``written``
+        bytes."""
         enc, nic = self.encode_s_per_piece, self.nic_bytes_per_s
         if nic is None:
             return Choice(delta=False, turn=turn,
                           reason="probe: no dense write rate measured yet")
         dense_s = written / nic
-        if enc is None or apply_s_per_record is None:
+        if enc is None or apply_s_per_byte is None:
             return Choice(delta=False, turn=turn, est_dense_s=dense_s,
                           reason="probe: no delta rates measured yet")
-        delta_s = pieces * enc + tasks * apply_s_per_record
+        delta_s = pieces * enc + written * apply_s_per_byte
         if delta_s <= dense_s:
             return Choice(delta=True, turn=turn, est_delta_s=delta_s, est_dense_s=dense_s,
                           reason=f"delta est {delta_s:.3f} s <= dense est {dense_s:.3f} s")

@@ -68,12 +68,12 @@ class DeltaSlot:
 class DeltaDirective:
     """What the controller says before an update: dense for all (``anchor``), and the
     version each replica holds completely (None: torn or never filled), and the engines'
-    measured apply seconds per record (None: not measured yet)."""
+    measured apply seconds per destination byte (None: not measured yet)."""
 
     version: int
     anchor: bool = False
     held: dict[str, int | None] = field(default_factory=dict, hash=False)
-    apply_s_per_record: float | None = None
+    apply_s_per_byte: float | None = None
 
 
 @dataclass(slots=True)
@@ -172,9 +172,8 @@ class DeltaSender:
         self.choice, self._index = None, 0
         if self.rates is not None and not directive.anchor and self.base:
             self.turn += 1
-            self.choice = self.rates.choose(pieces=len(self.base), tasks=self.tasks,
-                                            written=self.written,
-                                            apply_s_per_record=directive.apply_s_per_record,
+            self.choice = self.rates.choose(pieces=len(self.base), written=self.written,
+                                            apply_s_per_byte=directive.apply_s_per_byte,
                                             turn=self.turn)
             self.stats.fallback = self.choice.reason
             self.stats.est_delta_s = self.choice.est_delta_s

@@ -21,20 +21,18 @@ def test_busy_seconds_counts_overlap_once() -> None:
 
 def test_choice_from_rates() -> None:
     rates = DeltaRates()
-    assert "no dense write rate" in rates.choose(pieces=10, tasks=20, written=200,
-                                                 apply_s_per_record=1e-5, turn=0).reason
+    assert "no dense write rate" in rates.choose(pieces=10, written=200,
+                                                 apply_s_per_byte=1e-9, turn=0).reason
     rates.measured_dense(nbytes=50_000_000, seconds=1.0)  # a NIC capped at 0.05 GB/s
-    probe = rates.choose(pieces=10, tasks=20, written=200, apply_s_per_record=None, turn=0)
+    probe = rates.choose(pieces=10, written=200, apply_s_per_byte=None, turn=0)
     assert not probe.delta and probe.reason.startswith("probe")
     rates.measured_encode(seconds=0.1, pieces=100)  # 1 ms per piece diffed and encoded
-    fast = rates.choose(pieces=100, tasks=200, written=2 * 10**8, apply_s_per_record=1e-3,
-                        turn=0)
+    fast = rates.choose(pieces=100, written=2 * 10**8, apply_s_per_byte=1e-9, turn=0)
     assert fast.delta and fast.est_delta_s == pytest.approx(0.3)
     assert fast.est_dense_s == pytest.approx(4.0)
     for _ in range(20):  # the NIC gets fast (uncapped): dense wins
         rates.measured_dense(nbytes=10 * 10**9, seconds=1.0)
-    slow = rates.choose(pieces=100, tasks=200, written=2 * 10**8, apply_s_per_record=1e-3,
-                        turn=3)
+    slow = rates.choose(pieces=100, written=2 * 10**8, apply_s_per_byte=1e-9, turn=3)
     assert not slow.delta and slow.reason.startswith("dense_time")
     assert sum(slow.probe(i) for i in range(10 * PROBE_SHARE)) == 10
 
@@ -57,7 +55,7 @@ def test_sender_writes_dense_by_time_and_probes() -> None:
         s.encode(p, torch.from_numpy(values[p]))
     for p in pieces:
         values[p][::97] ^= 1
-    s.begin(DeltaDirective(version=2, apply_s_per_record=1e-5))
+    s.begin(DeltaDirective(version=2, apply_s_per_byte=1e-9))
     assert s.stats.fallback.startswith("dense_time")
     enc = [s.encode(p, torch.from_numpy(values[p])) for p in pieces]
     st = s.stats
