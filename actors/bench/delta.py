@@ -17,8 +17,10 @@ trainers and one update:
   :mod:`weight_transfer.delta_policy`) says dense is faster, that rank's pieces
   dense (``fallback``: each rank's decision and estimates, printed per round).
 
-Before the measured rounds, one dense and one delta update warm the fleet up
-(the time rule's first delta update only probes: it measures its rates).
+Before the measured rounds, one dense and two delta updates warm the fleet up
+(the time rule's first delta update only probes a sample of pieces; from that
+sample's rates a rank may still write the second dense, after it the rates come
+from whole delta updates).
 Switching between ``gather="full"`` and ``"shard_direct"`` is a re-plan
 (``controller.setup()``), so each learning rate alternates ``shard_direct`` and
 ``delta`` on the shard-direct plan first, then runs its ``gather`` rounds.
@@ -211,7 +213,9 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
         bench = DeltaBench(fleet, timeout_s)
         modes = modes_of(fleet.config)
         bench.update(modes[1] if len(modes) > 2 else "gather")  # dense anyway: not measured
-        # Not measured either: the time rule's first delta update probes (its rates)
+        # Not measured either: the time rule's first delta update probes (a sample of
+        # pieces as deltas: its first rates), the second measures them on most pieces
+        bench.update("delta", oracle=False)
         bench.update("delta", oracle=False)
         runs, rows = [], []
         for lr in lrs:
