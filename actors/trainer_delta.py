@@ -53,10 +53,8 @@ class TrainerDeltaMixin:
         if fallback:
             rates = getattr(self, "_wt_delta_rates", None) or DeltaRates()
             self._wt_delta_rates = rates
-        tasks = [t for g in transfer.groups for ts in g.tasks.values() for t in ts]
         sender = DeltaSender(slots, transport=self._wt_link.nic, rank=self._wt_rank,
-                             rates=rates, written=sum(t.nbytes for t in tasks),
-                             tasks=len(tasks))
+                             rates=rates, written=sum(self.wt_delta_need().values()))
         transfer.attach_delta(DeltaStage(sender))
         log.info("trainer rank %d: delta slots in %d engine ranks (%d B mirrored)",
                  self._wt_rank, len(slots), sender.mirror.nbytes)

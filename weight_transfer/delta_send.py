@@ -133,11 +133,10 @@ class DeltaSender:
     """See the module docstring."""
 
     def __init__(self, slots: Mapping[str, DeltaSlot], *, transport: object = None,
-                 rank: int = 0, rates: DeltaRates | None = None, written: int = 0,
-                 tasks: int = 0) -> None:
+                 rank: int = 0, rates: DeltaRates | None = None, written: int = 0) -> None:
         self.rank, self.slots = rank, dict(slots)
-        # the time rule (None: always deltas), and the bytes and tasks this rank writes
-        self.rates, self.written, self.tasks = rates, written, tasks
+        # the time rule (None: always deltas), and the bytes this rank's tasks write
+        self.rates, self.written = rates, written
         self.choice: Choice | None = None
         self.turn = 0
         self._index = 0
@@ -170,6 +169,7 @@ class DeltaSender:
         kept += sum(k.data.nbytes + k.amax.nbytes for k in self.sources.values())
         self.stats = DeltaStats(base_bytes=kept)
         self.choice, self._index = None, 0
+        self._pre.clear()  # (indices of a run that failed before its encode)
         if self.rates is not None and not directive.anchor and self.base:
             self.turn += 1
             self.choice = self.rates.choose(pieces=len(self.base), written=self.written,

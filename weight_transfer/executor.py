@@ -282,8 +282,9 @@ class RankTransfer:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
                 views = self.write_from_views and not full.is_cuda
                 if self.delta is not None and self.delta.active and not full.is_cuda:
+                    # a delta run prepares FP8 pieces from their source's changes
                     got = self.delta.prepare_into(full, mine, src, outs, views=views)
-                else:  # (a delta run prepares FP8 pieces from their source's changes)
+                else:
                     got = prepare_pieces_into(full, src, outs, views=views)
                 ready = dict(zip(mine, got, strict=True))
             else:

@@ -40,7 +40,7 @@ def test_choice_from_rates() -> None:
 def _sender(rates: DeltaRates, pieces: list[Piece]) -> DeltaSender:
     region = RegionDesc(owner="e/tp0", nic="n", addr=1, length=1 << 20, rkey=1)
     return DeltaSender({"e/tp0": DeltaSlot(region=region, offset=0, size=1 << 20)},
-                       rates=rates, written=sum(p.nbytes for p in pieces), tasks=len(pieces))
+                       rates=rates, written=sum(p.nbytes for p in pieces))
 
 
 def test_sender_writes_dense_by_time_and_probes() -> None:
