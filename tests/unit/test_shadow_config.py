@@ -120,7 +120,6 @@ def test_shadow_mode_does_not_combine_with_replica_groups():
         TransferConfig(apply="shadow", replica_groups=[["engine0", "engine1"]])
 
 
-def test_shadow_mode_does_not_combine_with_deltas():
-    with pytest.raises(ValueError, match="apply='shadow' does not combine with delta=True"):
-        TransferConfig(apply="shadow", delta=True)
-    assert TransferConfig(apply="in_place", delta=True).delta
+def test_shadow_mode_combines_with_deltas():
+    cfg = TransferConfig(apply="shadow", delta=True)
+    assert cfg.delta and cfg.apply == "shadow"
