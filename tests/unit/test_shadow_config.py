@@ -14,7 +14,7 @@ from actors.controller_state import ControllerState
 from actors.engine_control import RankFault
 from actors.shadow_setup import setup_shadow
 from scheduling.cluster import load_cluster_config
-from scheduling.flip import flip_seconds, shadow_need
+from scheduling.flip import flip_seconds, shadow_need, sync_seconds
 from weight_transfer.engines.shadow import ShadowError
 from weight_transfer.errors import FaultKind
 from weight_transfer.models import load_model_config
@@ -45,6 +45,9 @@ def test_the_flip_model_is_a_swap_at_the_device_copy_rate():
     assert need.fits and need.rank_bytes == need.extra_bytes - (8 << 20)
     assert flip_seconds(need.rank_bytes, 2400) == pytest.approx(2 * need.rank_bytes / 2.4e12)
     assert flip_seconds(need.rank_bytes, None) is None
+    # a delta update's copy of live into the shadow: half a swap's traffic, while serving
+    assert sync_seconds(need.rank_bytes, 2400) == pytest.approx(need.rank_bytes / 2.4e12)
+    assert sync_seconds(need.rank_bytes, None) is None
 
 
 def test_an_engine_without_a_shadow_is_refused_at_setup_naming_it():
