@@ -75,6 +75,34 @@ def none_flipped(faults: Sequence[RankFault], ranks: int) -> bool:
     return len(refused) == ranks
 
 
+def apply_delta(chain: Any, version: int, names: Sequence[str], failed: set[str], errors: bool,
+                faults: dict[str, list[RankFault]]) -> set[str]:
+    """Sparse deltas in shadow mode: every replica of ``names`` not ``failed`` applies the
+    records of ``version`` to its shadow (``chain``: the
+    :class:`~actors.controller_delta.DeltaChain`); the trainers re-send dense what it could
+    not apply. The replicas that must not flip: every one of them when a trainer failed
+    (``errors``) in a delta update (no repair) or when the apply or the repair failed
+    (their faults added to ``faults``)."""
+    todo = [n for n in names if n not in failed]
+    if errors:  # an anchor's complete replicas hold whole pieces; a delta's do not
+        why = None if chain.anchor else "a trainer failed: its records cannot be repaired"
+    elif not todo:
+        why = None
+    else:
+        try:
+            chain.after(version, todo)
+            why = None
+        except (RayError, TimeoutError, RuntimeError) as err:
+            why = f"applying the delta records to the shadow failed: {err}"
+    if why is None:
+        return set()
+    log.warning("delta version %d: replicas %s do not flip: %s", version, todo, why)
+    for name in todo:
+        faults.setdefault(name, []).append(RankFault(
+            replica=name, rank=-1, kind=FaultKind.FAILED, method="delta apply", error=why))
+    return set(todo)
+
+
 def _fan(ledger: Any, st: ControllerState, names: Sequence[str], method: Any, *args: Any,
          until: float, **kw: Any) -> dict[str, list[RankFault]]:
     return fan_out(ledger, st.replicas, [n for n in names if n in st.replicas], method, *args,
@@ -111,7 +139,7 @@ class ShadowSteps:
         fence = completion_fence(st.summary.dest_bytes_by_rank, reports, replicas=names)
         failed = set(faults) | set(fence.pending)
         if delta is not None:
-            failed |= self._apply_delta(version, names, failed, bool(errors), faults)
+            failed |= apply_delta(delta, version, names, failed, bool(errors), faults)
         check = verify_update(
             policy=cfg.integrity, reports=list(reports.values()),
             replicas={n: st.replicas[n] for n in names if n not in failed},
@@ -150,31 +178,6 @@ class ShadowSteps:
                             end=time.perf_counter(), offset=offset)
         report = s.succeeded(version, clock, reports, names, ledger.since(snap), check, trace)
         return dataclasses.replace(done, report=report)
-
-    def _apply_delta(self, version: int, names: list[str], failed: set[str], errors: bool,
-                     faults: dict[str, list[RankFault]]) -> set[str]:
-        """Every replica not ``failed`` applies the delta records of ``version`` to its
-        shadow; the trainers re-send dense what it could not apply. The replicas that must
-        not flip: every one of them when a trainer failed in a delta update (no repair)
-        or when the apply or the repair failed (their faults added)."""
-        delta, todo = self.steps.delta, [n for n in names if n not in failed]
-        if errors:  # an anchor's complete replicas hold whole pieces; a delta's do not
-            why = None if delta.anchor else "a trainer failed: its records cannot be repaired"
-        elif not todo:
-            why = None
-        else:
-            try:
-                delta.after(version, todo)
-                why = None
-            except (RayError, TimeoutError, RuntimeError) as err:
-                why = f"applying the delta records to the shadow failed: {err}"
-        if why is None:
-            return set()
-        log.warning("delta version %d: replicas %s do not flip: %s", version, todo, why)
-        for name in todo:
-            faults.setdefault(name, []).append(RankFault(
-                replica=name, rank=-1, kind=FaultKind.FAILED, method="delta apply", error=why))
-        return set(todo)
 
     def _flip(self, version: int, good: list[str], deadline: float,
               faults: dict[str, list[RankFault]]) -> list[str]:
