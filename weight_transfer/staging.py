@@ -75,6 +75,7 @@ class RingAllocator:
             raise ValueError(f"ring capacity must be positive, not {capacity}")
         self.capacity = capacity
         self._live: collections.deque[list[int]] = collections.deque()  # [start, end, freed]
+        self._open: dict[int, list[int]] = {}  # start -> its entry, for ranges not freed
         self.held = 0
 
     def alloc(self, nbytes: int) -> int | None:
@@ -82,7 +83,9 @@ class RingAllocator:
             raise ValueError(f"cannot allocate {nbytes} B from a ring of {self.capacity} B")
         start = self._place(nbytes)
         if start is not None:
-            self._live.append([start, start + nbytes, 0])
+            entry = [start, start + nbytes, 0]
+            self._live.append(entry)
+            self._open[start] = entry  # two ranges not freed never share a start
             self.held += nbytes
         return start
 
@@ -97,7 +100,7 @@ class RingAllocator:
         return newest[1] if newest[1] + nbytes <= oldest else None
 
     def free(self, start: int) -> None:
-        entry = next((e for e in self._live if e[0] == start and not e[2]), None)
+        entry = self._open.pop(start, None)
         if entry is None:
             raise ValueError(f"no live range starts at {start} of the ring")
         entry[2] = 1
@@ -107,6 +110,7 @@ class RingAllocator:
 
     def reset(self) -> None:
         self._live.clear()
+        self._open.clear()
         self.held = 0
 
 

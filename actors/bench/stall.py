@@ -14,6 +14,13 @@ check, resume), then with a second controller set up with ``apply="shadow"``
 * ``extra_engine_bytes``: memory the mode adds to the engines (the shadows);
 * ``step_gap_s``: the median gap between steps outside updates (what a stall
   compares with: the engine's own step time on this machine);
+* ``idle_stall_s``: the engine's noise floor, the same measure with no update: the
+  generation runs :data:`IDLE_S` seconds alone before the mode's updates, that time is
+  cut into windows as long as the mode's median update, and this is the median over
+  those windows of their longest step gap (on two shared cores the engines' own steps
+  jitter: a stall can not be told from noise below it);
+* ``added_stall_s``: ``stall_s`` less ``idle_stall_s`` (0 when below): what the update
+  itself adds to the longest gap;
 * ``engine_pause_s``: the longest time an engine rank held generation per update,
   by the engine's own clock (in place: its pause at the step boundary to its resume;
   shadow: its flip, from the boundary to going on);
@@ -56,6 +63,7 @@ from actors.run_config import RunConfig, load_run_config
 
 MODES = ("in_place", "shadow")
 WARMUP_S = 1.0  # client requests before the first update (steps flowing)
+IDLE_S = 3.0  # generation alone before the updates: the engine's noise floor
 SETTLE_S = 0.5  # client requests after each update (the steps after the flip)
 
 
@@ -65,6 +73,15 @@ def stall_of(steps: Sequence[float], start: float, end: float) -> float:
     times = sorted(steps)
     gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
     return max(gaps, default=0.0)
+
+
+def idle_floor(steps: Sequence[float], start: float, end: float, window: float) -> float:
+    """The median, over consecutive windows of ``window`` seconds in ``[start, end]``, of
+    the longest step gap overlapping each (0 when no window fits)."""
+    if window <= 0:
+        return 0.0
+    edges = [start + i * window for i in range(int((end - start) // window))]
+    return statistics.median([stall_of(steps, a, a + window) for a in edges]) if edges else 0.0
 
 
 def idle_gap(steps: Sequence[float], windows: Sequence[tuple[float, float]]) -> float:
@@ -105,6 +122,8 @@ class ModeResult:
     update_s: float = 0.0
     extra_engine_bytes: int = 0
     step_gap_s: float = 0.0
+    idle_stall_s: float = 0.0
+    added_stall_s: float = 0.0
     engine_pause_s: float = 0.0
     verified: bool = True
     stalls: list[float] = field(default_factory=list)
@@ -156,6 +175,8 @@ def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> 
     cfg, run = fleet.config.model, fleet.run
     with Clients(client, names) as clients:
         time.sleep(WARMUP_S)
+        idle = (time.time(), time.time() + IDLE_S)
+        time.sleep(IDLE_S)
         for version in versions:
             batch = token_batch(cfg.vocab_size, run.train.batch_size, run.train.seq_len,
                                 seed=run.seed * 1000 + version)
@@ -177,6 +198,9 @@ def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> 
     out.stall_s, out.update_s = max(out.stalls), statistics.mean(out.updates)
     out.engine_pause_s = max(out.pauses)
     out.step_gap_s = max(idle_gap(steps[n], windows) for n in names)
+    span = statistics.median([e - s for s, e in windows])
+    out.idle_stall_s = max(idle_floor(steps[n], *idle, span) for n in names)
+    out.added_stall_s = max(0.0, out.stall_s - out.idle_stall_s)
     return out
 
 
@@ -208,11 +232,12 @@ def shadow_controller(fleet: Fleet) -> Any:
 
 def render(rows: list[ModeResult]) -> Table:
     table = Table(title="engine stall per update (longest gap between engine steps)")
-    for col in ("mode", "stall (ms)", "step gap (ms)", "engine pause (ms)", "update (s)",
-                "extra engine MB", "verified"):
+    for col in ("mode", "stall (ms)", "idle floor (ms)", "added (ms)", "step gap (ms)",
+                "engine pause (ms)", "update (s)", "extra engine MB", "verified"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in rows:
-        table.add_row(r.mode, f"{r.stall_s * 1e3:.1f}", f"{r.step_gap_s * 1e3:.1f}",
+        table.add_row(r.mode, f"{r.stall_s * 1e3:.1f}", f"{r.idle_stall_s * 1e3:.1f}",
+                      f"{r.added_stall_s * 1e3:.1f}", f"{r.step_gap_s * 1e3:.1f}",
                       f"{r.engine_pause_s * 1e3:.1f}",
                       f"{r.update_s:.3f}", f"{r.extra_engine_bytes / 1e6:.1f}",
                       "yes" if r.verified else "[red]no[/]")
@@ -247,8 +272,12 @@ def run_config_for(config: Path | None, engine: str) -> RunConfig:
 
 
 def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
-        json_out: Path | None = None) -> int:
-    """Both modes on one fleet; exit 1 unless every update verified."""
+        nic_gbps: float | None = None, json_out: Path | None = None) -> int:
+    """Both modes on one fleet; exit 1 unless every update verified. ``nic_gbps`` caps
+    every NIC (GB/s) in both modes: a transfer as long, against the engine's steps, as on
+    a cluster whose NICs bind (uncapped, tiny Llama's transfer here is a few steps)."""
+    if nic_gbps is not None and nic_gbps <= 0:
+        raise ValueError(f"--nic-gbps must be positive, not {nic_gbps}")
     if engine not in STALL_CLIENTS:
         raise ValueError(f"wt bench stall: no client for engine {engine!r} (known: "
                          f"{sorted(STALL_CLIENTS)}); add one to STALL_CLIENTS")
@@ -257,19 +286,20 @@ def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
     console = command_console(json_to_stdout(json_out))
     run_cfg = run_config_for(config, engine)
     rows: list[ModeResult] = []
-    with engine_fleet(run_cfg, apply="in_place") as fleet:
+    caps = {} if nic_gbps is None else {"nic_gbps": nic_gbps}
+    with engine_fleet(run_cfg, apply="in_place", **caps) as fleet:
         renice(fleet.trainers)
         client = STALL_CLIENTS[engine](fleet)
         rows.append(measure(fleet, fleet.controller, client, "in_place", range(1, updates + 1)))
         fleet.controller.shutdown()
-        shadow = shadow_controller(fleet)
+        shadow = shadow_controller(fleet)  # fleet.config: the caps too
         try:
             rows.append(measure(fleet, shadow, client, "shadow",
                                 range(updates + 1, 2 * updates + 1)))
         finally:
             shadow.shutdown()
     console.print(render(rows))
-    for what in ("stall_s", "engine_pause_s"):
+    for what in ("stall_s", "added_stall_s", "engine_pause_s"):
         base, sh = getattr(rows[0], what), getattr(rows[1], what)
         console.print(f"{what}: shadow {sh * 1e3:.1f} ms = {sh / base:.1%} of in place "
                       f"({base * 1e3:.1f} ms)" if base else f"{what}: none in place")
@@ -278,7 +308,8 @@ def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
         for p in r.problems:
             console.print(f"[red]{r.mode}: {p}[/]")
     if json_out is not None:
-        emit_json(json_out, {"engine": engine, "updates": updates, "verified": verified,
+        emit_json(json_out, {"engine": engine, "updates": updates, "nic_gbps": nic_gbps,
+                             "verified": verified,
                              "modes": {r.mode: asdict(r) for r in rows}}, console=console)
     return 0 if verified else 1
 

@@ -310,12 +310,16 @@ def bench_stall(
     engine: str = typer.Option("reference", help="Engine whose client generates "
                                "(actors.bench.stall.STALL_CLIENTS): reference or vllm."),
     updates: int = typer.Option(3, min=1, help="Updates per mode."),
+    nic_gbps: float | None = typer.Option(
+        None, help="Cap every simulated NIC (GB/s), both modes: a transfer as long as on a "
+        "cluster whose NICs bind [uncapped]."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Engine stall per update, in place and in shadow mode, while a client generates."""
     from actors.bench.stall import run
 
-    raise typer.Exit(run(config=config, engine=engine, updates=updates, json_out=json_path))
+    raise typer.Exit(run(config=config, engine=engine, updates=updates, nic_gbps=nic_gbps,
+                         json_out=json_path))
 
 
 @app.command("selftest")

@@ -31,6 +31,9 @@ def test_bench_stall_json_has_both_modes_verified(tmp_path, ray_job):
         assert row["verified"] and len(row["stalls"]) == len(row["updates"]) == 1, mode
         assert 0 < row["stall_s"] < 60 and 0 < row["update_s"] < 60
         assert row["stall_s"] == max(row["stalls"]) and row["engine_pause_s"] > 0
+        assert 0 < row["idle_stall_s"] < 60, row  # the noise floor: steps ran with no update
+        assert row["added_stall_s"] == pytest.approx(max(0.0, row["stall_s"]
+                                                         - row["idle_stall_s"]))
     assert doc["modes"]["in_place"]["extra_engine_bytes"] == 0
     # tiny_llama over 2 replicas x TP2: a shadow of every rank's weights (4 ranks)
     assert doc["modes"]["shadow"]["extra_engine_bytes"] > 4 * 1_000_000

@@ -129,6 +129,17 @@ def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
     assert idle_gap(steps, [(0.25, 1.4)]) == pytest.approx(0.1)
 
 
+def test_the_idle_floor_is_the_median_of_the_longest_gaps_of_update_long_windows():
+    from actors.bench.stall import idle_floor
+
+    # steps every 10 ms, one 50 ms hiccup at 0.3: windows of 0.1 s over [0, 1]
+    steps = [i / 100 for i in range(31)] + [0.35 + i / 100 for i in range(66)]
+    assert idle_floor(steps, 0.0, 1.0, 0.1) == pytest.approx(0.01)  # the hiccup is one window
+    assert idle_floor(steps, 0.25, 0.45, 0.1) == pytest.approx(0.05)
+    assert idle_floor(steps, 0.0, 1.0, 2.0) == 0.0  # no window fits
+    assert idle_floor(steps, 0.0, 1.0, 0.0) == 0.0
+
+
 def test_an_adapter_without_a_second_copy_is_refused_by_the_rank_naming_the_engine():
     from actors.inference import InferenceMixin
     from weight_transfer.types import NicId, ShardSpec

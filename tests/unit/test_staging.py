@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 
 import weight_transfer.staging as staging
@@ -59,6 +61,40 @@ def test_ring_places_ranges_in_order_and_reuses_only_behind_the_oldest(capacity,
         else:
             got.append(ring.free(arg))
     assert got == want
+
+
+class ScanRing(RingAllocator):
+    """The ring with its first free-lookup (a scan of every live range): the model."""
+
+    def free(self, start: int) -> None:
+        entry = next((e for e in self._live if e[0] == start and not e[2]), None)
+        if entry is None:
+            raise ValueError(f"no live range starts at {start} of the ring")
+        self._open.pop(start)
+        entry[2] = 1
+        self.held -= entry[1] - entry[0]
+        while self._live and self._live[0][2]:
+            self._live.popleft()
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 10**6)),
+                max_size=120))
+def test_ring_frees_in_any_order_as_the_scanning_model_does(ops):
+    ring, model, live = RingAllocator(100), ScanRing(100), []
+    for alloc, nbytes, pick in ops:
+        if alloc or not live:
+            got, want = ring.alloc(nbytes), model.alloc(nbytes)
+            assert got == want
+            if got is not None:
+                live.append(got)
+        else:
+            start = live.pop(pick % len(live))
+            ring.free(start)
+            model.free(start)
+        assert ring.held == model.held and list(ring._live) == list(model._live)
+    for start in live:
+        ring.free(start)
+    assert ring.held == 0 and not ring._live
 
 
 def test_ring_refuses_bad_sizes_and_unknown_frees():
