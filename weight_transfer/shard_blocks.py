@@ -149,8 +149,10 @@ def _owners(mesh: MeshDesc, placements: tuple[Placement, ...],
     return tuple(int(r) for r in np.asarray(grid[tuple(index)]).ravel())
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def shifted(piece: Piece, rect: Rect) -> Piece:
-    """``piece`` with its source rectangle relative to ``rect`` (a block that holds it)."""
+    """``piece`` with its source rectangle relative to ``rect`` (a block that holds it).
+    Cached: a static plan shifts the same pieces into the same blocks every update."""
     sl = tuple((a - r0, b - r0) for (a, b), (r0, _) in zip(piece.src_slice, rect, strict=True))
     if any(a < 0 or b > r1 - r0 for (a, b), (r0, r1) in zip(sl, rect, strict=True)):
         raise ValueError(f"piece {piece.src_param}{list(piece.src_slice)} -> {piece.dst_tensor}"

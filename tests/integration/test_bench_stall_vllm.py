@@ -38,6 +38,7 @@ def test_both_modes_verified_on_vllm(tmp_path):
         assert len(row["stalls"]) == len(row["updates"]) == 1
         assert math.isfinite(row["stall_s"]) and row["stall_s"] > 0
         assert 0 < row["step_gap_s"] <= row["stall_s"]
+        assert row["idle_stall_s"] > 0  # vLLM stepped through the idle window too
         assert row["engine_pause_s"] > 0 and row["update_s"] > 0
     assert doc["modes"]["in_place"]["extra_engine_bytes"] == 0
     assert doc["modes"]["shadow"]["extra_engine_bytes"] > 0
