@@ -153,7 +153,8 @@ class TransferSettings(_Frozen):
     integrity_watch_s: NonNegativeFloat = 0.0
     integrity_watch_bytes: PositiveInt = 64 << 20
     # Sparse deltas (actors.controller_delta): write only changed elements, one-sided, into a
-    # delta arena per engine rank (this fraction of its bytes), applied in place at finish;
+    # delta arena per engine rank (this fraction of its bytes), applied in place at finish
+    # (shadow mode: to the shadow, brought to the live version first, before the flip);
     # a dense anchor every delta_anchor_every delta updates and after a plan, fault or re-sync.
     delta: bool = False
     delta_anchor_every: PositiveInt = 20
@@ -222,11 +223,6 @@ class TransferSettings(_Frozen):
                 f"{_where(type(self))}.apply='shadow' does not combine with replica_groups (a "
                 "group's followers are filled from their leader's live memory, which a shadow "
                 "update writes only at the flip): leave replica_groups empty or use in_place")
-        if self.apply == "shadow" and self.delta:
-            raise ValueError(
-                f"{_where(type(self))}.apply='shadow' does not combine with delta=True (delta "
-                "records are applied to live memory at finish; an apply at the flip is not "
-                "built): set delta=False or use in_place")
         return self
 
     @property

@@ -269,6 +269,8 @@ class WeightTransferController:
             return rollback(self.state, self.calls, self.config, self.audit,
                             self.state.in_flight)
         finally:
+            if self._updates.delta is not None:  # live is older than the trainers' base
+                self._updates.delta.request_anchor()
             self._busy.release()
 
     def add_replica(self, engine_actors: Sequence[Any]) -> str:

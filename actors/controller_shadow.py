@@ -18,6 +18,17 @@ and the engines serve their live memory throughout. An update
    serving and reporting the version it had. A replica whose flip failed on
    some of its ranks is torn (held, re-synced) as in place.
 
+With sparse deltas (``TransferConfig.delta``) the chain
+(:class:`~actors.controller_delta.DeltaChain`) decides anchor or delta before step
+1. A delta update stages with ``base=True``: each rank first copies its live
+memory into the shadow (after a flip the shadow holds the version before; the
+records are based on the one served), serving meanwhile. After step 3 every
+replica that got all its writes applies the records to its shadow and the
+trainers re-send dense what it could not apply (stale base, digest, unreadable
+slot); then steps 4 and 5. A dense anchor is the ordinary shadow update. When a
+trainer failed, a delta update flips no replica (its records cannot be
+repaired); any failure makes the next update an anchor.
+
 So a transfer that fails, times out or fails its check is transactional: no
 replica is torn by it. ``rollback`` flips every replica back to the version it
 held before its last flip (:func:`rollback`), also after the new one served.
@@ -31,6 +42,8 @@ import os
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from ray.exceptions import RayError
 
 from actors.audit import RollbackAudit
 from actors.completion_fence import completion_fence
@@ -62,6 +75,34 @@ def none_flipped(faults: Sequence[RankFault], ranks: int) -> bool:
     return len(refused) == ranks
 
 
+def apply_delta(chain: Any, version: int, names: Sequence[str], failed: set[str], errors: bool,
+                faults: dict[str, list[RankFault]]) -> set[str]:
+    """Sparse deltas in shadow mode: every replica of ``names`` not ``failed`` applies the
+    records of ``version`` to its shadow (``chain``: the
+    :class:`~actors.controller_delta.DeltaChain`); the trainers re-send dense what it could
+    not apply. The replicas that must not flip: every one of them when a trainer failed
+    (``errors``) in a delta update (no repair) or when the apply or the repair failed
+    (their faults added to ``faults``)."""
+    todo = [n for n in names if n not in failed]
+    if errors:  # an anchor's complete replicas hold whole pieces; a delta's do not
+        why = None if chain.anchor else "a trainer failed: its records cannot be repaired"
+    elif not todo:
+        why = None
+    else:
+        try:
+            chain.after(version, todo)
+            why = None
+        except (RayError, TimeoutError, RuntimeError) as err:
+            why = f"applying the delta records to the shadow failed: {err}"
+    if why is None:
+        return set()
+    log.warning("delta version %d: replicas %s do not flip: %s", version, todo, why)
+    for name in todo:
+        faults.setdefault(name, []).append(RankFault(
+            replica=name, rank=-1, kind=FaultKind.FAILED, method="delta apply", error=why))
+    return set(todo)
+
+
 def _fan(ledger: Any, st: ControllerState, names: Sequence[str], method: Any, *args: Any,
          until: float, **kw: Any) -> dict[str, list[RankFault]]:
     return fan_out(ledger, st.replicas, [n for n in names if n in st.replicas], method, *args,
@@ -83,8 +124,12 @@ class ShadowSteps:
         names = list(st.replicas)
         for name in names:  # the shadows are overwritten: no rollback onto them any more
             st.previous[name] = None
+        delta = s.delta
+        if delta is not None:
+            delta.before(version)  # anchor or delta (actors.controller_delta)
+        base = {"base": True} if delta is not None and not delta.anchor else {}
         faults = _fan(ledger, st, names, ShadowEngineRank.wt_stage, version, epoch=next_epoch(),
-                      until=deadline - cfg.update_timeout_s * 0.75)
+                      until=deadline - cfg.update_timeout_s * 0.75, **base)
         staged_at = time.perf_counter()
         reports, errors = s._run_trainers(version, trace,
                                           deadline - cfg.update_timeout_s * RESUME_SHARE)
@@ -93,6 +138,8 @@ class ShadowSteps:
             after_transfer(version)
         fence = completion_fence(st.summary.dest_bytes_by_rank, reports, replicas=names)
         failed = set(faults) | set(fence.pending)
+        if delta is not None:
+            failed |= apply_delta(delta, version, names, failed, bool(errors), faults)
         check = verify_update(
             policy=cfg.integrity, reports=list(reports.values()),
             replicas={n: st.replicas[n] for n in names if n not in failed},
@@ -113,6 +160,8 @@ class ShadowSteps:
                              reports=tuple(reports.values()), integrity=check,
                              refusals=refusals_of(version, errors))
         if errors or failed or torn:
+            if delta is not None:
+                delta.failed()  # the next update is a dense anchor
             kept = {n: st.versions.get(n) for n in names if n in failed and n not in torn}
             merge_faults(faults, hold(st, s.calls, torn, faults))
             record_failure(s.metrics, errors, reports, torn, st.versions)

@@ -231,8 +231,8 @@ class InferenceMixin(DeltaRankMixin):
     def wt_shadow_info(self) -> ShadowInfo:
         return self._wt_shadow.info()
 
-    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
-        return self._wt_shadow.stage(version, epoch)
+    def wt_stage(self, version: Any, epoch: int | None = None, base: bool = False) -> bool:
+        return self._wt_shadow.stage(version, epoch, base)
 
     def wt_flip(self, version: Any, epoch: int | None = None,
                 deadline: float | None = None) -> bool:

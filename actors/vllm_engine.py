@@ -306,7 +306,10 @@ class VllmRankFacade:
     def wt_shadow_info(self):
         return self._get(self.owner.shadow_info.remote(self.rank))
 
-    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+    def wt_stage(self, version: Any, epoch: int | None = None, base: bool = False) -> bool:
+        """``base`` (a delta update) needs no copy here: vLLM's registered memory already
+        holds the version served (a flip reprocesses from it; a rollback swaps it with
+        the standby; a discard restores it), and the standby is saved at every stage."""
         return self._get(self.owner.stage.remote(version, epoch))
 
     def wt_flip(self, version: Any, epoch: int | None = None,

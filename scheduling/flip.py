@@ -8,13 +8,16 @@ two copies in device memory. From the model and the cluster alone::
     need = shadow_need(model, cluster, fp8=True)      # ShadowNeed: bytes per rank ...
     need.fits, need.message()                          # against inference.memory_gib
     flip_seconds(need.rank_bytes, cluster.inference.device_copy_gbps)
+    sync_seconds(need.rank_bytes, cluster.inference.device_copy_gbps)  # delta: live->shadow
 
 A swap moves every byte of both copies in and out of memory once (through one
 chunk of scratch that stays in cache): twice the traffic of a copy, so the stall
 of a flip is ``2 * rank_bytes / copy rate``, where a device-to-device copy rate
 is about half the memory bandwidth (it reads and writes). The ranks of a replica
-flip in parallel; the replica's stall is its largest rank's. Nothing here needs
-torch or Ray.
+flip in parallel; the replica's stall is its largest rank's. With sparse deltas
+each delta update first copies live into the shadow (:func:`sync_seconds`, one
+copy: half a swap's traffic) while the engine serves: memory bandwidth taken
+from generation, not a pause. Nothing here needs torch or Ray.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ def flip_seconds(rank_bytes: int, copy_gbps: float | None) -> float | None:
     if copy_gbps is None:
         return None
     return 2.0 * rank_bytes / (copy_gbps * 1e9)
+
+
+def sync_seconds(rank_bytes: int, copy_gbps: float | None) -> float | None:
+    """A delta update's copy of live into the shadow (``rank_bytes`` copied once at
+    ``copy_gbps`` GB/s, while the engine serves); None where the rate is not given."""
+    if copy_gbps is None:
+        return None
+    return rank_bytes / (copy_gbps * 1e9)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,9 +27,9 @@ replayed as it is, for each mesh group in order:
 Shard-direct parameters (the group's ``local``, :mod:`scheduling.direct`)
 come first, each an item of its own with no collective: ``prepare`` cuts
 (and casts or quantizes) the rank's pieces from its own block of the
-parameter (``DTensor.to_local()``, which :func:`weight_transfer.shard_blocks.local_rect`
-places in global coordinates), so the same bytes land as from the gathered
-tensor; their watermark reservation is the prepared pieces alone.
+parameter, so the same bytes land as from the gathered tensor; their watermark
+reservation is the prepared pieces alone. The prepare stage itself (gather or
+own block, then the pieces) is :mod:`weight_transfer.bucket_prepare`.
 
 Staging (``staging=True``, the default): the prepared pieces are written into
 a :class:`~weight_transfer.staging.StagingArena` allocated, pre-faulted and
@@ -62,7 +62,10 @@ ranks of its meshes wait for it in every ``full_tensor()``). The report's
 ``bytes_planned`` is what the plan asked for. Given ``metrics`` (a
 :class:`~weight_transfer.metrics.TransferMetrics`), the rank records the
 watermark bytes it holds as they change, its NIC's bytes and GB/s after each
-run, and each failed WRITE by error class.
+run, and each failed WRITE by error class. With a
+:class:`~weight_transfer.delta_write.DeltaStage` attached (``attach_delta``), the
+write stage sends sparse deltas instead; its wiring (record WRITEs, the tasks to
+re-send dense) is :mod:`weight_transfer.executor_delta`.
 
 Usage (the Ray actor is a thin shell around this)::
 
@@ -84,22 +87,19 @@ from typing import Any
 
 import torch
 
+from weight_transfer.bucket_prepare import BucketWork, ParamWork, prepare_bucket, to_device
 from weight_transfer.delta_write import DeltaStage, Where
-from weight_transfer.gather import (
-    DEFAULT_BUCKET_BYTES,
-    GatherBucket,
-    gather_bucket,
-)
+from weight_transfer.executor_delta import tasks_for_resend, write_record
+from weight_transfer.gather import DEFAULT_BUCKET_BYTES, GatherBucket
 from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
 from weight_transfer.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.plan_check import GroupWork, check_trainer_plan
-from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.prepare import as_bytes
 from weight_transfer.rank_items import BucketLayout, group_layouts, own_block
 from weight_transfer.retry import RetryingWriter, RetryPolicy
 from weight_transfer.run_log import RunLog
-from weight_transfer.shard_blocks import shifted
-from weight_transfer.staging import Lease, StagingArena
+from weight_transfer.staging import StagingArena
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, WriteTask
 from weight_transfer.watermark import ByteWatermark
@@ -108,33 +108,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "own_block",
            "to_device"]
-
-
-@dataclass(slots=True)
-class ParamWork:
-    """One parameter moving through the stages on this rank."""
-
-    meta: ParamMeta
-    tasks: list[WriteTask]
-    local: Any = None  # local shard (Tensor or DTensor)
-    prepared: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class BucketWork:
-    """One gather bucket (one parameter, or several gathered at once) on this rank."""
-
-    layout: BucketLayout
-    params: list[ParamWork]
-    lease: Lease | None = None  # its pieces' range of the staging arena
-
-    @property
-    def bucket(self) -> GatherBucket:
-        return self.layout.bucket
-
-    @property
-    def tasks(self) -> list[WriteTask]:
-        return [t for p in self.params for t in p.tasks]
 
 
 WriteErrorHook = Callable[[WriteTask, TransportError], None]
@@ -263,37 +236,11 @@ class RankTransfer:
         return work
 
     def _gather_and_prepare(self, work: BucketWork) -> BucketWork:
-        if work.layout.local:
-            fulls = [own_block(p.meta, p.local, self.rank) for p in work.params]
-        else:
-            record = None if self.collectives is None else self.collectives.append
-            fulls = [(f, None) for f in gather_bucket(work.bucket, [p.local for p in work.params],
-                                                      record=record)]
-        slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
-        on_cuda = False
-        for p, (full, block) in zip(work.params, fulls, strict=True):
-            p.local = None
-            mine = list(dict.fromkeys(t.piece for t in p.tasks))
-            if not mine:
-                continue
-            # a local block: the same pieces with sources relative to it
-            src = mine if block is None else [shifted(q, block) for q in mine]
-            if work.lease is not None:
-                outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
-                views = self.write_from_views and not full.is_cuda
-                if self.delta is not None and self.delta.active and not full.is_cuda:
-                    # a delta run prepares FP8 pieces from their source's changes
-                    got = self.delta.prepare_into(full, mine, src, outs, views=views)
-                else:
-                    got = prepare_pieces_into(full, src, outs, views=views)
-                ready = dict(zip(mine, got, strict=True))
-            else:
-                ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
-            p.prepared = [ready[t.piece] for t in p.tasks]
-            on_cuda = on_cuda or full.is_cuda
-        if on_cuda:
-            torch.cuda.current_stream(fulls[0][0].device).synchronize()
-        return work
+        record = None if self.collectives is None else self.collectives.append
+        delta = self.delta if self.delta is not None and self.delta.active else None
+        return prepare_bucket(work, rank=self.rank, write_from_views=self.write_from_views,
+                              record=record,
+                              prepare=None if delta is None else delta.prepare_into)
 
     async def _prepare(self, work: BucketWork) -> BucketWork:
         if self.arena is not None:  # FIFO: this stage takes one bucket at a time, in order
@@ -335,20 +282,9 @@ class RankTransfer:
         )
 
     async def _write_record(self, where: Where, buf: torch.Tensor, task: WriteTask) -> None:
-        """A task's delta record into its engine rank's arena; it lands (for the report,
-        the integrity check and the engine bytes counted) as the piece's bytes ``buf``."""
-        start = time.perf_counter()
-        src, region, offset = where
-        try:
-            await self._run.writer.write(src, region, offset)
-        except TransportError as exc:
-            if self.on_write_error is None:
-                raise
-            self.on_write_error(task, exc)
-            return
-        self._run.landed(task, buf, self.integrity)
-        self._task_spans.append(Span(key=task.task_id, stage="write", start=start,
-                                     end=time.perf_counter(), nbytes=src.numel()))
+        """A task's delta record (:func:`weight_transfer.executor_delta.write_record`)."""
+        await write_record(self._run, where, buf, task, integrity=self.integrity,
+                           on_write_error=self.on_write_error, spans=self._task_spans)
 
     def attach_delta(self, stage: DeltaStage | None) -> None:
         """Write sparse deltas from the next run begun with a directive (None: dense)."""
@@ -360,9 +296,7 @@ class RankTransfer:
                     ) -> list[WriteTask]:
         """This rank's tasks into engine ranks ``owners`` (all of them) or onto
         ``ranges`` ((region addr, offset, nbytes)): those to re-send dense."""
-        return [t for g in self.groups for ts in g.tasks.values() for t in ts
-                if t.region.owner in owners
-                or (t.region.addr, t.region_offset, t.nbytes) in ranges]
+        return tasks_for_resend(self.groups, owners, ranges)
 
     def _source(self, buf: torch.Tensor) -> torch.Tensor:
         """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
@@ -439,19 +373,4 @@ class RankTransfer:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-
-
-def to_device(local: Any, device: torch.device) -> Any:
-    """Host-to-device copy of a local shard (pinned memory makes it asynchronous)."""
-    to_local = getattr(local, "to_local", None)
-    if to_local is None:
-        return local.to(device, non_blocking=True)
-    from torch.distributed.tensor import DTensor
-
-    shard = to_local().to(device, non_blocking=True)
-    return DTensor.from_local(
-        shard, local.device_mesh, local.placements, run_check=False,
-        shape=local.shape, stride=local.stride(),
-    )
-
 

@@ -25,6 +25,11 @@ Switching between ``gather="full"`` and ``"shard_direct"`` is a re-plan
 (``controller.setup()``), so each learning rate alternates ``shard_direct`` and
 ``delta`` on the shard-direct plan first, then runs its ``gather`` rounds.
 
+With ``--apply shadow`` the same rounds run in shadow mode: a delta update first
+copies every engine rank's live memory into its shadow (while serving), applies
+the records there and flips; each row then also gives that copy (``sync_s``, the
+slowest rank's) and the flip's pause (``flip_s``).
+
 Reported per (dtype, lr, mode), medians over the rounds: bytes on the wire (every
 trainer NIC's bytes, records, headers and repairs included), update seconds
 (the controller's, pause to resume, apply included), CPU seconds of the diff,
@@ -35,6 +40,7 @@ after the update (:func:`actors.demo.verify.check_bytes`)::
 
     wt bench delta --json delta.json            # bench_dense, bf16 and fp8, lr 1e-6 and 1e-5
     wt bench delta --quick                      # tiny_llama, one round (a test's size)
+    wt bench delta --quick --apply shadow       # the same in shadow mode
 """
 
 from __future__ import annotations
@@ -59,12 +65,13 @@ def _set_lr(trainer: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-def run_config(config: Path, model: Path, *, fp8: bool, cap: float | None) -> Any:
+def run_config(config: Path, model: Path, *, fp8: bool, cap: float | None,
+               apply: str = "in_place") -> Any:
     data = load_run_config(config).model_dump(by_alias=True)
     data.update(model=str(model), fp8=fp8, engine="reference")
     transfer = data["transfer"]
     options = transfer.get("transport_options") if transfer["transport"] == "simnic" else None
-    transfer.update(transport="simnic", delta=True, delta_anchor_every=1 << 20,
+    transfer.update(transport="simnic", delta=True, delta_anchor_every=1 << 20, apply=apply,
                     integrity={"mode": "full"},  # every written range checked, every update
                     transport_options={**(options or {}), "bandwidth_gbps": cap})
     return parse_run_config(data, source=f"{config} (wt bench delta)")
@@ -123,7 +130,7 @@ class DeltaBench:
         if sums is None or sums.mode != "full" or not sums.ok:
             problems.append(f"integrity check: {sums}")
         total = lambda key: sum(s[key] for s in stats)  # noqa: E731
-        return {"mode": mode, "bytes": wire, "seconds": report.seconds,
+        return {**self._shadow_times(), "mode": mode, "bytes": wire, "seconds": report.seconds,
                 "verified": bool(checks.get("bytes")) and not problems, "oracle": oracle,
                 "problems": problems[:3], "anchor": last.anchor,
                 "diff_s": total("diff_s"), "encode_s": total("encode_s"),
@@ -137,6 +144,18 @@ class DeltaBench:
                 "time_dense_pieces": total("time_dense_pieces"),
                 "fallback": sorted({s["fallback"] for s in stats if s["fallback"]}),
                 "encodings": _merge_counts(s["encodings"] for s in stats)}
+
+    def _shadow_times(self) -> dict[str, float]:
+        """Shadow mode: the slowest rank's copy of live into the shadow (0 for an anchor:
+        none) and flip pause of the last update; {} in place."""
+        if self.ctl.config.apply != "shadow":
+            return {}
+        infos = self._get([a.wt_shadow_info.remote() for rep in self.fleet.replicas.values()
+                           for a in rep])
+        anchor = self.ctl.delta.last.anchor
+        return {"sync_s": 0.0 if anchor else max(i.last_sync_s for i in infos),
+                "flip_s": max(i.last_flip_s for i in infos),
+                "rank_bytes": max(i.nbytes for i in infos)}
 
     def _gather_mode(self, mode: str) -> None:
         """Plan with ``gather=mode`` (a re-plan when it changes) where the build has it."""
@@ -161,7 +180,8 @@ def summarize(rows: list[dict[str, Any]], *, dtype: str, lr: float) -> list[dict
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         med = {k: statistics.median(r[k] for r in mine)
-               for k in ("bytes", "seconds", "diff_s", "encode_s", "apply_s")}
+               for k in ("bytes", "seconds", "diff_s", "encode_s", "apply_s", "sync_s",
+                         "flip_s") if k in mine[0]}
         changed = sum(r["changed"] for r in mine)
         elements = sum(r["elements"] for r in mine)
         out.append({"dtype": dtype, "lr": lr, "mode": mode, **med,
@@ -249,9 +269,12 @@ def _rounds(bench: DeltaBench, mine: list, order: list[str], *, dtype: str, lr: 
     for i, mode in enumerate(order):
         row = bench.update(mode, oracle=oracle == "every" or i == len(order) - 1)
         mine.append(row)
+        shadow = "" if "sync_s" not in row else (
+            f" shadow: live->shadow copy {row['sync_s']:.4f} s of {row['rank_bytes'] / 1e6:.1f}"
+            f" MB per rank while serving, flip {row['flip_s']:.4f} s,")
         console.print(f"{dtype} lr {lr:g} {mode:>12}: {row['bytes'] / 1e6:9.2f} MB "
                       f"in {row['seconds']:.3f} s (CPU s: diff {row['diff_s']:.3f}, "
-                      f"encode {row['encode_s']:.3f}, apply {row['apply_s']:.3f}), "
+                      f"encode {row['encode_s']:.3f}, apply {row['apply_s']:.3f}),{shadow} "
                       f"{'verified' if row['verified'] else 'NOT verified'}")
         if row["fallback"]:
             console.print(f"    time rule ({row['time_dense_pieces']} pieces dense by time): "
@@ -263,31 +286,37 @@ def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
 
     cap = f"{nic_gbps:g} GB/s per NIC" if nic_gbps else "uncapped"
     table = Table(title=f"dense vs sparse delta updates ({cap}; medians)")
+    shadow = any("sync_s" in r for r in runs)
     for col in ("dtype", "lr", "mode", "MB on wire", "seconds", "bytes x", "speed x",
-                "diff s", "encode s", "apply s", "changed", "verified"):
+                "diff s", "encode s", "apply s", "changed",
+                *(("live->shadow s", "flip s") if shadow else ()), "verified"):
         table.add_column(col, justify="right")
     dense = {(r["dtype"], r["lr"]): r for r in runs if r["mode"] == "gather"}
     for r in runs:
         base = dense.get((r["dtype"], r["lr"]), r)
         frac = r["changed_fraction"]
+        extra = (f"{r['sync_s']:.4f}", f"{r['flip_s']:.4f}") if shadow else ()
         table.add_row(r["dtype"], f"{r['lr']:g}", r["mode"], f"{r['bytes'] / 1e6:.2f}",
                       f"{r['seconds']:.3f}", f"{base['bytes'] / max(1, r['bytes']):.1f}",
                       f"{base['seconds'] / r['seconds']:.2f}", f"{r['diff_s']:.3f}",
                       f"{r['encode_s']:.3f}", f"{r['apply_s']:.3f}",
-                      "-" if frac is None else f"{100 * frac:.2f}%",
+                      "-" if frac is None else f"{100 * frac:.2f}%", *extra,
                       "[green]yes[/]" if r["verified"] else "[bold red]NO[/]")
     return table
 
 
 def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: int,
         lrs: str, dtypes: str, quick: bool, timeout_s: float, json_path: Path | None,
-        oracle: str = "every") -> int:
+        oracle: str = "every", apply: str = "in_place") -> int:
     console = command_console(json_path)
     try:
         lr_list = [float(x) for x in lrs.split(",") if x.strip()]
         kinds = [d.strip() for d in dtypes.split(",") if d.strip()]
     except ValueError as exc:
         console.print(f"[bold red]error:[/] --lrs {lrs!r}: {exc}")
+        return 2
+    if apply not in ("in_place", "shadow"):
+        console.print(f"[bold red]error:[/] --apply {apply!r}: in_place or shadow")
         return 2
     if oracle not in ("every", "last"):
         console.print(f"[bold red]error:[/] --oracle {oracle!r}: every or last")
@@ -303,7 +332,7 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
     updates = 1 if quick else updates
     runs, rows, notes = [], [], []
     for dtype in kinds:
-        cfg = run_config(config, model, fp8=dtype == "fp8", cap=nic_gbps)
+        cfg = run_config(config, model, fp8=dtype == "fp8", cap=nic_gbps, apply=apply)
         started = connect_ray(cfg)
         try:
             got, raw = measure(cfg, dtype=dtype, lrs=lr_list, updates=updates,
@@ -338,8 +367,8 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
         console.print(line)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
-    doc = {"model": str(model), "nic_gbps": nic_gbps, "updates": updates, "runs": runs,
-           "rounds": rows, "goals": verdict, "notes": notes}
+    doc = {"model": str(model), "nic_gbps": nic_gbps, "apply": apply, "updates": updates,
+           "runs": runs, "rounds": rows, "goals": verdict, "notes": notes}
     emit_json(json_path, doc, console)
     ok = all(r["verified"] for r in runs) and not errors
     if not ok:

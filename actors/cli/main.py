@@ -256,6 +256,9 @@ def bench_delta(
                                "after every update, or after each lr's last (the integrity "
                                "check of every range runs after every update either way)."),
     timeout_s: float = typer.Option(900.0, help="Timeout of each call to the actors."),
+    apply: str = typer.Option("in_place", help="in_place|shadow: deltas applied in place at "
+                              "finish, or to the shadow (live copied into it first) and "
+                              "flipped; shadow also reports the copy and the flip."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Dense (gather) beside sparse delta updates: bytes, seconds, CPU of diff/encode/apply."""
@@ -263,7 +266,7 @@ def bench_delta(
 
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          lrs=lrs, dtypes=dtypes, quick=quick, timeout_s=timeout_s,
-                         json_path=json_path, oracle=oracle))
+                         json_path=json_path, oracle=oracle, apply=apply))
 
 
 @bench_app.command("integrity")

@@ -40,7 +40,7 @@ from rich.table import Table
 from actors.cli.progress import command_console, emit_json, json_to_stdout, steps
 from scheduling import ClusterConfig, Plan, compute_plan, load_cluster_config, simulate
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.flip import flip_seconds, shadow_need
+from scheduling.flip import flip_seconds, shadow_need, sync_seconds
 from scheduling.simulate import lower_bounds
 from weight_transfer.models import ModelConfig, load_model_config
 from weight_transfer.shard_geometry import gc_paused
@@ -222,11 +222,13 @@ def _sweep(p: Planned) -> list[dict[str, Any]]:
 def flip_summary(p: Planned, transfer_s: float) -> dict[str, Any]:
     """Shadow mode on this cluster: the flip's stall per replica (a swap of the largest
     rank's weights at ``inference.device_copy_gbps``; ranks flip in parallel) beside the
-    in-place stall (the whole transfer), and whether the shadow fits the GPU memory."""
+    in-place stall (the whole transfer), whether the shadow fits the GPU memory, and the
+    copy of live into the shadow that each sparse delta update makes while serving."""
     need = shadow_need(p.model, p.cluster, fp8=p.cluster.inference.fp8)
     gbps = p.cluster.inference.device_copy_gbps
     return {"rank_bytes": need.rank_bytes, "extra_bytes_per_rank": need.extra_bytes,
             "device_copy_gbps": gbps, "flip_s_per_replica": flip_seconds(need.rank_bytes, gbps),
+            "delta_sync_s_per_replica": sync_seconds(need.rank_bytes, gbps),
             "in_place_stall_s_per_replica": transfer_s, "fits": need.fits,
             "memory": need.message()}
 
@@ -237,8 +239,13 @@ def flip_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
              f"[bold]{flip * 1e3:.1f} ms[/bold] (swap of {_gb(f['rank_bytes'])} at "
              f"{f['device_copy_gbps']:g} GB/s) vs {f['in_place_stall_s_per_replica']:.3f} s "
              "in place (pause for the whole transfer)")
-    return [("shadow flip: stall per replica", stall),
+    sync = f["delta_sync_s_per_replica"]
+    rows = [("shadow flip: stall per replica", stall),
             ("shadow memory per rank", f["memory"])]
+    if sync is not None:
+        rows.append(("shadow + deltas: live->shadow copy",
+                     f"{sync * 1e3:.1f} ms per delta update while serving (not a pause)"))
+    return rows
 
 
 def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,

@@ -17,9 +17,11 @@ may break near-ties differently). After each update:
   digests leave the worker;
 * generations and versions: as with the reference engine.
 
-The worker-side check travels as a callable through ``collective_rpc``, which
+The byte check is :func:`oracle_bytes`, handed the oracle that reaches the
+workers: here the worker-side check travels as a callable through ``collective_rpc``, which
 vLLM allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: set for the
-demo's own engine processes. vLLM's own logs stay at WARNING and above
+demo's own engine processes (``wt demo --engine vllm-server`` reaches a test
+worker extension by name instead). vLLM's own logs stay at WARNING and above
 (``VLLM_LOGGING_LEVEL``, read when a process imports vLLM: this one and the
 engines'); ``wt demo --verbose`` shows its INFO lines, and a
 ``VLLM_LOGGING_LEVEL`` set in the environment wins over both. FP8 engines with vLLM need a GPU
@@ -33,6 +35,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,19 +150,23 @@ def _require_cuda(what: str) -> None:
                          "CPU); run without --fp8")
 
 
-def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
-                previous: dict | None) -> dict[str, dict[str, str]]:
-    """Every registered byte against vLLM's own load_weights of the trainers' weights."""
-    from actors.testing.vllm_oracle import oracle_check
+# One replica's oracle: (its Ray owner, a checkpoint path) -> per TP rank
+# (differences from vLLM's own load_weights, sha256 of each registered tensor).
+Oracle = Callable[[Any, str], list[tuple[list[str], dict[str, str]]]]
 
+
+def oracle_bytes(fleet: Fleet, checks: dict, problems: list[str], previous: dict | None,
+                 *, oracle: Oracle) -> dict[str, dict[str, str]]:
+    """Every registered byte against vLLM's own load_weights of the trainers' current
+    weights, saved as a checkpoint and checked in each replica's workers by ``oracle``;
+    returns the digests per engine rank (``checks``/``problems`` get the verdicts)."""
     path = save_trainer_checkpoint(fleet.trainers,
                                    Path(tempfile.mkdtemp(dir=fleet.workdir)) / "current")
     got: dict[str, dict[str, str]] = {}
     issues: list[str] = []
     try:
         for name, owner in zip(fleet.replicas, fleet.owners, strict=True):
-            ranks = ray.get(owner.collective_rpc.remote(oracle_check, (str(path),)))
-            for rank, (differences, digests) in enumerate(ranks):
+            for rank, (differences, digests) in enumerate(oracle(owner, str(path))):
                 who = str(EngineRankId(replica=name, rank=rank))
                 issues += [f"{who}: {d}" for d in differences]
                 got[who] = digests
@@ -169,3 +176,16 @@ def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
     problems += capped(issues)
     check_changed(got, previous, checks, problems)
     return got
+
+
+def _callable_oracle(owner: Any, checkpoint: str) -> list[tuple[list[str], dict[str, str]]]:
+    """The check sent to the workers as a callable through ``collective_rpc``."""
+    from actors.testing.vllm_oracle import oracle_check
+
+    return ray.get(owner.collective_rpc.remote(oracle_check, (checkpoint,)))
+
+
+def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
+                previous: dict | None) -> dict[str, dict[str, str]]:
+    """Every registered byte against vLLM's own load_weights of the trainers' weights."""
+    return oracle_bytes(fleet, checks, problems, previous, oracle=_callable_oracle)

@@ -30,11 +30,9 @@ from rich.progress import Progress
 
 from actors.demo.checks import capped
 from actors.demo.fleet import Fleet, transfer_config
-from actors.demo.verify import check_changed
-from actors.demo.vllm_demo import ORACLE, set_vllm_log_level, vllm_log_level
+from actors.demo.vllm_demo import oracle_bytes, set_vllm_log_level, vllm_log_level
 from actors.run_config import RunConfig
 from actors.vllm_engine import save_trainer_checkpoint
-from weight_transfer.types import EngineRankId
 
 ENGINE = "vllm-server"
 PAUSE_MODE = "keep"
@@ -134,26 +132,16 @@ def _stream_checks(fleet: Fleet, version: int, checks: dict, problems: list[str]
         c.errors.clear()
 
 
+def _extension_oracle(owner: Any, checkpoint: str) -> list[tuple[list[str], dict[str, str]]]:
+    """The check in the servers' test worker extension, reached by name."""
+    answers = ray.get(owner.collective_rpc.remote("wt_oracle_check", (checkpoint,)))
+    return [(a["problems"], a["digests"]) for a in answers]
+
+
 def check_bytes(fleet: Fleet, checks: dict, problems: list[str],
                 previous: dict | None) -> dict[str, dict[str, str]]:
     """Every registered byte against vLLM's load_weights in the servers' workers; the
     streaming client's versions."""
     version = max(int(v) for v in fleet.controller.weights_version().values() if v is not None)
     _stream_checks(fleet, version, checks, problems)
-    path = save_trainer_checkpoint(fleet.trainers,
-                                   Path(tempfile.mkdtemp(dir=fleet.workdir)) / "current")
-    got: dict[str, dict[str, str]] = {}
-    issues: list[str] = []
-    try:
-        for name, owner in zip(fleet.replicas, fleet.owners, strict=True):
-            ranks = ray.get(owner.collective_rpc.remote("wt_oracle_check", (str(path),)))
-            for rank, answer in enumerate(ranks):
-                who = str(EngineRankId(replica=name, rank=rank))
-                issues += [f"{who}: {d}" for d in answer["problems"]]
-                got[who] = answer["digests"]
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)
-    checks.update(bytes=not issues, tensors=sum(len(d) for d in got.values()), oracle=ORACLE)
-    problems += capped(issues)
-    check_changed(got, previous, checks, problems)
-    return got
+    return oracle_bytes(fleet, checks, problems, previous, oracle=_extension_oracle)

@@ -8,6 +8,7 @@ that injects faults launches these classes instead::
     ray.get(trainers[1].wt_set_link.remote(False))        # writes of rank 1 fail
     ray.get(replicas[0][0].wt_deregister.remote())        # its regions are revoked
     ray.get(replicas[0][1].wt_flip_byte.remote(name, 3))  # one corrupted byte
+    ray.get(replicas[0][1].wt_drop_delta_header.remote(0))  # a delta slot header lost
 
 Trainer hooks go through the transport's optional
 :class:`~weight_transfer.transport.base.FaultInjection` interface (simnic only;
@@ -25,6 +26,7 @@ import ray
 from actors.inference import InferenceWorker
 from actors.trainer import TrainerWorker
 from actors.vllm_engine import VllmRankFacade
+from weight_transfer.delta_codec import SLOT_HEADER
 from weight_transfer.transport.base import fault_injection
 
 
@@ -62,6 +64,15 @@ class EngineFaultHooks:
         if not 0 <= offset < len(data):
             raise ValueError(f"{self._wt_owner}: no byte {offset} of tensor {tensor!r}")
         data[offset] ^= 0xFF
+
+    def wt_drop_delta_header(self, trainer_rank: int) -> None:
+        """Zero the header of ``trainer_rank``'s slot in this rank's delta arena, as if its
+        last WRITE never landed (the apply finds the slot unreadable)."""
+        arena = self._wt_delta
+        if arena is None or trainer_rank not in arena.slots:
+            raise ValueError(f"{self._wt_owner}: no delta slot of trainer rank {trainer_rank}")
+        off, _ = arena.slots[trainer_rank]
+        arena.buffer[off:off + SLOT_HEADER].zero_()
 
     def wt_deregister(self) -> None:
         """Revoke every registered region (later writes into it fail). The next

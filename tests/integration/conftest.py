@@ -24,6 +24,10 @@ test joins a cluster it did not start: every ``ray.init`` names its address (the
 shared cluster's, one it started, or ``"local"`` for a new instance), never
 ``"auto"`` or nothing, and Ray's token exists before the workers start
 (``tests/conftest.py``).
+
+The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
+(config, trainers, engines, controller, the byte oracle) and :func:`vllm_trainers`
+(trainers for the modules whose engine the user's own actor starts).
 """
 
 from __future__ import annotations
@@ -97,6 +101,18 @@ def ray_job(shared_ray_cluster: SharedCluster) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_trainers(ray_job: None) -> Iterator[Any]:
+    """The module's trainers of tiny_llama in float32 for one vLLM replica at TP=1
+    (``configs/clusters/vllm_cpu_tp1.yaml``), on the shared cluster; closed after it."""
+    from vllm_fleet import tiny_llama_config  # tests/integration is on sys.path
+
+    from actors import launch_trainers
+
+    with launch_trainers(tiny_llama_config("vllm_cpu_tp1.yaml")) as handle:
+        yield handle
 
 
 @pytest.hookimpl(trylast=True)  # after tests/conftest.py marked and `-m` deselected

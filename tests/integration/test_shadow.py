@@ -1,7 +1,9 @@
 """Shadow mode on the reference engine: the engines serve throughout, flip, and roll back.
 
 2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama), ``apply="shadow"``, integrity
-``full``, an audit log. In order:
+``full``, an audit log. Each test works from the version the fleet holds when it
+starts (the ``base`` fixture first brings every replica to one version, where they
+differ or hold none), so the tests pass alone and in any order:
 
 1. an update: while the writes land and are checked, every engine still serves (a
    generation runs from the ``after_transfer`` hook) and its live bytes are the old
@@ -73,8 +75,30 @@ def generate(replica):
     return ray.get([a.generate.remote(PROMPTS, 3) for a in replica], timeout=60)[0]
 
 
+def next_version(ctl) -> int:
+    """One past the newest version any replica holds (1 on a fresh fleet)."""
+    return max((v for v in ctl.weights_version().values() if v is not None), default=0) + 1
+
+
+@pytest.fixture
+def base(env) -> int:
+    """The version every replica holds as the test starts: where one holds none or they
+    differ (a fresh module, or an earlier test that stopped half-way), an update first."""
+    _, trainers, _, ctl = env
+    held = set(ctl.weights_version().values())
+    if None in held or len(held) != 1:
+        version = next_version(ctl)
+        train(trainers, version)
+        ctl.update(version)
+        held = set(ctl.weights_version().values())
+    (version,) = held
+    return version
+
+
 def test_engines_serve_the_old_bytes_until_the_flip(env):
     cfg, trainers, replicas, ctl = env
+    v = next_version(ctl)
+    train(trainers, v)  # new bytes to write, whichever test ran before
     assert set(ctl.summary.shadow_bytes) == {f"engine{i}/tp{r}" for i in (0, 1) for r in (0, 1)}
     assert all(n > 0 for n in ctl.summary.shadow_bytes.values())
     before = [live(rep) for rep in replicas]
@@ -87,18 +111,18 @@ def test_engines_serve_the_old_bytes_until_the_flip(env):
 
     ctl.after_transfer = during
     try:
-        ctl.update(1)
+        ctl.update(v)
     finally:
         ctl.after_transfer = None
     assert seen["untouched"] and len(seen["tokens"]) == 2
     assert engine_mismatches(cfg.model, trainers, replicas) == []
-    assert ctl.weights_version() == {"engine0": 1, "engine1": 1}
-    assert ray.get(replicas[0][0].wt_events.remote())[-1][:2] == ("flip", 1)
+    assert ctl.weights_version() == {"engine0": v, "engine1": v}
+    assert ray.get(replicas[0][0].wt_events.remote())[-1][:2] == ("flip", v)
 
 
-def test_a_failed_check_leaves_live_memory_untouched_and_the_next_update_heals(env):
+def test_a_failed_check_leaves_live_memory_untouched_and_the_next_update_heals(env, base):
     cfg, trainers, replicas, ctl = env
-    train(trainers, 2)
+    train(trainers, base + 1)
     before = live(replicas[1])
     tensor = "model.layers.0.mlp.down_proj.weight"
 
@@ -108,50 +132,56 @@ def test_a_failed_check_leaves_live_memory_untouched_and_the_next_update_heals(e
     ctl.after_transfer = corrupt
     try:
         with pytest.raises(UpdateError, match="engine1") as err:
-            ctl.update(2)
+            ctl.update(base + 1)
     finally:
         ctl.after_transfer = None
-    assert err.value.torn == [] and err.value.kept == {"engine1": 1}
-    assert ctl.weights_version() == {"engine0": 2, "engine1": 1}
+    assert err.value.torn == [] and err.value.kept == {"engine1": base}
+    assert ctl.weights_version() == {"engine0": base + 1, "engine1": base}
     assert same(live(replicas[1]), before)  # the failed transfer never touched live memory
-    assert [ray.get(a.wt_version.remote()) for a in replicas[1]] == [1, 1]
+    assert [ray.get(a.wt_version.remote()) for a in replicas[1]] == [base, base]
     assert not any(ray.get(a.wt_paused.remote()) for a in replicas[1])
-    assert len(generate(replicas[1])) == 2  # still serving version 1
-    ctl.update(3)  # the next update heals
-    assert ctl.weights_version() == {"engine0": 3, "engine1": 3}
+    assert len(generate(replicas[1])) == 2  # still serving version base
+    ctl.update(base + 2)  # the next update heals
+    assert ctl.weights_version() == {"engine0": base + 2, "engine1": base + 2}
     assert engine_mismatches(cfg.model, trainers, replicas) == []
 
 
-def test_rollback_restores_the_previous_bytes_exactly(env, tmp_path):
+def rollbacks(cfg) -> list[dict]:
+    return [r for r in read_audit(cfg.audit_path) if r["kind"] == "rollback"]
+
+
+def test_rollback_restores_the_previous_bytes_exactly(env, base, tmp_path):
     cfg, trainers, replicas, ctl = env
-    train(trainers, 4)
+    audited = len(rollbacks(cfg))
+    train(trainers, base + 1)
     ctl.after_transfer = lambda v: ctl.rollback()
     try:
-        with pytest.raises(ValueError, match="update to version 4 is in flight"):
-            ctl.update(4)  # a rollback asked while the transfer is in flight: refused
+        with pytest.raises(ValueError, match=f"update to version {base + 1} is in flight"):
+            ctl.update(base + 1)  # a rollback asked while the transfer is in flight: refused
     finally:
         ctl.after_transfer = None
-    assert ctl.weights_version() == {"engine0": 3, "engine1": 3}
-    ctl.update(5)
-    at5 = [live(rep) for rep in replicas]
-    tokens5 = [generate(rep) for rep in replicas]
-    train(trainers, 6)
-    ctl.update(6)
-    assert not any(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))
+    assert ctl.weights_version() == {"engine0": base, "engine1": base}
+    good, bad = base + 2, base + 3
+    ctl.update(good)
+    at_good = [live(rep) for rep in replicas]
+    tokens_good = [generate(rep) for rep in replicas]
+    train(trainers, bad)
+    ctl.update(bad)
+    assert not any(same(live(rep), b) for rep, b in zip(replicas, at_good, strict=True))
     generate(replicas[0])  # the new version served before it is declared bad
-    assert ctl.rollback() == {"engine0": 5, "engine1": 5}
-    assert all(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))  # exactly
-    assert [generate(rep) for rep in replicas] == tokens5
-    assert [ray.get(a.wt_version.remote()) for rep in replicas for a in rep] == [5] * 4
+    assert ctl.rollback() == {"engine0": good, "engine1": good}
+    assert all(same(live(rep), b) for rep, b in zip(replicas, at_good, strict=True))  # exactly
+    assert [generate(rep) for rep in replicas] == tokens_good
+    assert [ray.get(a.wt_version.remote()) for rep in replicas for a in rep] == [good] * 4
     with pytest.raises(ValueError, match="no previous version on replicas"):
         ctl.rollback()  # rolled back already: nothing changed
-    assert ctl.weights_version() == {"engine0": 5, "engine1": 5}
-    assert all(same(live(rep), b) for rep, b in zip(replicas, at5, strict=True))
-    lines = [r for r in read_audit(cfg.audit_path) if r["kind"] == "rollback"]
+    assert ctl.weights_version() == {"engine0": good, "engine1": good}
+    assert all(same(live(rep), b) for rep, b in zip(replicas, at_good, strict=True))
+    lines = rollbacks(cfg)[audited:]
     assert len(lines) == 1 and lines[0]["outcome"] == "ok"
-    assert lines[0]["before"] == {"engine0": 6, "engine1": 6}
-    assert lines[0]["after"] == {"engine0": 5, "engine1": 5}
-    trace = tmp_path / "update7.json"
-    report = ctl.update(7, trace=trace)  # and updates go on from there, traced as in place
+    assert lines[0]["before"] == {"engine0": bad, "engine1": bad}
+    assert lines[0]["after"] == {"engine0": good, "engine1": good}
+    trace = tmp_path / f"update{bad + 1}.json"
+    report = ctl.update(bad + 1, trace=trace)  # and updates go on from there, traced as in place
     assert engine_mismatches(cfg.model, trainers, replicas) == []
     assert report.trace is not None and json.loads(trace.read_text())["traceEvents"]

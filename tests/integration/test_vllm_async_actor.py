@@ -16,37 +16,23 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
+from vllm_fleet import LLAMA, START_SEED, train_step  # tests/integration is on sys.path
 
 from actors.testing.doc_snippets import run_snippet
 from actors.testing.vllm_oracle import save_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "configs"
-DOC = ROOT / "docs" / "embedding.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999], [3, 3, 3], [77]]
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
                "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
 
 
-@pytest.fixture(scope="module")
-def trainers(tmp_path_factory, ray_job):
-    from actors import TransferConfig, launch_trainers
-
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "vllm_cpu_tp1.yaml")
-    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
-    with launch_trainers(cfg) as handle:
-        yield handle, tmp_path_factory.mktemp("async-actor")
-
-
-def test_doc_snippet_updates_your_own_asyncllm_while_requests_run(trainers):
-    handle, root = trainers
-    _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
-    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
-    ray.get([t.train_step.remote(tokens.tolist()) for t in handle])
+def test_doc_snippet_updates_your_own_asyncllm_while_requests_run(vllm_trainers, tmp_path):
+    handle = vllm_trainers  # tiny_llama, float32, for one TP=1 replica (conftest.py)
+    _, start = save_checkpoint(LLAMA, seed=START_SEED, root=tmp_path)
+    train_step(handle, seed=1)
     ns = {"model_path": str(start), "engine_args": ENGINE_ARGS, "trainers": handle,
           "step": 1, "prompts": PROMPTS}
     try:

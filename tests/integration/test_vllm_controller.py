@@ -9,56 +9,28 @@ One engine start for the module (two workers, about 40-90 s here).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import ray
-import torch
-
-from actors.testing.vllm_oracle import (
-    compare_to_oracle,
-    oracle_load,
-    registered_tensors,
-    save_checkpoint,
+from vllm_fleet import (  # tests/integration is on sys.path
+    assert_registered_equal,
+    tiny_llama_config,
+    train_step,
+    trainer_checkpoint,
+    vllm_fleet,
 )
 
 # Skipped where vLLM cannot be imported (tests/conftest.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, ray_job):  # on the shared cluster
-    from actors import TransferConfig, WeightTransferController, launch_trainers
-    from actors.vllm_engine import launch_vllm_engines
-
     root = tmp_path_factory.mktemp("vllm")
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "vllm_cpu.yaml",
-                                    update_timeout_s=120, barrier_timeout_s=60)
-    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
-    _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
-    trainers = launch_trainers(cfg)
-    replicas = launch_vllm_engines(  # the oracle runs in the workers as a callable
-        cfg, str(start), env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-    yield cfg, trainers, replicas, replicas.owners, ctl, root
-    ctl.shutdown()
-    replicas.close()
-    trainers.close()
-
-
-def _trainer_checkpoint(cfg, trainers, root, version):
-    from weight_transfer.engines.reference.hf_model import build_hf_model
-
-    state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    model = build_hf_model(cfg.model, seed=0, dtype=torch.float32)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    path = Path(root) / f"trainer-v{version}"
-    model.save_pretrained(path)
-    return model, path
+    cfg = tiny_llama_config("vllm_cpu.yaml", update_timeout_s=120, barrier_timeout_s=60)
+    with vllm_fleet(cfg, root) as f:  # the oracle runs in the workers as a callable
+        yield cfg, f.trainers, f.replicas, f.replicas.owners, f.ctl, root
 
 
 def test_controller_updates_a_vllm_replica(env):
@@ -76,8 +48,7 @@ def test_controller_updates_a_vllm_replica(env):
         assert meta.shard.tp_rank == rank and meta.shard.tp_size == 2
         assert engine_table_differences(cfg.model, meta, shapes, expert_naming="stacked") == []
     for version in (1, 2):
-        tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(version))
-        ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
+        train_step(trainers, seed=version)
         report = ctl.update(version)
         assert report.version == version
         # the controller's integrity check (on by default) hashed ranges in vLLM's workers
@@ -85,11 +56,8 @@ def test_controller_updates_a_vllm_replica(env):
         assert report.integrity.mismatches == ()
         assert ctl.weights_version() == {"engine0": version}
         assert ray.get(owners[0].vllm_version.remote()) == str(version)
-        model, path = _trainer_checkpoint(cfg, trainers, root, version)
-        got = ray.get(owners[0].collective_rpc.remote(registered_tensors))
-        want = ray.get(owners[0].collective_rpc.remote(oracle_load, (str(path),)))
-        for rank in range(2):
-            assert compare_to_oracle(got[rank], want[rank]) == [], f"tp rank {rank}"
+        model, path = trainer_checkpoint(cfg, trainers, root, version)
+        assert_registered_equal(owners[0], path, tp=2)
         gens = ray.get(replicas[0][0].generate.remote(PROMPTS, 6))
         assert gens == greedy_generate(model, PROMPTS, max_new_tokens=6)
     events = ray.get(replicas[0][0].wt_events.remote())

@@ -11,22 +11,20 @@ and the next is a real AdamW step. One engine start (about 40-90 s here).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import ray
 import torch
-
-from actors.testing.vllm_oracle import (
-    compare_to_oracle,
-    oracle_load,
-    registered_tensors,
-    save_checkpoint,
+from vllm_fleet import (  # tests/integration is on sys.path
+    assert_registered_equal,
+    tiny_llama_config,
+    train_step,
+    trainer_checkpoint,
+    vllm_fleet,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
@@ -46,37 +44,18 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, ray_job):
-    from actors import TransferConfig, WeightTransferController, launch_trainers
-    from actors.vllm_engine import launch_vllm_engines
-
     root = tmp_path_factory.mktemp("vllm_delta")
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "vllm_cpu_tp1.yaml",
-                                    update_timeout_s=120, barrier_timeout_s=60, delta=True,
-                                    delta_fallback="off")  # the chain, not the time rule
-    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
-    _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
-    trainers = launch_trainers(cfg)
-    replicas = launch_vllm_engines(cfg, str(start),
-                                   env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-    yield cfg, trainers, replicas, replicas.owners, ctl, root
-    ctl.shutdown()
-    replicas.close()
-    trainers.close()
+    cfg = tiny_llama_config("vllm_cpu_tp1.yaml", update_timeout_s=120, barrier_timeout_s=60,
+                            delta=True, delta_fallback="off")  # the chain, not the time rule
+    with vllm_fleet(cfg, root) as f:
+        yield cfg, f.trainers, f.replicas, f.replicas.owners, f.ctl, root
 
 
 def _check(cfg, trainers, replicas, owner, root, version):
-    from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
+    from weight_transfer.engines.reference.hf_model import greedy_generate
 
-    state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    model = build_hf_model(cfg.model, seed=0, dtype=torch.float32)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    path = Path(root) / f"trainer-v{version}"
-    model.save_pretrained(path)
-    got = ray.get(owner.collective_rpc.remote(registered_tensors))
-    want = ray.get(owner.collective_rpc.remote(oracle_load, (str(path),)))
-    assert compare_to_oracle(got[0], want[0]) == []
+    model, path = trainer_checkpoint(cfg, trainers, root, version)
+    assert_registered_equal(owner, path, tp=1)
     assert ray.get(replicas[0][0].generate.remote(PROMPTS, 6)) == greedy_generate(
         model, PROMPTS, max_new_tokens=6)
 
@@ -84,8 +63,7 @@ def _check(cfg, trainers, replicas, owner, root, version):
 def test_delta_updates_into_vllm_equal_its_own_load(env):
     cfg, trainers, replicas, owners, ctl, root = env
     ctl.setup()
-    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
-    ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
+    train_step(trainers, seed=1)
     ctl.update(1)
     assert ctl.delta.last.anchor
     _check(cfg, trainers, replicas, owners[0], root, 1)
@@ -94,7 +72,7 @@ def test_delta_updates_into_vllm_equal_its_own_load(env):
     last = ctl.delta.last
     assert not last.anchor and last.records_applied > 0 and last.repaired_bytes == 0
     _check(cfg, trainers, replicas, owners[0], root, 2)
-    ray.get([t.train_step.remote(tokens.tolist()) for t in trainers])
+    train_step(trainers, seed=1)
     report = ctl.update(3)  # float32 AdamW: nearly all elements change, mostly dense
     assert ctl.delta.last.repaired_bytes == 0
     assert dense.bytes < report.bytes

@@ -7,7 +7,7 @@ Skipped without CUDA (these machines have none); run on a GPU host with
 import pytest
 import torch
 
-from weight_transfer.executor import to_device
+from weight_transfer.bucket_prepare import to_device
 from weight_transfer.quant import quantize_fp8_blocks
 
 pytestmark = [

@@ -1,5 +1,6 @@
 """Shadow mode's configuration and controller checks that need no Ray: the memory a cluster
-states, the flip's model, set-up of an engine without a shadow, rollback's bad input."""
+states, the flip's model, set-up of an engine without a shadow, rollback's bad input,
+which replicas a delta update may flip."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from actors.config import TransferConfig
-from actors.controller_shadow import none_flipped, rollback
+from actors.controller_shadow import apply_delta, none_flipped, rollback
 from actors.controller_state import ControllerState
 from actors.engine_control import RankFault
 from actors.shadow_setup import setup_shadow
 from scheduling.cluster import load_cluster_config
-from scheduling.flip import flip_seconds, shadow_need
+from scheduling.flip import flip_seconds, shadow_need, sync_seconds
 from weight_transfer.engines.shadow import ShadowError
 from weight_transfer.errors import FaultKind
 from weight_transfer.models import load_model_config
@@ -45,6 +46,9 @@ def test_the_flip_model_is_a_swap_at_the_device_copy_rate():
     assert need.fits and need.rank_bytes == need.extra_bytes - (8 << 20)
     assert flip_seconds(need.rank_bytes, 2400) == pytest.approx(2 * need.rank_bytes / 2.4e12)
     assert flip_seconds(need.rank_bytes, None) is None
+    # a delta update's copy of live into the shadow: half a swap's traffic, while serving
+    assert sync_seconds(need.rank_bytes, 2400) == pytest.approx(need.rank_bytes / 2.4e12)
+    assert sync_seconds(need.rank_bytes, None) is None
 
 
 def test_an_engine_without_a_shadow_is_refused_at_setup_naming_it():
@@ -84,6 +88,35 @@ def test_a_replica_is_torn_by_a_flip_only_if_some_rank_may_have_swapped():
     assert none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.FAILED)], 2)
     assert not none_flipped([fault(0, FaultKind.REFUSED)], 2)  # rank 1 flipped
     assert not none_flipped([fault(0, FaultKind.REFUSED), fault(1, FaultKind.UNRESPONSIVE)], 2)
+
+
+class Chain:
+    """A delta chain whose apply and repair succeed or raise."""
+
+    def __init__(self, anchor: bool, error: Exception | None = None) -> None:
+        self.anchor, self.error, self.applied = anchor, error, []
+
+    def after(self, version, names):
+        if self.error is not None:
+            raise self.error
+        self.applied.append((version, names))
+
+
+@pytest.mark.parametrize("anchor, errors, error, flips", [
+    (False, False, None, True),  # applied and repaired: the check and flip go on
+    (False, False, RuntimeError("repair: trainer rank 1 died"), False),
+    (False, True, None, False),  # a trainer failed: its records cannot be repaired
+    (True, True, None, True),  # an anchor: complete replicas hold whole pieces
+])
+def test_a_delta_update_flips_only_replicas_whose_shadow_got_every_record(anchor, errors, error,
+                                                                          flips):
+    chain, faults = Chain(anchor, error), {}
+    failed = apply_delta(chain, 5, ["engine0", "engine1"], {"engine1"}, errors, faults)
+    assert failed == (set() if flips else {"engine0"})
+    assert chain.applied == ([(5, ["engine0"])] if flips and not errors else [])
+    if not flips:
+        assert [(f.replica, f.method) for f in faults["engine0"]] == [("engine0", "delta apply")]
+        assert "engine1" not in faults  # failed already (its fence): not applied to
 
 
 def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
@@ -131,7 +164,6 @@ def test_shadow_mode_does_not_combine_with_replica_groups():
         TransferConfig(apply="shadow", replica_groups=[["engine0", "engine1"]])
 
 
-def test_shadow_mode_does_not_combine_with_deltas():
-    with pytest.raises(ValueError, match="apply='shadow' does not combine with delta=True"):
-        TransferConfig(apply="shadow", delta=True)
-    assert TransferConfig(apply="in_place", delta=True).delta
+def test_shadow_mode_combines_with_deltas():
+    cfg = TransferConfig(apply="shadow", delta=True)
+    assert cfg.delta and cfg.apply == "shadow"

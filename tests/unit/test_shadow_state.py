@@ -184,6 +184,40 @@ def test_a_flip_waits_for_the_step_that_runs():
     assert int(live[0]) == 3 and fence.version == 5
 
 
+def test_a_delta_stage_copies_live_into_the_shadow_and_names_it_as_the_base():
+    ctl, live, shadow, fence, boundary = rank()
+    fence.version = 4
+    shadow.fill_(1)  # what an earlier flip left there: the version before
+    assert ctl.stage(5, epoch=1, base=True)
+    assert torch.equal(shadow, live) and ctl.copy.state.base == 4
+    assert boundary.log == []  # served throughout: no pause
+    assert ctl.info().last_sync_s > 0
+
+    def apply(base, buffers):  # what the delta apply is given
+        assert next(iter(buffers.values())).data_ptr() == shadow.data_ptr()  # never live
+        buffers[next(iter(buffers))][:10] = 200
+        return base
+
+    assert ctl.apply_delta(5, apply) == 4
+    assert int(shadow[0]) == 200 and int(live[0]) == 0
+    with pytest.raises(ShadowError, match="delta records of version 6 refused"):
+        ctl.apply_delta(6, apply)
+    assert ctl.flip(5, epoch=2, deadline=None)
+    assert int(live[0]) == 200 and ctl.copy.state.base is None
+    with pytest.raises(ShadowError, match="delta records of version 5 refused: the shadow "
+                                          "holds version 4, the previous one"):
+        ctl.apply_delta(5, apply)
+
+
+def test_a_dense_stage_names_no_base_and_copies_nothing():
+    ctl, _live, shadow, fence, _ = rank()
+    fence.version = 4
+    assert ctl.stage(5, epoch=1)
+    assert ctl.copy.state.base is None and int(shadow.sum()) == 0
+    assert ctl.apply_delta(5, lambda base, buffers: base) is None  # every record refused
+    assert ctl.discard(epoch=2) and ctl.copy.state.base is None
+
+
 def test_the_reference_rank_implements_the_shadow_contract_with_its_parameters():
     import inspect
 

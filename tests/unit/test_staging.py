@@ -21,7 +21,7 @@ from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 import weight_transfer.staging as staging
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer import executor
+from weight_transfer import bucket_prepare
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.executor import RankTransfer
@@ -259,7 +259,7 @@ def test_staged_updates_make_no_mr_and_no_buffer_after_setup(fabric, monkeypatch
     real_alloc = staging.allocate_staging
     monkeypatch.setattr(staging, "allocate_staging",
                         lambda *a, **kw: allocations.append(a[0]) or real_alloc(*a, **kw))
-    monkeypatch.setattr(executor, "prepare_pieces", None)  # the fresh-tensor path is not taken
+    monkeypatch.setattr(bucket_prepare, "prepare_pieces", None)  # no fresh-tensor path
     r = Replay(target, writer)
     transfers = r.transfers()
     arenas = [t.arena for t in transfers if t.arena is not None]

@@ -7,7 +7,10 @@ and its version in a :class:`~weight_transfer.engines.fence.CommandFence`
 with the rank's first NIC (the same slots again: the same region, reused);
 ``wt_delta_apply(version)`` (finish, before the resume): apply every record in
 place (:class:`~weight_transfer.delta_apply.DeltaArena`); the result names the
-ranges the trainers must re-send dense.
+ranges the trainers must re-send dense. In shadow mode (``_wt_shadow`` enabled,
+a :class:`~weight_transfer.engines.shadow_rank.ShadowControl`) the records are
+applied to the shadow, staged with ``version``, before the flip; their base is the
+live version the stage copied into it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class DeltaRankMixin:
     _wt_mem: Any
     _wt_fence: Any
     _wt_delta: DeltaArena | None = None
+    _wt_shadow: Any = None
 
     def wt_delta_arena(self, slots: dict[int, tuple[int, int]]) -> RegionDesc:
         """Register (once) a delta arena with these trainer slots; its region."""
@@ -61,10 +65,15 @@ class DeltaRankMixin:
         return region
 
     def wt_delta_apply(self, version: int) -> DeltaApplied:
-        """Apply the records of ``version`` to the registered memory, in place."""
+        """Apply the records of ``version`` to the registered memory (in place; in shadow
+        mode: the shadow, staged with ``version``)."""
         arena = self._wt_delta
         if arena is None:
             raise RuntimeError(f"{self._wt_mem.owner}: wt_delta_apply without a delta arena")
+        shadow = self._wt_shadow
+        if shadow is not None and shadow.enabled:  # into the shadow, never live memory
+            return shadow.apply_delta(version, lambda held, buffers: arena.apply(
+                version=version, held=held, buffers=buffers))
         held = held_version(self._wt_fence.events(), self._wt_fence.version)
         return arena.apply(version=version, held=held, buffers=self._wt_mem.buffers)
 

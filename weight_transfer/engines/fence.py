@@ -144,6 +144,12 @@ class CommandFence:
             self.record(what)
         return True
 
+    def locked(self, run: Callable[[], Any]) -> Any:
+        """``run()`` under the lock, with no epoch of its own (a step the controller orders
+        between fenced commands, e.g. a delta apply into the shadow: no flip meanwhile)."""
+        with self._lock:
+            return run()
+
     def fenced(self, what: str, epoch: int | None, run: Callable[[], Any]) -> bool:
         """Run ``run`` under the lock unless the command is stale (a stage or a discard of
         the shadow: the version held does not change)."""

@@ -106,9 +106,13 @@ class ShadowEngineRank(EngineRank, Protocol):
     def wt_shadow_info(self) -> Any:
         """What the shadow holds now (a ``ShadowInfo``; ShadowError: no shadow)."""
 
-    def wt_stage(self, version: Any, epoch: int | None = None) -> bool:
+    def wt_stage(self, version: Any, epoch: int | None = None, base: bool = False) -> bool:
         """A transfer of ``version`` starts writing the shadow (the engine keeps serving its
-        live memory; the previous version kept in the shadow is dropped); False: stale."""
+        live memory; the previous version kept in the shadow is dropped); False: stale.
+        ``base``: a sparse delta update follows, whose records name the version served as
+        their base: the registered (written) memory must hold the live version's bytes
+        first (the reference engine copies live into the shadow; vLLM's registered memory
+        holds them already)."""
 
     def wt_flip(self, version: Any, epoch: int | None = None,
                 deadline: float | None = None) -> bool:

@@ -21,6 +21,7 @@ the engine rank runs it under its command fence's lock)::
 
     s = ShadowState(owner="engine0/tp1")
     s.stage(8)              # a transfer of version 8 writes the shadow (previous dropped)
+    s.stage(8, base=7)      # ... a delta transfer: the shadow was first brought to 7 (live)
     s.flip(8, live=7)       # -> 8 now live; the shadow holds 7, complete
     s.rollback(live=8)      # -> 7 live again; the shadow holds 8 (not a rollback target)
     s.discard()             # a failed transfer: the shadow holds nothing complete
@@ -28,6 +29,14 @@ the engine rank runs it under its command fence's lock)::
 Each refused transition is a :class:`ShadowError` (a ValueError) naming the
 rank, what was asked and what the shadow holds; nothing changes.
 :func:`swap_chunked` is the flip's data movement.
+
+Sparse deltas (``TransferConfig.delta``) in shadow mode: after a flip the shadow holds
+the version served *before* (v-1) while the next delta (v -> v+1) is based on v, so
+a delta update stages with ``base``: the rank first copies live into the shadow
+(:meth:`ShadowCopy.sync`, a plain memory copy while the engine serves; live memory
+is only read), then the records of the delta arena are applied to the shadow
+(``state.base`` is the version they must name), checked, and flipped as any
+shadow update. A dense anchor is the ordinary shadow update (no copy).
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class ShadowInfo:
     version: Any
     device: str = "cpu"
     last_flip_s: float = 0.0  # the engine's pause in its last flip or rollback (the swap)
+    last_sync_s: float = 0.0  # the last copy of live into the shadow (a delta's base; the
+    # engine serves meanwhile: not a pause)
 
     @property
     def extra_bytes(self) -> int:
@@ -94,6 +105,7 @@ class ShadowState:
         self.owner = owner
         self.holds = Holds.EMPTY
         self.version: Any = None
+        self.base: Any = None  # WRITING only: the version the shadow was copied from live
 
     def describe(self) -> str:
         if self.holds is Holds.EMPTY:
@@ -104,11 +116,22 @@ class ShadowState:
             return f"version {self.version}, the previous one"
         return f"version {self.version}, rolled back from"
 
-    def stage(self, version: Any) -> None:
-        """A transfer of ``version`` starts writing the shadow: what it held is dropped."""
+    def stage(self, version: Any, *, base: Any = None) -> None:
+        """A transfer of ``version`` starts writing the shadow: what it held is dropped.
+        ``base``: the version whose bytes the shadow now holds whole (a delta update's
+        base, copied from live); None: no complete version (a dense transfer)."""
         if version is None:
             raise ShadowError(f"{self.owner}: stage needs a version, not None")
-        self.holds, self.version = Holds.WRITING, version
+        self.holds, self.version, self.base = Holds.WRITING, version, base
+
+    def delta_base(self, version: Any) -> Any:
+        """The base version delta records of ``version`` must name to be applied to the
+        shadow (None: no base, every record is refused and re-sent dense); ShadowError
+        unless the shadow is being written with ``version``."""
+        if self.holds is not Holds.WRITING or self.version != version:
+            raise ShadowError(f"{self.owner}: delta records of version {version} refused: the "
+                              f"shadow holds {self.describe()}; stage({version}) comes first")
+        return self.base
 
     def check_flip(self, version: Any) -> None:
         """ShadowError unless the shadow was staged with ``version``."""
@@ -123,6 +146,7 @@ class ShadowState:
         self.check_flip(version)
         self.holds, self.version = (Holds.EMPTY, None) if live is None else \
             (Holds.PREVIOUS, live)
+        self.base = None
 
     def check_rollback(self) -> Any:
         """The version a rollback returns to; ShadowError when there is none."""
@@ -143,7 +167,7 @@ class ShadowState:
         was being written (otherwise nothing changes: that transfer never staged it)."""
         if self.holds is not Holds.WRITING:
             return False
-        self.holds, self.version = Holds.EMPTY, None
+        self.holds, self.version, self.base = Holds.EMPTY, None, None
         return True
 
 
@@ -237,13 +261,22 @@ class ShadowCopy:
         """The address of the live bytes behind registered region ``region_addr``."""
         return self.live_by_region[region_addr].data_ptr()
 
+    def sync(self) -> int:
+        """Copy every live buffer into its shadow (a delta update's base; the engine may
+        serve meanwhile: live memory is only read); returns bytes copied."""
+        for live, shadow in zip(self.live, self.shadow, strict=True):
+            shadow.copy_(live)
+        return self.nbytes
+
     def swap(self) -> int:
         """Swap every live buffer with its shadow (chunked); returns bytes swapped."""
         return sum(swap_chunked(a, b, self.scratch) for a, b in zip(self.live, self.shadow,
                                                                      strict=True))
 
-    def info(self, live_version: Any, last_flip_s: float = 0.0) -> ShadowInfo:
+    def info(self, live_version: Any, last_flip_s: float = 0.0,
+             last_sync_s: float = 0.0) -> ShadowInfo:
         return ShadowInfo(owner=self.owner, engine=self.engine, nbytes=self.nbytes,
                           scratch_bytes=self.scratch.numel(), live=live_version,
                           holds=str(self.state.holds), version=self.state.version,
-                          device=str(self.device), last_flip_s=last_flip_s)
+                          device=str(self.device), last_flip_s=last_flip_s,
+                          last_sync_s=last_sync_s)

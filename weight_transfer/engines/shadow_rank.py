@@ -9,6 +9,7 @@ command is ignored exactly as a stale pause or resume is::
     ctl = ShadowControl(owner, "reference", fence=fence, mem=mem, boundary=adapter)
     info = ctl.setup(adapter.region_buffers(), adapter.shadow_buffers())  # before register
     ctl.stage(8, epoch)                     # writes may land in the shadow from now on
+    ctl.stage(8, epoch, base=True)          # delta update: copy live into the shadow first
     ctl.flip(8, epoch, deadline)            # at a step boundary: swap, reset caches, serve 8
     ctl.rollback(epoch, deadline)           # one more swap: the previous version serves
     ctl.discard(epoch)                      # a failed transfer: live memory untouched
@@ -21,13 +22,20 @@ same step with the same version), flushes GPUDirect RDMA writes on a GPU
 the engine's caches (``boundary.reset_cache()`` where it has one) and lets
 generation go on: the stall is the swap alone. The NICs' update window
 (``tcp``) is open from the stage to the flip or the discard.
+
+A sparse delta update stages with ``base=True``: the shadow first receives a copy
+of live memory (the version served, which the delta records name as their base;
+memory bandwidth, off the pause: generation goes on, it only reads live memory,
+and nothing else writes it until a flip, which waits for this command's lock);
+:meth:`ShadowControl.delta_target` then gives the delta apply the shadow's base.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +46,7 @@ from weight_transfer.engines.shadow import ShadowCopy, ShadowError, ShadowInfo
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
 FLIP_WAIT_S = 60.0  # the longest a flip waits for the step that runs to end
 
 
@@ -50,6 +59,7 @@ class ShadowControl:
         self.fence, self.mem, self.boundary = fence, mem, boundary
         self.copy: ShadowCopy | None = None
         self.last_stall_s = 0.0  # the engine's pause of the last flip or rollback
+        self.last_sync_s = 0.0  # the last copy of live into the shadow (not a pause)
 
     @property
     def enabled(self) -> bool:
@@ -74,16 +84,34 @@ class ShadowControl:
         self.require().bind(list(self.mem.buffers))
 
     def info(self) -> ShadowInfo:
-        return self.require().info(self.fence.version, self.last_stall_s)
+        return self.require().info(self.fence.version, self.last_stall_s, self.last_sync_s)
 
-    def stage(self, version: Any, epoch: int | None) -> bool:
+    def stage(self, version: Any, epoch: int | None, base: bool = False) -> bool:
+        """The shadow receives ``version`` from now on; ``base``: copy live into it first
+        (a delta update: its records name the version served as their base)."""
         copy = self.require()
 
         def run() -> None:
-            copy.state.stage(version)
+            held = self.fence.version if base else None
+            copy.state.stage(version, base=held)  # the shadow's old content is dropped
+            if base:
+                start = time.perf_counter()
+                nbytes = copy.sync()
+                self.last_sync_s = time.perf_counter() - start
+                log.info("%s: shadow brought to live version %s for a delta (%d B in %.4f s, "
+                         "serving meanwhile)", self.owner, held, nbytes, self.last_sync_s)
             self.mem.open_window()  # tcp: the plan's writes are accepted until flip/discard
 
         return self.fence.fenced("stage", epoch, run)
+
+    def apply_delta(self, version: Any, apply: Callable[[Any, dict], R]) -> R:
+        """The delta apply of ``version`` into the shadow, under the command lock (no flip
+        meanwhile): ``apply(base, buffers)`` with the base version the shadow holds (None:
+        none, every record is refused and re-sent dense) and the registered shadow
+        buffers (never live memory). ShadowError unless staged with ``version``."""
+        copy = self.require()
+        return self.fence.locked(lambda: apply(copy.state.delta_base(version),
+                                               dict(self.mem.buffers)))
 
     def discard(self, epoch: int | None) -> bool:
         copy = self.require()
