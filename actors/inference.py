@@ -57,7 +57,7 @@ from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noq
 from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
 from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.shadow import ShadowError, ShadowInfo
-from weight_transfer.engines.shadow_rank import ShadowControl
+from weight_transfer.engines.shadow_rank import ShadowControl, store_rendezvous
 from weight_transfer.transport.handshake import Connection, HostId, InfoRequest
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
@@ -303,7 +303,13 @@ class InferenceWorker(InferenceMixin, GroupMember):
                         timeout_s=self.config.setup_timeout_s)
         self.engine = ReferenceEngine(self.config.model, self.shard, fp8=self.config.engine_fp8,
                                       group=dist.group.WORLD)
-        self.wt_attach_engine(adapter=ReferenceEngineAdapter(self.engine),
+        adapter = ReferenceEngineAdapter(self.engine)
+        if self.tp_size > 1:  # a flip's ranks meet before parking (shadow_rank), on a client
+            # of their own to the replica's store (the gloo group's stays the group's)
+            adapter.rendezvous = store_rendezvous(
+                connect_store(host, port, timeout_s=self.config.setup_timeout_s), self.tp_size,
+                prefix=f"wt-flip/{self.replica_name}")
+        self.wt_attach_engine(adapter=adapter,
                               replica=self.replica_name, rank=self.local, shard=self.shard,
                               nics=self.nic_names, transport=self.config.transport_spec)
         # generate_tagged: the version of each step (a pause does not clear it: no step runs)

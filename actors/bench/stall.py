@@ -160,12 +160,23 @@ class Clients:
             t.join(timeout=60)
 
 
+def lowest_priority(niceness: int = 19) -> int:
+    """Every thread of this process at ``niceness`` (Linux: a nice value is per thread, and
+    Ray's and the transfer's threads were made before); returns how many were set."""
+    done = 0
+    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+            done += 1
+    return done
+
+
 def renice(actors: Sequence[Any], niceness: int = 19) -> None:
-    """Lowest CPU priority for ``actors``' processes: here trainers and engines share two
-    cores, on a cluster they run on different GPUs, so the transfer's CPU must not pass
-    for an engine stall (both modes run so)."""
-    ray.get([a.__ray_call__.remote(lambda self: os.setpriority(os.PRIO_PROCESS, 0, niceness))
-             for a in actors])
+    """Lowest CPU priority for every thread of ``actors``' processes: here trainers and
+    engines share two cores, on a cluster they run on different GPUs, so the transfer's CPU
+    must not pass for an engine stall (both modes run so; again before each update, for
+    the threads made since)."""
+    ray.get([a.__ray_call__.remote(lambda self: lowest_priority(niceness)) for a in actors])
 
 
 def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> ModeResult:
@@ -182,6 +193,7 @@ def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> 
                                 seed=run.seed * 1000 + version)
             ray.get([t.train_step.remote(batch) for t in fleet.trainers])
             time.sleep(SETTLE_S)  # steps back to their pace after the train step's CPU load
+            renice(fleet.trainers)
             start = time.time()
             report = ctl.update(version)
             windows.append((start, time.time()))

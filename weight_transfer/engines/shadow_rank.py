@@ -20,7 +20,15 @@ ranks agree on the step they park at, so every rank of a replica computes the
 same step with the same version), flushes GPUDirect RDMA writes on a GPU
 (:func:`~weight_transfer.engines.gpu_flush.flush_gpudirect_writes`), swaps, resets
 the engine's caches (``boundary.reset_cache()`` where it has one) and lets
-generation go on: the stall is the swap alone. The NICs' update window
+generation go on: the stall is the swap alone. On a TP replica the ranks first meet
+(``boundary.rendezvous(key, timeout_s)`` where the adapter has one, e.g.
+:func:`store_rendezvous` over the replica's store): the flip commands reach the
+ranks at different times, and the first rank to park parks its peers too (the
+agreed step), which would then wait for their own command. Meeting first, every
+rank holds its command before any parks: the replica waits for the swap, not
+for the slowest command's delivery. A peer that never comes (a refused flip, a
+dead rank) is waited for :data:`RENDEZVOUS_S` at most, then the rank flips as
+without it. The NICs' update window
 (``tcp``) is open from the stage to the flip or the discard.
 
 A sparse delta update stages with ``base=True``: the shadow first receives a copy
@@ -48,6 +56,34 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 FLIP_WAIT_S = 60.0  # the longest a flip waits for the step that runs to end
+RENDEZVOUS_S = 2.0  # the longest a flip waits for its TP peers' commands before parking
+
+
+def _key(what: str, epoch: int | None) -> str | None:
+    """The rendezvous key of a command: every rank of a replica gets the same epoch."""
+    return None if epoch is None else f"{what}/{epoch}"
+
+
+def store_rendezvous(store: Any, ranks: int, *, prefix: str) -> Callable[[str, float], bool]:
+    """``meet(key, timeout_s)`` for the ``ranks`` ranks of one replica over a torch
+    ``Store`` they share: True once every rank called it with ``key``, False after
+    ``timeout_s`` (the last to arrive releases the others)."""
+    import datetime
+
+    def meet(key: str, timeout_s: float) -> bool:
+        name = f"{prefix}/{key}"
+        if store.add(name, 1) >= ranks:
+            store.set(f"{name}/go", b"1")
+            return True
+        try:
+            store.wait([f"{name}/go"], datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # torch raises its DistStoreError (a RuntimeError) or others
+            log.warning("%s: not every TP rank came to the flip within %.1f s (%s); flipping "
+                        "as without a rendezvous", name, timeout_s, exc)
+            return False
+        return True
+
+    return meet
 
 
 class ShadowControl:
@@ -129,7 +165,7 @@ class ShadowControl:
         def run(live: Any) -> Any:
             copy.state.check_flip(version)  # refused before the engine is paused
             self.mem.close_window()  # no write lands once the shadow serves
-            self._swap_at_boundary(timeout_s, serve=version)
+            self._swap_at_boundary(timeout_s, serve=version, key=_key("flip", epoch))
             copy.state.flip(version, live=live)
             return version
 
@@ -141,14 +177,19 @@ class ShadowControl:
 
         def run(live: Any) -> Any:
             back = copy.state.check_rollback()
-            self._swap_at_boundary(timeout_s, serve=back)
+            self._swap_at_boundary(timeout_s, serve=back, key=_key("rollback", epoch))
             return copy.state.rollback(live=live)
 
         return self.fence.swap("rollback", epoch, deadline, run)
 
-    def _swap_at_boundary(self, timeout_s: float, serve: Any) -> None:
-        """The swap at a step boundary; the steps after it are tagged ``serve``."""
+    def _swap_at_boundary(self, timeout_s: float, serve: Any, key: str | None) -> None:
+        """The swap at a step boundary; the steps after it are tagged ``serve``. ``key``
+        names the command for the TP rendezvous (module docstring; None: a command with
+        no epoch, which its peers cannot name alike: no rendezvous)."""
         copy, b = self.require(), self.boundary
+        meet = getattr(b, "rendezvous", None)
+        if meet is not None and key is not None:
+            meet(key, min(timeout_s, RENDEZVOUS_S))
         b.pause()
         try:
             if not b.wait_idle(timeout_s):

@@ -29,7 +29,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,9 @@ class ReferenceEngineAdapter:
         self._shadow: EngineBuffer | None = None
         # time.time() at the start of each of the latest generation steps (wt bench stall)
         self.step_starts: deque[float] = deque(maxlen=STEPS_KEPT)
+        # meet(key, timeout_s) of a TP replica's ranks before a flip parks them (set by the
+        # actor that knows the replica's store: weight_transfer.engines.shadow_rank)
+        self.rendezvous: Callable[[str, float], bool] | None = None
         engine.step_guard = self._step
 
     @property
