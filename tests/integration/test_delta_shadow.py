@@ -38,7 +38,8 @@ def fleet(ray_job):
     data["train"]["lr"] = 1e-5
     data["transfer"].update(delta=True, delta_anchor_every=3, apply="shadow",
                             integrity={"mode": "full"}, update_timeout_s=60,
-                            barrier_timeout_s=10)  # the failed transfer waits this long
+                            barrier_timeout_s=10,  # the failed transfer waits this long
+                            delta_fallback="off")  # the chain, not the time rule (uncapped)
     run = parse_run_config(data, source="test_delta_shadow")
     f = start_fleet(run, actor_classes={"trainer": FaultyTrainerActor,
                                         "engine": FaultyInferenceActor})

@@ -55,7 +55,8 @@ def env(tmp_path_factory, ray_job):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                     CONFIGS / "clusters" / "vllm_cpu_tp1.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60, delta=True,
-                                    apply="shadow", integrity={"mode": "full"})
+                                    apply="shadow", integrity={"mode": "full"},
+                                    delta_fallback="off")  # the chain, not the time rule
     cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
     _, start = save_checkpoint(CONFIGS / "models" / "tiny_llama.yaml", seed=11, root=root)
     trainers = launch_trainers(cfg)
