@@ -10,13 +10,11 @@ and the next is a real AdamW step. One engine start (about 40-90 s here).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import ray
-import torch
 from vllm_fleet import (  # tests/integration is on sys.path
     assert_registered_equal,
+    nudge,
     tiny_llama_config,
     train_step,
     trainer_checkpoint,
@@ -26,20 +24,6 @@ from vllm_fleet import (  # tests/integration is on sys.path
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
-
-
-def _nudge(trainer) -> int:  # pickled by value below: the actors cannot import this module
-    """Change a few elements of the rank's shard of three parameters (no optimizer)."""
-    n = 0
-    with torch.no_grad():
-        for _name, p in list(trainer._wt_require_model().named_parameters())[1:4]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            local.view(-1)[: 7] += 0.125
-            n += 7
-    return n
-
-
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +51,7 @@ def test_delta_updates_into_vllm_equal_its_own_load(env):
     ctl.update(1)
     assert ctl.delta.last.anchor
     _check(cfg, trainers, replicas, owners[0], root, 1)
-    assert sum(ray.get([t.__ray_call__.remote(_nudge) for t in trainers])) > 0
+    assert sum(ray.get([t.__ray_call__.remote(nudge) for t in trainers])) > 0
     dense = ctl.update(2)  # a few elements changed: records, applied in the worker
     last = ctl.delta.last
     assert not last.anchor and last.records_applied > 0 and last.repaired_bytes == 0

@@ -22,6 +22,7 @@ the controller's mode (in place, shadow, delta), which an engine is set up for o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,3 +108,20 @@ def assert_registered_equal(owner: Any, path: Path, *, tp: int) -> None:
     want = ray.get(owner.collective_rpc.remote(oracle_load, (str(path),)))
     for rank in range(tp):
         assert compare_to_oracle(got[rank], want[rank]) == [], f"tp rank {rank}"
+
+
+def nudge(trainer: Any) -> int:
+    """Change a few elements of the rank's shard of three parameters (no optimizer): vLLM
+    on CPU runs float32, where an AdamW step changes nearly every element. Run in the
+    trainer actors (``t.__ray_call__.remote(nudge)``); returns the elements changed."""
+    n = 0
+    with torch.no_grad():
+        for _name, p in list(trainer._wt_require_model().named_parameters())[1:4]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.view(-1)[: 7] += 0.125
+            n += 7
+    return n
+
+
+# The actors cannot import this module (tests/ is not installed): pickled by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
