@@ -16,9 +16,10 @@ check, resume), then with a second controller set up with ``apply="shadow"``
   compares with: the engine's own step time on this machine);
 * ``idle_stall_s``: the engine's noise floor, the same measure with no update: the
   generation runs :data:`IDLE_S` seconds alone before the mode's updates, that time is
-  cut into windows as long as the mode's median update, and this is the median over
-  those windows of their longest step gap (on two shared cores the engines' own steps
-  jitter: a stall can not be told from noise below it);
+  cut into windows as long as the mode's median update (the whole time when an update
+  is longer), and this is the median over those windows of their longest step gap (on
+  two shared cores the engines' own steps jitter: a stall can not be told from noise
+  below it);
 * ``added_stall_s``: ``stall_s`` less ``idle_stall_s`` (0 when below): what the update
   itself adds to the longest gap;
 * ``engine_pause_s``: the longest time an engine rank held generation per update,
@@ -77,11 +78,15 @@ def stall_of(steps: Sequence[float], start: float, end: float) -> float:
 
 def idle_floor(steps: Sequence[float], start: float, end: float, window: float) -> float:
     """The median, over consecutive windows of ``window`` seconds in ``[start, end]``, of
-    the longest step gap overlapping each (0 when no window fits)."""
+    the longest step gap overlapping each; when ``window`` is longer than the span (an
+    update longer than the idle time: vLLM's), the span is the one window (a floor
+    from a shorter window, so if anything lower). 0 for an empty window."""
     if window <= 0:
         return 0.0
     edges = [start + i * window for i in range(int((end - start) // window))]
-    return statistics.median([stall_of(steps, a, a + window) for a in edges]) if edges else 0.0
+    if not edges:
+        return stall_of(steps, start, end)
+    return statistics.median([stall_of(steps, a, a + window) for a in edges])
 
 
 def idle_gap(steps: Sequence[float], windows: Sequence[tuple[float, float]]) -> float:

@@ -136,7 +136,7 @@ def test_the_idle_floor_is_the_median_of_the_longest_gaps_of_update_long_windows
     steps = [i / 100 for i in range(31)] + [0.35 + i / 100 for i in range(66)]
     assert idle_floor(steps, 0.0, 1.0, 0.1) == pytest.approx(0.01)  # the hiccup is one window
     assert idle_floor(steps, 0.25, 0.45, 0.1) == pytest.approx(0.05)
-    assert idle_floor(steps, 0.0, 1.0, 2.0) == 0.0  # no window fits
+    assert idle_floor(steps, 0.0, 1.0, 2.0) == pytest.approx(0.05)  # longer: one window
     assert idle_floor(steps, 0.0, 1.0, 0.0) == 0.0
 
 
