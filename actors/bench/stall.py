@@ -65,6 +65,7 @@ from actors.run_config import RunConfig, load_run_config
 MODES = ("in_place", "shadow")
 WARMUP_S = 1.0  # client requests before the first update (steps flowing)
 IDLE_S = 3.0  # generation alone before the updates: the engine's noise floor
+FLOWING_S = 300.0  # the longest the bench waits for every replica's first answer
 SETTLE_S = 0.5  # client requests after each update (the steps after the flip)
 
 
@@ -143,6 +144,7 @@ class Clients:
     def __init__(self, client: Any, replicas: Sequence[str]) -> None:
         self.client, self.done = client, threading.Event()
         self.errors: list[str] = []
+        self.served: set[str] = set()  # replicas that answered a request
         self.threads = [threading.Thread(target=self._loop, args=(n,), daemon=True)
                         for n in replicas]
 
@@ -153,6 +155,15 @@ class Clients:
             except Exception as exc:  # noted; the run is not verified then
                 self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 return
+            self.served.add(name)
+
+    def wait_flowing(self, timeout_s: float = FLOWING_S) -> None:
+        """Until every replica answered one request (vLLM's first ones are slow), at most
+        ``timeout_s``: the idle floor is measured while steps flow."""
+        end = time.monotonic() + timeout_s
+        while len(self.served) < len(self.threads) and not self.errors \
+                and time.monotonic() < end:
+            time.sleep(0.05)
 
     def __enter__(self) -> Clients:
         for t in self.threads:
@@ -190,6 +201,7 @@ def measure(fleet: Fleet, ctl: Any, client: Any, mode: str, versions: range) -> 
     names, windows, since = list(ctl.replicas), [], time.time()
     cfg, run = fleet.config.model, fleet.run
     with Clients(client, names) as clients:
+        clients.wait_flowing()
         time.sleep(WARMUP_S)
         idle = (time.time(), time.time() + IDLE_S)
         time.sleep(IDLE_S)
