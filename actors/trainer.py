@@ -88,6 +88,20 @@ class _Link:
     transfer: RankTransfer
 
 
+def run_kept(coro: Any) -> Any:
+    """``asyncio.run(coro)``'s result, kept out of the task. In a main thread, Python
+    3.11's ``asyncio.run`` restores the SIGINT handler through an Enum lookup that formats
+    the finished task's repr, result included: for a transfer report (spans, checksums)
+    that cost 10-100 ms per update on every rank."""
+    out: list[Any] = []
+
+    async def main() -> None:
+        out.append(await coro)
+
+    asyncio.run(main())
+    return out[0]
+
+
 class TrainerMixin(TrainerDeltaMixin):
     """Weight-transfer methods for a trainer actor; see the module docstring."""
 
@@ -238,7 +252,7 @@ class TrainerMixin(TrainerDeltaMixin):
         started, offset = time.time(), time.time() - time.perf_counter()
         link.guard.reset()
         try:
-            transfer = asyncio.run(link.transfer.run(version=version))
+            transfer = run_kept(link.transfer.run(version=version))
         finally:
             self._wt_params = {}
         spans = rank_trace_of(transfer, nic=link.nic.nic, clock_offset=offset) if trace else None

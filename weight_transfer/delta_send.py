@@ -11,6 +11,7 @@ whatever produced them (a gather, or the rank's own shard), so it sits between
                                            # the base becomes buf (a thread may run this)
     where = sender.place(task, enc)        # (source, region, offset) of its record in the
                                            # engine's arena, or None: write it dense
+    for run in sender.take(min_bytes=0): ... # records placed back to back: one WRITE each
     for src, region, off in sender.finish(): ...   # one slot header per engine rank, last
 
 A task goes dense when the update is an anchor, when its replica does not hold the
@@ -95,6 +96,18 @@ class Encoded:
 
 
 @dataclass(slots=True)
+class RecordRun:
+    """Records placed back to back in one engine rank's slot since the last
+    :meth:`DeltaSender.take`: one WRITE of ``src`` at ``offset`` of ``region`` lands them all
+    (a WRITE per record costs more than its bytes on every NIC we have)."""
+
+    src: torch.Tensor
+    region: RegionDesc
+    offset: int
+    tasks: list[WriteTask]
+
+
+@dataclass(slots=True)
 class DeltaStats:
     """Counters of one update on this rank (``as_dict`` crosses Ray)."""
 
@@ -160,6 +173,8 @@ class DeltaSender:
         self.stats = DeltaStats()
         self._cursor: dict[str, int] = {}
         self._count: dict[str, int] = {}
+        self._taken: dict[str, int] = {}  # slot offset up to which records were taken
+        self._placed: dict[str, list[WriteTask]] = {}  # ... and the tasks placed after it
 
     # ---------------------------------------------------------------- one update
 
@@ -180,6 +195,8 @@ class DeltaSender:
             self.stats.est_dense_s = self.choice.est_dense_s
         self._cursor = {o: SLOT_HEADER for o in self.slots}
         self._count = {o: 0 for o in self.slots}
+        self._taken = dict(self._cursor)
+        self._placed = {o: [] for o in self.slots}
 
     def prepare_fp8(self, weight: Piece, scale: Piece, rect: torch.Tensor) -> bool:
         """New bytes of an FP8 weight piece and its scale piece from the source rectangle
@@ -295,10 +312,26 @@ class DeltaSender:
         self.mirror[start : start + rec.nbytes] = rec
         self._cursor[owner] = at + rec.nbytes
         self._count[owner] += 1
+        self._placed[owner].append(task)
         st.delta_tasks += 1
         st.delta_wire_bytes += rec.nbytes
         src = torch.from_numpy(self.mirror[start : start + rec.nbytes])
         return src, slot.region, slot.offset + at
+
+    def take(self, *, min_bytes: int = 0) -> list[RecordRun]:
+        """Per engine rank with at least ``min_bytes`` (and one record) placed since the
+        last take, those records as one run (their bytes are contiguous in the slot and in
+        its mirror); they count as taken."""
+        out = []
+        for owner, tasks in self._placed.items():
+            at, end = self._taken[owner], self._cursor[owner]
+            if not tasks or end - at < min_bytes:
+                continue
+            start, slot = self.layout[owner], self.slots[owner]
+            out.append(RecordRun(src=torch.from_numpy(self.mirror[start + at : start + end]),
+                                 region=slot.region, offset=slot.offset + at, tasks=tasks))
+            self._taken[owner], self._placed[owner] = end, []
+        return out
 
     def measured(self, dense_bytes: int, dense_seconds: float) -> None:
         """After an update: its encode rate, and (when dense writes were most of its bytes)

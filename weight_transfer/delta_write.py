@@ -1,5 +1,5 @@
-"""The write stage of a delta update: encode a bucket's pieces, then write each task's
-record into its engine rank's arena, or the piece dense.
+"""The write stage of a delta update: encode a bucket's pieces, place each task's record in
+its engine rank's slot (or write the piece dense), and write the records in batches.
 
 :class:`~weight_transfer.executor.RankTransfer` hands a bucket's prepared
 ``(bytes, task)`` pairs here when a :class:`~weight_transfer.delta_send.DeltaSender`
@@ -7,9 +7,13 @@ is attached (``transfer.attach_delta(sender)``); the bytes are whatever the
 prepare stage produced (a gather or the rank's own shard), so deltas do not
 depend on how pieces are made. Encoding runs on one thread of its own (numpy
 releases the GIL in the diff and the scatter), so the next bucket's gather
-overlaps it; the WRITEs then run concurrently as dense ones do. After the last
-bucket, :meth:`DeltaStage.headers` writes every slot header (the engine reads a
-slot only through its header, so a header lands after its records). The
+overlaps it; dense WRITEs then run concurrently as usual. Records placed back to
+back in one engine rank's slot go out as one WRITE
+(:class:`~weight_transfer.delta_send.RecordRun`) once :data:`FLUSH_BYTES` of them
+wait, the rest after the last bucket: a WRITE per record (hundreds of a few
+hundred bytes per update) cost more than their bytes. Then
+:meth:`DeltaStage.headers` writes every slot header (the engine reads a slot
+only through its header, so a header lands after its records). The
 intervals of the dense writes give the rank's dense write rate
 (:meth:`~weight_transfer.delta_send.DeltaSender.measured`, the time rule's
 ``r_nic``)::
@@ -21,8 +25,8 @@ quantized whole as usual and its source kept for the next update::
 
     stage = DeltaStage(sender)
     sources = stage.prepare_into(full, pieces, rects_of, outs, views=False)
-    await stage.write(pairs, dense=write_task, record=write_record)
-    await stage.headers(write)          # at the end of the run
+    await stage.write(pairs, dense=write_task, known=piece_sum, records=write_records)
+    await stage.headers(write, records=write_records)     # at the end of the run
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weight_transfer.delta_policy import busy_seconds
-from weight_transfer.delta_send import DeltaDirective, DeltaSender, Encoded
+from weight_transfer.delta_send import DeltaDirective, DeltaSender, Encoded, RecordRun
 from weight_transfer.prepare import prepare_pieces_into, source_rect
 from weight_transfer.types import Piece, RegionDesc, Transform, WriteTask
 
-Where = tuple[torch.Tensor, RegionDesc, int]
 DenseWrite = Callable[[torch.Tensor, WriteTask], Awaitable[None]]
-RecordWrite = Callable[[Where, torch.Tensor, WriteTask], Awaitable[None]]
+Known = Callable[[WriteTask, int], None]  # a task's piece bytes' XXH3-64, known after encode
+RecordsWrite = Callable[[RecordRun], Awaitable[None]]
+# An engine rank's records are written as soon as this many bytes of them wait (so a large
+# delta still overlaps its encoding), the rest after the last bucket.
+FLUSH_BYTES = 4 << 20
 
 
 class DeltaStage:
@@ -95,15 +102,20 @@ class DeltaStage:
         return {p: self.sender.encode(p, buf) for p, buf in pieces.items()}
 
     async def write(self, pairs: Sequence[tuple[torch.Tensor, WriteTask]], *,
-                    dense: DenseWrite, record: RecordWrite) -> None:
+                    dense: DenseWrite, known: Known, records: RecordsWrite) -> None:
+        """Encode ``pairs``' pieces (``known(task, digest)``: the XXH3-64 of the piece's
+        bytes, the sender's digest of the bytes it now keeps); write each task dense or
+        place its record; write the records of engine ranks with :data:`FLUSH_BYTES`
+        waiting."""
         pieces = {t.piece: buf for buf, t in pairs}
         loop = asyncio.get_running_loop()
         enc = await loop.run_in_executor(self._pool, self._encode, pieces)
         jobs = []
         for buf, task in pairs:
-            where = self.sender.place(task, enc[task.piece])
-            jobs.append(self._timed(dense(buf, task), task.nbytes) if where is None
-                        else record(where, buf, task))
+            known(task, self.sender.base[task.piece].digest)
+            if self.sender.place(task, enc[task.piece]) is None:
+                jobs.append(self._timed(dense(buf, task), task.nbytes))
+        jobs += [records(run) for run in self.sender.take(min_bytes=FLUSH_BYTES)]
         await asyncio.gather(*jobs)
 
     async def _timed(self, job: Awaitable[None], nbytes: int) -> None:
@@ -112,9 +124,11 @@ class DeltaStage:
         self._dense.append((start, time.perf_counter()))
         self._dense_bytes += nbytes
 
-    async def headers(self, write: Callable[[torch.Tensor, RegionDesc, int], Awaitable[None]]
-                      ) -> None:
+    async def headers(self, write: Callable[[torch.Tensor, RegionDesc, int], Awaitable[None]],
+                      *, records: RecordsWrite) -> None:
+        """The records still waiting, then every slot header (after its records landed)."""
         try:
+            await asyncio.gather(*(records(run) for run in self.sender.take()))
             await asyncio.gather(*(write(src, region, off)
                                    for src, region, off in self.sender.finish()))
             self.sender.measured(self._dense_bytes, busy_seconds(self._dense))

@@ -64,7 +64,7 @@ ranks of its meshes wait for it in every ``full_tensor()``). The report's
 watermark bytes it holds as they change, its NIC's bytes and GB/s after each
 run, and each failed WRITE by error class. With a
 :class:`~weight_transfer.delta_write.DeltaStage` attached (``attach_delta``), the
-write stage sends sparse deltas instead; its wiring (record WRITEs, the tasks to
+write stage sends sparse deltas instead; its wiring (batched record WRITEs, the tasks to
 re-send dense) is :mod:`weight_transfer.executor_delta`.
 
 Usage (the Ray actor is a thin shell around this)::
@@ -88,8 +88,9 @@ from typing import Any
 import torch
 
 from weight_transfer.bucket_prepare import BucketWork, ParamWork, prepare_bucket, to_device
-from weight_transfer.delta_write import DeltaStage, Where
-from weight_transfer.executor_delta import tasks_for_resend, write_record
+from weight_transfer.delta_send import RecordRun
+from weight_transfer.delta_write import DeltaStage
+from weight_transfer.executor_delta import tasks_for_resend, write_records
 from weight_transfer.gather import DEFAULT_BUCKET_BYTES, GatherBucket
 from weight_transfer.integrity import IntegrityPolicy, RangeSums
 from weight_transfer.metrics import TransferMetrics
@@ -105,6 +106,7 @@ from weight_transfer.types import ParamMeta, WriteTask
 from weight_transfer.watermark import ByteWatermark
 
 log = logging.getLogger(__name__)
+WATERMARK_EVERY_S = 0.05  # the watermark gauge's most frequent record during a run
 
 __all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "own_block",
            "to_device"]
@@ -184,6 +186,7 @@ class RankTransfer:
         self.integrity = integrity or IntegrityPolicy(mode="off")
         self.retry = retry or RetryPolicy(attempts=1)
         self._task_spans: list[Span] = []
+        self._watermark_at = float("-inf")  # when the watermark gauge was last recorded
         self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
         self.turns = 0  # runs started since this plan: the sample integrity mode's rotation
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
@@ -253,7 +256,8 @@ class RankTransfer:
                                                                   strict=True)]
         if self.delta is not None and self.delta.active:
             await self.delta.write([(self._source(b), t) for b, t in pairs],
-                                   dense=self._write_task, record=self._write_record)
+                                   dense=self._write_task, known=self._piece_sum,
+                                   records=self._write_records)
         else:
             await asyncio.gather(*(self._write_task(buf, t) for buf, t in pairs))
         for p in work.params:
@@ -281,10 +285,15 @@ class RankTransfer:
                  nbytes=task.nbytes)
         )
 
-    async def _write_record(self, where: Where, buf: torch.Tensor, task: WriteTask) -> None:
-        """A task's delta record (:func:`weight_transfer.executor_delta.write_record`)."""
-        await write_record(self._run, where, buf, task, integrity=self.integrity,
-                           on_write_error=self.on_write_error, spans=self._task_spans)
+    def _piece_sum(self, task: WriteTask, value: int) -> None:
+        """The checksum of a task's piece, known from its delta encode (no hashing again;
+        a record lands batched, without its piece's bytes)."""
+        self._run.hash_piece(task, None, self.integrity, value=value)
+
+    async def _write_records(self, records: RecordRun) -> None:
+        """Delta records, batched (:func:`weight_transfer.executor_delta.write_records`)."""
+        await write_records(self._run, records, integrity=self.integrity,
+                            on_write_error=self.on_write_error, spans=self._task_spans)
 
     def attach_delta(self, stage: DeltaStage | None) -> None:
         """Write sparse deltas from the next run begun with a directive (None: dense)."""
@@ -331,13 +340,15 @@ class RankTransfer:
             pipe = Pipeline(self._stages(), watermark=wm)
             await pipe.run(self._items(layouts))
             if self.delta is not None and self.delta.active and group is self.groups[-1]:
-                await self.delta.headers(run.writer.write)  # after every record landed
+                await self.delta.headers(run.writer.write,  # after every record landed
+                                         records=self._write_records)
             spans.extend(pipe.spans)
             if self.barrier is not None:
                 t0 = time.perf_counter()
                 barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
                 barriers.append(Span(key=group.group, stage="barrier", start=t0,
                                      end=time.perf_counter(), nbytes=0))
+        self._watermark_changed(wm.held, last=True)
         report = TransferReport(
             rank=self.rank,
             version=version,
@@ -363,8 +374,14 @@ class RankTransfer:
                                       seconds=report.seconds)
         return report
 
-    def _watermark_changed(self, held: int) -> None:
-        if self.metrics is not None:
+    def _watermark_changed(self, held: int, *, last: bool = False) -> None:
+        """The watermark gauge: at most every :data:`WATERMARK_EVERY_S` (a change per
+        bucket and stage; a record costs 0.1 ms through Ray's metrics), and at the end."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if last or now - self._watermark_at >= WATERMARK_EVERY_S:
+            self._watermark_at = now
             self.metrics.watermark_in_use(rank=self.rank, nbytes=held)
 
     def close(self) -> None:

@@ -11,6 +11,8 @@ once per run)::
     run = RunLog(version=7, turn=2, writer=RetryingWriter(nic, policy))  # turn: runs before
     await run.writer.write(src, task.region, task.region_offset)
     run.landed(task, src, integrity_policy)
+    run.hash_piece(task, src, integrity_policy)   # a batched WRITE: hash now, ...
+    run.landed(task, None, integrity_policy)      # ... land it without its bytes later
     run.sums.ranges(), run.dest_bytes, run.hash_seconds, run.writer.retries
 """
 
@@ -38,15 +40,30 @@ class RunLog:
     hash_seconds: float = 0.0
     piece_sums: dict[Piece, int] = field(default_factory=dict)  # one hash per piece and run
 
-    def landed(self, task: WriteTask, src: torch.Tensor, policy: IntegrityPolicy) -> None:
+    def hash_piece(self, task: WriteTask, src: torch.Tensor | None, policy: IntegrityPolicy,
+                   *, value: int | None = None) -> None:
+        """The checksum of ``task``'s piece bytes ``src``, now, where the policy selects the
+        task (once per piece and run): a write that lands later (a delta record batched
+        with others) is then :meth:`landed` without its bytes. ``value``: the XXH3-64 of
+        those bytes, known already (a delta sender's digest of the bytes it keeps)."""
+        if policy.selects(task.task_id, self.turn) and task.piece not in self.piece_sums:
+            if value is None:
+                start = time.perf_counter()
+                value = checksum(src)
+                self.hash_seconds += time.perf_counter() - start
+            self.piece_sums[task.piece] = value
+
+    def landed(self, task: WriteTask, src: torch.Tensor | None, policy: IntegrityPolicy
+               ) -> None:
+        """``task``'s WRITE landed (``src``: its piece's bytes; None when they were hashed
+        by :meth:`hash_piece` already)."""
         dest = str(EngineRankId(replica=task.dst_replica, rank=task.dst_rank))
         self.dest_bytes[dest] = self.dest_bytes.get(dest, 0) + task.nbytes
         if policy.selects(task.task_id, self.turn):
-            value = self.piece_sums.get(task.piece)
-            if value is None:  # a piece sent to several replicas is the same bytes: hashed once
-                start = time.perf_counter()
-                value = self.piece_sums[task.piece] = checksum(src)
-                self.hash_seconds += time.perf_counter() - start
+            if task.piece not in self.piece_sums:  # sent to several replicas: hashed once
+                if src is None:
+                    raise AssertionError(f"task {task.task_id} landed unhashed")
+                self.hash_piece(task, src, policy)
             self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
                           addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
-                          value=value)
+                          value=self.piece_sums[task.piece])

@@ -17,10 +17,11 @@ trainers and one update:
   :mod:`weight_transfer.delta_policy`) says dense is faster, that rank's pieces
   dense (``fallback``: each rank's decision and estimates, printed per round).
 
-Before the measured rounds, one dense and two delta updates warm the fleet up
-(the time rule's first delta update only probes a sample of pieces; from that
-sample's rates a rank may still write the second dense, after it the rates come
-from whole delta updates).
+Before the measured rounds, one dense and two delta updates at the first learning
+rate warm the fleet up (the time rule's first delta update only probes a sample
+of pieces; from that sample's rates a rank may still write the second dense,
+after it the rates come from whole delta updates), and one delta update each
+further learning rate (its changes cost another encode rate).
 Switching between ``gather="full"`` and ``"shard_direct"`` is a re-plan
 (``controller.setup()``), so each learning rate alternates ``shard_direct`` and
 ``delta`` on the shard-direct plan first, then runs its ``gather`` rounds.
@@ -232,14 +233,17 @@ def measure(run_cfg: Any, *, dtype: str, lrs: list[float], updates: int, timeout
         console.print(fleet.describe())
         bench = DeltaBench(fleet, timeout_s)
         modes = modes_of(fleet.config)
+        bench.set_lr(lrs[0])
         bench.update(modes[1] if len(modes) > 2 else "gather")  # dense anyway: not measured
         # Not measured either: the time rule's first delta update probes (a sample of
         # pieces as deltas: its first rates), the second measures them on most pieces
         bench.update("delta", oracle=False)
         bench.update("delta", oracle=False)
         runs, rows = [], []
-        for lr in lrs:
+        for i, lr in enumerate(lrs):
             bench.set_lr(lr)
+            if i:  # the rates of the last lr mislead the time rule's first decision here
+                bench.update("delta", oracle=False)
             mine: list[dict[str, Any]] = []
             try:
                 _rounds(bench, mine, order_of(modes, updates), dtype=dtype, lr=lr,

@@ -121,7 +121,9 @@ class Fleet:
         dst[offset : offset + data.nbytes] = data
 
     def update(self, version: int, values: dict[Piece, np.ndarray], *, anchor: bool = False,
-               drop: set[int] = frozenset()) -> list:
+               drop: set[int] = frozenset(), flush: int | None = None) -> list:
+        """One update; records written one by one, or (``flush``) as the sender's runs
+        once ``flush`` bytes of an engine rank's wait, and the rest before the headers."""
         s = self.sender
         s.begin(DeltaDirective(version=version, anchor=anchor, held=dict(self.held)))
         enc = {p: s.encode(p, torch.from_numpy(v)) for p, v in values.items()}
@@ -131,8 +133,13 @@ class Fleet:
                 continue
             if where is None:
                 self.write(torch.from_numpy(values[t.piece]), t.region, t.region_offset)
-            else:
+            elif flush is None:
                 self.write(*where)
+            else:
+                for run in s.take(min_bytes=flush):
+                    self.write(run.src, run.region, run.offset)
+        for run in s.take() if flush is not None else ():
+            self.write(run.src, run.region, run.offset)
         for src, region, off in s.finish():
             self.write(src, region, off)
         done = []
@@ -166,8 +173,9 @@ def _pieces(rng: np.random.Generator, count: int) -> list[Piece]:
     return out
 
 
+@pytest.mark.parametrize("flush", [None, 0, 4096, 1 << 30])  # one by one, or batched
 @pytest.mark.parametrize("seed", range(12))
-def test_delta_updates_equal_dense_updates(seed: int) -> None:
+def test_delta_updates_equal_dense_updates(seed: int, flush: int | None) -> None:
     rng = np.random.default_rng(100 + seed)
     pieces = _pieces(rng, 6)
     fleet = Fleet(pieces, replicas=2)
@@ -178,7 +186,7 @@ def test_delta_updates_equal_dense_updates(seed: int) -> None:
         frac = float(rng.choice([0.0, 0.001, 0.01, 0.05, 0.3, 1.0]))
         values = {p: _mutate(rng, x, DTYPES[p.dst_dtype], frac, bool(rng.integers(2)))
                   for p, x in values.items()}
-        results = fleet.update(v, values, anchor=(v == 5))
+        results = fleet.update(v, values, anchor=(v == 5), flush=flush)
         fleet.expect(values)
         assert all(r.ok for r in results)
         if frac <= 0.01 and v != 5:
@@ -237,6 +245,42 @@ def test_stale_base_goes_dense() -> None:
         fleet.write(src, region, off)
     res = arena.apply(version=4, held=2, buffers=fleet.engines)
     assert len(res.stale) == 3 and all("base version 3" in r for r in res.reasons)
+
+
+def test_records_placed_back_to_back_are_taken_as_one_run_per_engine_rank() -> None:
+    rng = np.random.default_rng(11)
+    pieces = _pieces(rng, 5)
+    fleet = Fleet(pieces, replicas=2)
+    values = {p: rng.integers(0, 256, p.nbytes, dtype=np.uint8) for p in pieces}
+    fleet.update(1, values)
+    values = {p: _mutate(rng, x, DTYPES[p.dst_dtype], 0.01, False) for p, x in values.items()}
+    s = fleet.sender
+    s.begin(DeltaDirective(version=2, held={"engine0": 1, "engine1": 1}))
+    enc = {p: s.encode(p, torch.from_numpy(v)) for p, v in values.items()}
+    placed: dict[str, list] = {}
+    for t in fleet.tasks:
+        where = s.place(t, enc[t.piece])
+        assert where is not None
+        placed.setdefault(t.region.owner, []).append((t, where))
+        if len(placed[t.region.owner]) == 2:  # two records: below the bar, nothing taken
+            assert s.take(min_bytes=1 << 20) == []
+    runs = {r.region.owner: r for r in s.take(min_bytes=1)}
+    assert sorted(runs) == sorted(placed)
+    for owner, got in placed.items():
+        run = runs[owner]
+        assert run.tasks == [t for t, _ in got]
+        assert (run.region, run.offset) == got[0][1][1:]  # where the first record goes
+        # its bytes: every record's, back to back, as written one by one
+        want = np.concatenate([w[0].numpy() for _, w in got])
+        assert np.array_equal(run.src.numpy(), want)
+    assert s.take() == []  # taken once
+    for run in runs.values():
+        fleet.write(run.src, run.region, run.offset)
+    for src, region, off in s.finish():
+        fleet.write(src, region, off)
+    for owner, arena in fleet.arenas.items():
+        assert arena.apply(version=2, held=1, buffers=fleet.engines).ok, owner
+    fleet.expect(values)
 
 
 def test_full_slot_sends_the_rest_dense() -> None:
