@@ -236,3 +236,33 @@ def test_failed_writes_are_not_counted_as_written_and_the_transfer_goes_on():
             asyncio.run(s.transfer(0).run(version=2))
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("gather", ["shard_direct", "full"])
+def test_parameters_that_require_grad_leave_no_autograd_graph(gather):
+    """A trainer's parameters require grad: cutting and quantizing them must build no
+    graph (it kept every float32 temporary of the quantizer alive, plan after plan)."""
+    import gc
+
+    s = Setup("tiny_moe", fp8=True, gather=gather)
+    try:
+        s.state = {k: v.requires_grad_() if v.is_floating_point() else v
+                   for k, v in s.state.items()}
+
+        async def run_all():
+            for r in s.trainer_meta.ranks:
+                await s.transfer(r.rank, watermark_bytes=4 << 20).run(version=1)
+
+        asyncio.run(run_all())
+        gc.collect()
+        graphs = [t for t in gc.get_objects()
+                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        assert graphs == []
+        for e in s.engines:  # and the bytes are those of the same weights without grad
+            want = load_engine_shard(s.cfg, {k: v.detach() for k, v in s.state.items()},
+                                     e.shard, fp8=True)
+            got = s.engine_bytes(e)
+            for name, ref in want.items():
+                assert torch.equal(got[name], as_bytes(ref)), (e.replica, e.rank, name)
+    finally:
+        s.close()
