@@ -249,15 +249,19 @@ def test_parameters_that_require_grad_leave_no_autograd_graph(gather):
         s.state = {k: v.requires_grad_() if v.is_floating_point() else v
                    for k, v in s.state.items()}
 
+        def graphs() -> list[torch.Tensor]:
+            gc.collect()
+            return [t for t in gc.get_objects()
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+        before = {id(t) for t in graphs()}  # other tests' leftovers in this process
+
         async def run_all():
             for r in s.trainer_meta.ranks:
                 await s.transfer(r.rank, watermark_bytes=4 << 20).run(version=1)
 
         asyncio.run(run_all())
-        gc.collect()
-        graphs = [t for t in gc.get_objects()
-                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        assert graphs == []
+        assert [t for t in graphs() if id(t) not in before] == []
         for e in s.engines:  # and the bytes are those of the same weights without grad
             want = load_engine_shard(s.cfg, {k: v.detach() for k, v in s.state.items()},
                                      e.shard, fp8=True)
