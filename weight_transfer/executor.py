@@ -315,8 +315,6 @@ class RankTransfer:
         """Bytes to send: device memory where the NIC reads it (RDMA), else host memory."""
         if buf.is_cuda and not self.device_memory:
             buf = buf.cpu()
-        if buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous():
-            return buf  # already flat bytes (staging): no torch op, which drops the GIL
         return as_bytes(buf)
 
     def _stages(self) -> list[Stage]:

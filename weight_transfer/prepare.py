@@ -117,7 +117,10 @@ def piece_bytes(full: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
+    """A contiguous tensor's bytes as a flat uint8 view (``t`` itself when it is one: each
+    torch call drops and retakes the GIL, on the transfer's event loop too)."""
+    if t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous():
+        return t
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
