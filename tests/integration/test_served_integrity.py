@@ -137,8 +137,9 @@ def test_the_background_check_finds_and_heals_an_outsider_write(env):
         assert ref.source == "engine" and ref.version == 10 and ref.nbytes > 0
         assert ctl2.check_integrity().ok  # the engines' reference matches what they serve
         start = len(read_audit(cfg.audit_path))
+        # The outsider's write landed (process_vm_writev wrote the inverted byte); no read of
+        # the engine's bytes here: a tick 0.2 s later may already have found and healed it.
         name = outsider_flip(replicas[0][0], 5, 3)
-        assert stale(cfg, trainers, replicas[0]) == [(0, name)]
         deadline = time.monotonic() + WAIT_S
         while not (lines := [x for x in read_audit(cfg.audit_path)[start:]
                              if x["kind"] == "check" and x["bad"]]):
