@@ -254,7 +254,8 @@ def test_parameters_that_require_grad_leave_no_autograd_graph(gather):
             return [t for t in gc.get_objects()
                     if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
-        before = {id(t) for t in graphs()}  # other tests' leftovers in this process
+        kept = graphs()  # other tests' leftovers in this process, held so no new tensor
+        before = {id(t) for t in kept}  # can reuse one of their ids
 
         async def run_all():
             for r in s.trainer_meta.ranks:
