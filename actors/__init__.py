@@ -19,7 +19,7 @@ their launch helpers and settings (``TrainerActor``, ``InferenceActor``,
 ``launch_trainers``, ``launch_engines``, ``DemoActorConfig``). Everything else
 lives in its module: trainer, inference, schedule_actor, controller, launch,
 reports, config, messages (what crosses Ray at setup).
-``Launched`` (actors.handles) is what a launch helper returns: it owns the actors,
+``Launched`` (actors.ready.handles) is what a launch helper returns: it owns the actors,
 engine owners and placement groups it started and closes them.
 
 The package imports its submodules lazily, on first access of a public name:
@@ -39,16 +39,16 @@ _EXPORTS: dict[str, str] = {
     "DemoActorConfig": "actors.config",
     "InferenceActor": "actors.inference",
     "InferenceMixin": "actors.inference",
-    "Launched": "actors.handles",
+    "Launched": "actors.ready.handles",
     "TrainerActor": "actors.trainer",
     "TrainerMixin": "actors.trainer",
     "TransferConfig": "actors.config",
     "TransferSettings": "actors.config",
-    "UpdateError": "actors.controller",
+    "UpdateError": "actors.controller.controller",
     "UpdateReport": "actors.reports",
-    "WeightTransferController": "actors.controller",
-    "launch_engines": "actors.launch",
-    "launch_trainers": "actors.launch",
+    "WeightTransferController": "actors.controller.controller",
+    "launch_engines": "actors.ready.launch",
+    "launch_trainers": "actors.ready.launch",
 }
 
 __all__ = sorted(_EXPORTS)

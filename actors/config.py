@@ -14,7 +14,7 @@ so YAML and Python set the same names with the same defaults::
 sets); :class:`TransferConfig` adds the loaded ``model`` and ``cluster`` and
 ``fp8`` (``None`` takes the cluster's ``inference.fp8``). With live actors both
 may stay None: the model comes from the trainers' live model at ``setup()``
-and a simulated cluster from the actors (:mod:`actors.live_config`)::
+and a simulated cluster from the actors (:mod:`actors.controller.live_config`)::
 
     ctl = WeightTransferController(trainers=trainers, engines=replicas,
                                    config=TransferConfig()) Both are frozen,
@@ -35,9 +35,9 @@ options (:mod:`weight_transfer.transport.options`) and typed from then on::
 ``nic_gbps`` is a shortcut for the simnic option ``bandwidth_gbps``.
 ``integrity``, ``retry`` and ``audit_path`` are typed here too (and
 ``integrity_watch_s`` / ``integrity_watch_bytes``, the background check of
-served memory, :mod:`actors.served_check`)
-(:class:`~weight_transfer.integrity.IntegrityPolicy`,
-:class:`~weight_transfer.retry.RetryPolicy`); docs/configuration.md says what
+served memory, :mod:`actors.controller.served`)
+(:class:`~weight_transfer.integrity.checksums.IntegrityPolicy`,
+:class:`~weight_transfer.sender.retry.RetryPolicy`); docs/configuration.md says what
 each field does.
 
 The ready-made (demo) actors' own settings, the weights seed and learning rate
@@ -67,11 +67,11 @@ from pydantic import (
 )
 
 from actors.messages import RankOptions
-from scheduling.cluster import ClusterConfig, load_cluster_config
+from scheduling.cluster.config import ClusterConfig, load_cluster_config
 from scheduling.flip import shadow_need
-from weight_transfer.integrity import IntegrityPolicy, parse_integrity
-from weight_transfer.models import ModelConfig, load_model_config
-from weight_transfer.retry import RetryPolicy, parse_retry
+from weight_transfer.integrity.checksums import IntegrityPolicy, parse_integrity
+from weight_transfer.model.models import ModelConfig, load_model_config
+from weight_transfer.sender.retry import RetryPolicy, parse_retry
 from weight_transfer.transport.options import TransportOptions, TransportSpec, parse_transport
 
 # Sample, not off: a NIC or driver that corrupts writes shows in the first update at a
@@ -99,7 +99,8 @@ _SECTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("section",
 
 @contextlib.contextmanager
 def as_section(name: str) -> Iterator[None]:
-    """Validate the settings inside as the section ``name`` of a file (actors.run_config)."""
+    """Validate the settings inside as the section ``name`` of a file
+    (:mod:`actors.tools.demo.run_config`)."""
     token = _SECTION.set(name)
     try:
         yield
@@ -143,16 +144,17 @@ class TransferSettings(_Frozen):
     transport: str = "simnic"  # the data plane of every trainer and engine NIC
     # Checked, then typed (never None); serialized as the backend's own model, not the base.
     transport_options: SerializeAsAny[TransportOptions] | None = None
-    # Checksums of written ranges, compared after every update (weight_transfer.integrity).
+    # Checksums of written ranges, compared after every update
+    # (weight_transfer.integrity.checksums).
     integrity: IntegrityPolicy = DEFAULT_INTEGRITY
-    # Transient WRITE errors (link down) retried under this policy (weight_transfer.retry).
+    # Transient WRITE errors (link down) retried under this policy (weight_transfer.sender.retry).
     retry: RetryPolicy = DEFAULT_RETRY
-    audit_path: Path | None = None  # one JSON line per update / re-sync (actors.audit)
+    audit_path: Path | None = None  # one JSON line per update / re-sync (actors.controller.audit)
     # Background check of served memory against the last version's checksums, between
-    # updates (actors.served_check): seconds between ticks (0: off) and bytes hashed per tick.
+    # updates (actors.controller.served): seconds between ticks (0: off) and bytes hashed per tick.
     integrity_watch_s: NonNegativeFloat = 0.0
     integrity_watch_bytes: PositiveInt = 64 << 20
-    # Sparse deltas (actors.controller_delta): write only changed elements, one-sided, into a
+    # Sparse deltas (actors.controller.delta): write only changed elements, one-sided, into a
     # delta arena per engine rank (this fraction of its bytes), applied in place at finish
     # (shadow mode: to the shadow, brought to the live version first, before the flip);
     # a dense anchor every delta_anchor_every delta updates and after a plan, fault or re-sync.
@@ -160,12 +162,12 @@ class TransferSettings(_Frozen):
     delta_anchor_every: PositiveInt = 20
     delta_arena_fraction: PositiveFloat = 0.25
     # "time": each trainer rank writes dense when its measured rates say deltas would
-    # take longer (weight_transfer.delta_policy); "off": deltas whenever they are smaller.
+    # take longer (weight_transfer.delta.policy); "off": deltas whenever they are smaller.
     delta_fallback: Literal["time", "off"] = "time"
     # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
-    # them with no collective (scheduling.direct); full: every parameter gathered first.
+    # them with no collective (scheduling.build.direct); full: every parameter gathered first.
     gather: Literal["shard_direct", "full"] = "shard_direct"
-    # How an update lands (weight_transfer.engines.shadow): in_place writes the memory the
+    # How an update lands (weight_transfer.engines.shadow.store): in_place writes the memory the
     # engine computes with while it is paused; shadow writes a second copy while the engine
     # serves, then flips at a step boundary (the pause is the flip; rollback is one flip).
     apply: Literal["in_place", "shadow"] = "in_place"
@@ -249,7 +251,7 @@ class TransferConfig(TransferSettings):
 
     ``model`` None: trainer rank 0's live model describes it at ``setup()``; ``cluster``
     None: the controller derives a simulated one from the actors it is given
-    (:mod:`actors.live_config`). The launch helpers need both."""
+    (:mod:`actors.controller.live_config`). The launch helpers need both."""
 
     model: ModelConfig | None = None
     cluster: ClusterConfig | None = None
@@ -296,7 +298,7 @@ class TransferConfig(TransferSettings):
             raise ValueError(
                 f"{what} starts the actors TransferConfig.{' and '.join(missing)} "
                 f"describe{'s' if len(missing) == 1 else ''}, and it is None: give it (a "
-                "cluster in code: scheduling.cluster_defaults.simulated_cluster(...))")
+                "cluster in code: scheduling.cluster.defaults.simulated_cluster(...))")
         return self
 
     def with_replicas(self, replicas: int) -> TransferConfig:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from actors.groups import node_ip
-from weight_transfer.receipt import check_engine_meta
+from weight_transfer.integrity.receipt import check_engine_meta
 from weight_transfer.transport.handshake import (
     Connection,
     Endpoint,

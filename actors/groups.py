@@ -25,7 +25,7 @@ import logging
 import ray
 import torch.distributed as dist
 
-from weight_transfer.listen import serve_store
+from weight_transfer.sync.listen import serve_store
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def node_ip() -> str:
 
 def host_store(*, host: str, timeout_s: float = 300.0) -> dist.TCPStore:
     """A TCPStore server listening on a free port of ``host`` only (read it from ``.port``);
-    a wildcard ``host`` is refused (weight_transfer.listen)."""
+    a wildcard ``host`` is refused (weight_transfer.sync.listen)."""
     return serve_store(host, timeout_s=timeout_s)
 
 

@@ -24,11 +24,11 @@ before and ``wt_resume(version)`` after, each with an epoch that fences
 stale commands: a rank ignores a command older than the newest it has seen and
 refuses a resume that comes after its deadline, so a rank that was stopped
 while the controller gave up on it does not resume serving when it continues
-(:mod:`actors.engine_control`). ``wt_copy_to(meta)`` writes this
+(:mod:`actors.controller.engine_control`). ``wt_copy_to(meta)`` writes this
 rank's registered buffers into the same layout of another replica, connected
 the same way (a new replica fetches a version from a peer). After an update the
 controller may ask ``wt_checksum(ranges)``: the checksums of written ranges of the
-registered memory, to compare with the trainers' (:mod:`actors.integrity_check`).
+registered memory, to compare with the trainers' (:mod:`actors.controller.checks`).
 
 ``InferenceActor`` holds a :class:`~weight_transfer.engines.reference.engine.ReferenceEngine`
 for one (replica, TP rank), with a gloo group over its replica's TP ranks, and
@@ -51,13 +51,14 @@ import torch.distributed as dist
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.groups import GroupMember, connect_store, join_gloo_group
-from weight_transfer.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
 from weight_transfer.engines.delta_rank import DeltaRankMixin
 from weight_transfer.engines.fence import EVENTS_KEPT, KEEP, CommandFence  # noqa: F401
 from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
 from weight_transfer.engines.registered import RegisteredMemory
-from weight_transfer.engines.shadow import ShadowError, ShadowInfo
-from weight_transfer.engines.shadow_rank import ShadowControl, store_rendezvous
+from weight_transfer.engines.shadow.rank import ShadowControl, store_rendezvous
+from weight_transfer.engines.shadow.store import ShadowError, ShadowInfo
+from weight_transfer.layout.engine_copy import layout_key, regions_of  # noqa: F401 (re-exported)
+from weight_transfer.sync.versions import Generation
 from weight_transfer.transport.handshake import Connection, HostId, InfoRequest
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, TransportSpec
 from weight_transfer.types import (
@@ -67,7 +68,6 @@ from weight_transfer.types import (
     PeerInfo,
     ShardSpec,
 )
-from weight_transfer.versions import Generation
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class InferenceMixin(DeltaRankMixin):
     def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
         """Hold generation at its next step boundary; returns once no step runs.
 
-        ``epoch`` (the controller's, see :mod:`actors.engine_control`): a pause
+        ``epoch`` (the controller's, see :mod:`actors.controller.engine_control`): a pause
         older than the newest command seen is ignored (returns False); a fenced
         pause comes before writes or holds a torn replica, so the version held
         becomes None until a resume names one.
@@ -261,7 +261,7 @@ class InferenceMixin(DeltaRankMixin):
 
     def wt_checksum(self, ranges: np.ndarray) -> np.ndarray:
         """XXH3-64 of each (region addr, offset, length) row of ``ranges`` in this rank's
-        registered memory (:func:`weight_transfer.integrity.checksum_ranges`)."""
+        registered memory (:func:`weight_transfer.integrity.checksums.checksum_ranges`)."""
         self.wt_engine_meta()
         return self._wt_mem.checksum(ranges)
 
@@ -323,7 +323,7 @@ class InferenceWorker(InferenceMixin, GroupMember):
     def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int
                         ) -> list[Generation]:
         """:meth:`generate`, each sequence with the weight versions that produced its tokens
-        (:class:`weight_transfer.versions.Generation`)."""
+        (:class:`weight_transfer.sync.versions.Generation`)."""
         return self.engine.generate_tagged(prompts, max_new_tokens)
 
     def logits(self, ids: Any) -> torch.Tensor:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weight_transfer.integrity import IntegrityPolicy
-from weight_transfer.models import EXPERT_NAMINGS
-from weight_transfer.receipt import check_int, check_params, check_str
-from weight_transfer.retry import RetryPolicy
+from weight_transfer.integrity.checksums import IntegrityPolicy
+from weight_transfer.integrity.receipt import check_int, check_params, check_str
+from weight_transfer.model.models import EXPERT_NAMINGS
+from weight_transfer.sender.retry import RetryPolicy
 from weight_transfer.transport.handshake import HostId
 from weight_transfer.transport.options import TransportSpec
 from weight_transfer.types import ParamMeta, RankInfo
@@ -38,7 +38,7 @@ class TrainerRankMeta:
 def check_trainer_meta(meta: object, where: str = "trainer metadata") -> TrainerRankMeta:
     """One trainer rank's metadata as the controller receives it: ValueError naming the
     field for a wrong type, a rank outside [0, world), an unknown expert naming, an invalid
-    or repeated parameter (see :mod:`weight_transfer.receipt`)."""
+    or repeated parameter (see :mod:`weight_transfer.integrity.receipt`)."""
     if not isinstance(meta, TrainerRankMeta):
         raise ValueError(f"{where} must be a TrainerRankMeta, not {type(meta).__name__}")
     world = check_int(meta.world, f"{where}: world", lo=1, hi=1 << 24)
@@ -100,13 +100,13 @@ class PlanSummary:
     # a target that checks writers per region (tcp) is told at the connection set-up
     regions_by_rank: dict[int, tuple[tuple[str, str, int], ...]] = field(
         default_factory=dict, hash=False)
-    # "full" or "shard_direct" (scheduling.direct); the bytes written from the sources' own
+    # "full" or "shard_direct" (scheduling.build.direct); the bytes written from the sources' own
     # shards with no gather; the parameters gathered in shard-direct mode
     gather: str = "full"
     direct_bytes: int = 0
     gathered_params: int = 0
     # trainer rank -> replica -> engine rank -> bytes it writes there (the completion fence,
-    # actors.completion_fence)
+    # actors.controller.checks)
     dest_bytes_by_rank: dict[int, dict[str, dict[int, int]]] = field(
         default_factory=dict, hash=False)
     # engine rank ("engine0/tp1") -> bytes of its shadow copy (shadow mode; empty in place)

@@ -3,7 +3,7 @@
 Inside Ray, every process records through ``ray.util.metrics``; Ray's metrics
 agent on each node exports them in the Prometheus format (names prefixed
 ``ray_``, e.g. ``ray_wt_update_seconds``) at the node's metrics export port.
-Importing this module registers the backend with :mod:`weight_transfer.metrics`::
+Importing this module registers the backend with :mod:`weight_transfer.observe.metrics`::
 
     metrics = actor_metrics(config.metrics)   # "auto": ray inside Ray, else prometheus
 """
@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util import metrics as ray_metrics
 
-from weight_transfer.metrics import TransferMetrics, make_metrics, register_backend
+from weight_transfer.observe.metrics import TransferMetrics, make_metrics, register_backend
 
 _KINDS = {
     "counter": ray_metrics.Counter,

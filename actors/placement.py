@@ -27,7 +27,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from scheduling.cluster import ClusterConfig
+from scheduling.cluster.config import ClusterConfig
 from weight_transfer.types import NicId, RankInfo
 
 log = logging.getLogger(__name__)

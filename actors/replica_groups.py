@@ -6,7 +6,7 @@ slow link. ``TransferConfig.replica_groups`` lists the replicas of each site
 replica the controller holds is the group's *leader*: the plan writes it from
 the trainers, and after the trainers' writes every other member (a
 *follower*, paused like every replica) is filled from the leader by the peer
-copy of :meth:`~actors.controller_replicas.ReplicaOps.resync` (``wt_copy_to``:
+copy of :meth:`~actors.controller.replicas.ReplicaOps.resync` (``wt_copy_to``:
 rank r to rank r, engine to engine, inside the site), all pairs at once; then
 followers resume with the version like the leader. So the slow link carries
 one copy per group instead of one per replica. A follower whose leader is torn
@@ -18,7 +18,7 @@ in no group are written by the trainers as before::
     groups.followers(["engine0", "engine1", "engine2"])   # {"engine1": "engine0"}
     groups.planned(["engine0", "engine1", "engine2"])     # ["engine0", "engine2"]
 
-This module is the pure part (no Ray); the copies are :mod:`actors.controller_groups`'.
+This module is the pure part (no Ray); the copies are :mod:`actors.controller.groups`'.
 """
 
 from __future__ import annotations

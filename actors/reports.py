@@ -1,12 +1,12 @@
 """What trainers and the controller report about one weight update (plain data).
 
 Every trainer rank turns its executor's
-:class:`~weight_transfer.executor.TransferReport` into a :class:`RankReport`
+:class:`~weight_transfer.sender.executor.TransferReport` into a :class:`RankReport`
 before it crosses the object store: the executor's report without its spans,
 plus per-stage busy times, the failed writes and wall-clock times, so the
 report of a rank has the same size for a 1 MB and a 1 TB model (unless the
 update was traced: then ``RankReport.trace`` holds the rank's spans and
-``UpdateReport.trace`` the whole update's, see :mod:`weight_transfer.trace`). The controller
+``UpdateReport.trace`` the whole update's, see :mod:`weight_transfer.observe.trace`). The controller
 folds the ranks' reports into one :class:`UpdateReport`::
 
     rank_report = rank_report_of(transfer_report, failures=..., started_at=..., finished_at=...)
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from weight_transfer.errors import FaultKind
 
 if TYPE_CHECKING:  # the executor imports torch, the check Ray; this module stays light
-    from actors.integrity_check import IntegrityResult
-    from weight_transfer.executor import TransferReport
-    from weight_transfer.trace import RankTrace, UpdateTrace
+    from actors.controller.checks import IntegrityResult
+    from weight_transfer.observe.trace import RankTrace, UpdateTrace
+    from weight_transfer.sender.executor import TransferReport
 
 STAGES: tuple[str, ...] = ("h2d", "prepare", "write", "barrier")
 
@@ -146,7 +146,7 @@ class UpdateReport:
     ``control_bytes`` the pickled size of every Ray call argument and result
     the update exchanged (the object store's share of the update);
     ``integrity`` what the checksum check compared (an
-    :class:`~actors.integrity_check.IntegrityResult`: mode, ranges, bytes,
+    :class:`~actors.controller.checks.IntegrityResult`: mode, ranges, bytes,
     seconds, ok; ``as_dict()`` gives it as JSON); ``retries`` the WRITEs retried.
     """
 
@@ -171,7 +171,7 @@ class UpdateReport:
 
     @property
     def retries(self) -> int:
-        """WRITEs the ranks tried again after a transient error (weight_transfer.retry)."""
+        """WRITEs the ranks tried again after a transient error (weight_transfer.sender.retry)."""
         return sum(r.transfer.retries for r in self.per_rank)
 
     @classmethod

@@ -21,10 +21,10 @@ barrier key), and
 replays its static plan with one-sided writes and returns a constant-size
 :class:`~actors.reports.RankReport`). NIC fault injection
 for tests (``wt_set_link``, ``wt_flap_link``, ``wt_fail_after_bytes``) lives in
-the test-only subclass :class:`actors.testing.hooks.FaultyTrainerActor`.
+the test-only subclass :class:`actors.tools.testkit.hooks.FaultyTrainerActor`.
 
 ``TrainerActor`` builds the transformers model (same seed on every rank),
-joins a gloo group, shards with FSDP2 (:mod:`actors.trainer_model`), and adds
+joins a gloo group, shards with FSDP2 (:mod:`actors.ready.trainer_model`), and adds
 ``train_step`` (a real AdamW step), ``reference_generate`` and
 ``reference_logits`` (every rank calls; rank 0 answers). Only those code paths
 import transformers (through :mod:`weight_transfer.engines.reference.hf_model`), on
@@ -48,22 +48,22 @@ from actors.connections import this_host, trainer_owner
 from actors.groups import GroupMember, connect_store, join_gloo_group
 from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
-from actors.reports import RankReport, rank_report_of
-from actors.trainer_delta import TrainerDeltaMixin
-from actors.trainer_model import (
+from actors.ready.trainer_model import (
     build_sharded_model,
     gather_full_state,
     make_optimizer,
     train_step,
 )
+from actors.reports import RankReport, rank_report_of
+from actors.trainer_delta import TrainerDeltaMixin
 from actors.write_guard import WriteGuard
-from scheduling.serialize import loads_trainer_plan
-from weight_transfer.barrier import BarrierKey, StoreBarrier
-from weight_transfer.executor import RankTransfer, check_trainer_plan
-from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
-from weight_transfer.models import ModelConfig, model_config_from_hf
-from weight_transfer.naming import canonical_trainer_name
-from weight_transfer.trace import rank_trace_of
+from weight_transfer.model.live_metadata import expert_naming_of, param_metas_from_module
+from weight_transfer.model.models import ModelConfig, model_config_from_hf
+from weight_transfer.model.naming import canonical_trainer_name
+from weight_transfer.observe.trace import rank_trace_of
+from weight_transfer.plan.wire import loads_trainer_plan
+from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
+from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -241,7 +241,7 @@ class TrainerMixin(TrainerDeltaMixin):
     def wt_update(self, version: int, trace: bool = False) -> RankReport:
         """Replay the plan for ``version``: gather, prepare, write, barrier per mesh group.
 
-        ``trace``: the report keeps this rank's spans (:mod:`weight_transfer.trace`).
+        ``trace``: the report keeps this rank's spans (:mod:`weight_transfer.observe.trace`).
         """
         link = self._wt_link
         if link is None:

@@ -1,6 +1,6 @@
-"""Trainer-rank methods of sparse delta updates (:mod:`weight_transfer.delta_send`), mixed
+"""Trainer-rank methods of sparse delta updates (:mod:`weight_transfer.sender.delta.send`), mixed
 into :class:`actors.trainer.TrainerMixin`. The controller
-(:mod:`actors.controller_delta`) calls, after each (re)plan: ``wt_delta_need()``
+(:mod:`actors.controller.delta`) calls, after each (re)plan: ``wt_delta_need()``
 (bytes this rank writes per engine rank), then ``wt_delta_connect(slots)`` (its
 slot in each engine rank's registered delta arena); before each update
 ``wt_delta_begin(directive)``; after the engines applied, ``wt_delta_repair``
@@ -12,9 +12,9 @@ import asyncio
 import logging
 from typing import Any
 
-from weight_transfer.delta_policy import DeltaRates
-from weight_transfer.delta_send import DeltaDirective, DeltaSender, DeltaSlot
-from weight_transfer.delta_write import DeltaStage
+from weight_transfer.delta.policy import DeltaRates
+from weight_transfer.sender.delta.send import DeltaDirective, DeltaSender, DeltaSlot
+from weight_transfer.sender.delta.write import DeltaStage
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TrainerDeltaMixin:
                          fallback: bool = True) -> int:
         """This rank's slots in the engines' delta arenas (None: back to dense); the
         bytes kept of the last write start empty (the next update is a dense anchor).
-        ``fallback``: the time rule (:mod:`weight_transfer.delta_policy`) decides per
+        ``fallback``: the time rule (:mod:`weight_transfer.delta.policy`) decides per
         update whether deltas pay; its measured rates are kept across plans."""
         transfer = self._wt_transfer()
         if slots is None:
@@ -92,7 +92,8 @@ class TrainerDeltaMixin:
         return sum(t.nbytes for t in tasks)
 
     def wt_delta_stats(self) -> dict | None:
-        """The last update's delta counters (:class:`~weight_transfer.delta_send.DeltaStats`)."""
+        """The last update's delta counters
+        (:class:`~weight_transfer.sender.delta.send.DeltaStats`)."""
         link = self._wt_link
         stage = None if link is None else link.transfer.delta
         return None if stage is None else stage.sender.stats.as_dict()

@@ -18,11 +18,12 @@ data types), validate, tables (numpy columns for build and validate), serialize
 (msgpack), simulate (discrete-event model).
 """
 
-from scheduling.cluster import ClusterConfig, load_cluster_config
-from scheduling.cluster_defaults import simulated_cluster
+from scheduling.cluster.config import ClusterConfig, load_cluster_config
+from scheduling.cluster.defaults import simulated_cluster
 from scheduling.compute import compute_plan
-from scheduling.plan import Plan, TrainerGroup, TrainerPlan
-from scheduling.simulate import SimResult, simulate
+from scheduling.plan import Plan
+from scheduling.sim.simulate import SimResult, simulate
+from weight_transfer.plan.types import TrainerGroup, TrainerPlan
 
 __all__ = [
     "ClusterConfig",

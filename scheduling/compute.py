@@ -1,8 +1,8 @@
 """``compute_plan``: gathered metadata in, a validated-ready :class:`~scheduling.plan.Plan` out.
 
 The one entry point of planning, pure and deterministic: match engine tensors
-to trainer parameters (:mod:`scheduling.match`), then assign and order the
-tasks (:mod:`scheduling.build`)::
+to trainer parameters (:mod:`scheduling.build.match`), then assign and order the
+tasks (:mod:`scheduling.build.build`)::
 
     plan = compute_plan(trainer_meta, engine_metas, cluster, model=cfg)
     plan.validate()                      # every destination byte written exactly once
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduling.build import build_plan
-from scheduling.cluster import ClusterConfig
-from scheduling.match import match_engines
+from scheduling.build.build import build_plan
+from scheduling.build.match import match_engines
+from scheduling.cluster.config import ClusterConfig
 from scheduling.plan import Plan
-from weight_transfer.shard_geometry import gc_paused
+from weight_transfer.layout.shard_geometry import gc_paused
 from weight_transfer.types import EngineRankMeta, TrainerMeta
 
 
@@ -37,14 +37,14 @@ def compute_plan(
 ) -> Plan:
     """Match engine tensors to trainer parameters and build the plan. Pure, deterministic.
 
-    ``model`` is the :class:`~weight_transfer.models.ModelConfig`; ``fp8``
+    ``model`` is the :class:`~weight_transfer.model.models.ModelConfig`; ``fp8``
     defaults to the cluster's ``inference.fp8``. Pieces larger than the
     balance granularity (a group's bytes per sending NIC / ``pieces_per_nic``,
     clamped to [``min_piece_bytes``, ``max_piece_bytes``]) are split first.
     ``gather_order`` is ``"interleaved"`` (destinations alternate, the default)
     or ``"canonical"`` (the trainer metadata's order). ``gather`` is
     ``"shard_direct"`` (a parameter whose pieces its ranks' own shards cover is
-    written from them with no collective, :mod:`scheduling.direct`) or ``"full"``
+    written from them with no collective, :mod:`scheduling.build.direct`) or ``"full"``
     (every parameter gathered before it is written).
     """
     with gc_paused():  # ~10^6 acyclic objects: GC passes over them would cost seconds

@@ -22,10 +22,10 @@ deterministic fake address and rkey.
 
 from __future__ import annotations
 
-from scheduling.cluster import ClusterConfig
-from scheduling.match import layout_specs
-from weight_transfer.models import ModelConfig, trainer_param_specs
-from weight_transfer.shard_geometry import gc_paused
+from scheduling.build.match import layout_specs
+from scheduling.cluster.config import ClusterConfig
+from weight_transfer.layout.shard_geometry import gc_paused
+from weight_transfer.model.models import ModelConfig, trainer_param_specs
 from weight_transfer.types import (
     EngineRankId,
     EngineRankMeta,

@@ -1,7 +1,7 @@
 """Checked decoding of a whole plan blob (:func:`scheduling.serialize.loads_plan`).
 
 Metadata (parameters, trainer ranks, engines with their tensors and regions)
-is checked field by field (:mod:`weight_transfer.receipt`); the task columns
+is checked field by field (:mod:`weight_transfer.integrity.receipt`); the task columns
 must be integer arrays of one length, every index inside its table, the
 trainer pointer a partition of the rows by source rank, and every task inside
 its region. What a column or index error names: the column, the first bad row
@@ -15,16 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from scheduling.decode import Reader
-from scheduling.direct import GATHER_MODES
+from scheduling.build.direct import GATHER_MODES
 from scheduling.plan import Plan
-from weight_transfer.receipt import (
+from weight_transfer.integrity.receipt import (
     check_engine_meta,
     check_int,
     check_param_meta,
     check_shard,
     check_str,
 )
+from weight_transfer.plan.decode import Reader
 from weight_transfer.types import (
     EngineRankId,
     EngineRankMeta,

@@ -1,7 +1,7 @@
 """Shadow mode on paper: the bytes of one more copy per engine rank, whether they fit, and
 the flip's stall.
 
-Shadow mode (``TransferConfig.apply="shadow"``, :mod:`weight_transfer.engines.shadow`)
+Shadow mode (``TransferConfig.apply="shadow"``, :mod:`weight_transfer.engines.shadow.store`)
 keeps a second copy of every tensor an engine rank computes with; a flip swaps the
 two copies in device memory. From the model and the cluster alone::
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduling.cluster import ClusterConfig
-from weight_transfer.engine_layout import engine_tensor_specs
-from weight_transfer.models import ModelConfig
+from scheduling.cluster.config import ClusterConfig
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.model.models import ModelConfig
 
 GIB = 1 << 30
-FLIP_SCRATCH_BYTES = 8 << 20  # weight_transfer.engines.shadow.FLIP_CHUNK_BYTES
+FLIP_SCRATCH_BYTES = 8 << 20  # weight_transfer.engines.shadow.store.FLIP_CHUNK_BYTES
 
 
 def rank_weight_bytes(model: ModelConfig, cluster: ClusterConfig, *, fp8: bool) -> list[int]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduling.validate import validate_plan
+from scheduling.build.validate import validate_plan
+from weight_transfer.plan.types import TrainerGroup, TrainerPlan
 from weight_transfer.types import (
     EngineRankMeta,
     MeshDesc,
@@ -31,37 +32,6 @@ from weight_transfer.types import (
     RegionDesc,
     WriteTask,
 )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerGroup:
-    """One mesh group as one trainer rank sees it.
-
-    ``mesh`` is the rank's mesh in this group (``None`` if it has none: it only
-    joins the barrier); ``params`` the names it gathers, in order; ``tasks``
-    its writes, in order; ``local`` the shard-direct parameters it writes from
-    its own shard with no collective (:mod:`scheduling.direct`), in order.
-    A task reads a parameter of ``params`` (from the gathered tensor) or of
-    ``local`` (from the rank's block of it, :mod:`weight_transfer.shard_blocks`).
-    """
-
-    group: int
-    mesh: MeshDesc | None
-    params: tuple[str, ...]
-    tasks: tuple[WriteTask, ...]
-    local: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerPlan:
-    """Everything one trainer rank needs to run its part of a transfer."""
-
-    rank: int
-    groups: tuple[TrainerGroup, ...]
-
-    @property
-    def tasks(self) -> list[WriteTask]:
-        return [t for g in self.groups for t in g.tasks]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -86,7 +56,7 @@ class Plan:
     task_offset: np.ndarray
     task_group: np.ndarray
     trainer_ptr: np.ndarray  # tasks of rank r: rows trainer_ptr[r]:trainer_ptr[r + 1]
-    # "full": every parameter gathered; "shard_direct": see scheduling.direct
+    # "full": every parameter gathered; "shard_direct": see scheduling.build.direct
     gather: str = "full"
     # params written from their owners' shards with no collective (indices, ascending)
     direct_params: tuple[int, ...] = ()

@@ -1,4 +1,5 @@
-"""Asynchronous RL over served vLLM replicas with bounded staleness (:mod:`actors.demo.async_rl`)::
+"""Asynchronous RL over served vLLM replicas with bounded staleness
+(:mod:`actors.tools.demo.async_rl`)::
 
     python scripts/async_rl.py [--replicas 1] [--steps 4] [--batch 8] [--max-lag 1] [--json PATH]
 """
@@ -17,14 +18,14 @@ def main(replicas: int = 1, steps: int = 4, batch: int = 8, max_lag: int = 1,
     """Rollouts stream from served vLLM replicas while the trainers train and update them."""
     import ray
 
-    from actors.demo.async_rl import AsyncRlSettings, print_summary, run
-    from actors.demo.checks import make_console
+    from actors.tools.demo.async_rl import AsyncRlSettings, print_summary, run
+    from actors.tools.demo.checks import make_console
 
     s = AsyncRlSettings(replicas=replicas, steps=steps, batch=batch, max_lag=max_lag,
                         rollout_tokens=rollout_tokens)
     console = make_console()
-    from actors.demo.fleet import LOCAL_NODE_IP
-    from actors.ray_token import private_token
+    from actors.tools.demo.fleet import LOCAL_NODE_IP
+    from actors.tools.ray_token import private_token
 
     private_token(new_cluster=True)  # a fresh local instance, its token 0600
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,

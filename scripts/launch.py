@@ -1,5 +1,5 @@
 """The entry point for ``ray job submit``: runs the demo job of a run config
-(:mod:`actors.demo.launch`) on the cluster it runs in::
+(:mod:`actors.tools.demo.launch`) on the cluster it runs in::
 
     ray job submit --working-dir . -- python scripts/launch.py --config configs/runs/demo.yaml
 """
@@ -14,6 +14,6 @@ if str(ROOT) not in sys.path:  # `python scripts/launch.py` puts scripts/ first,
 if __name__ == "__main__":
     import typer
 
-    from actors.demo.launch import main
+    from actors.tools.demo.launch import main
 
     typer.run(main)

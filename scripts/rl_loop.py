@@ -1,4 +1,4 @@
-"""An OpenRLHF-style RL loop with weight transfer (:mod:`actors.demo.rl_loop`)::
+"""An OpenRLHF-style RL loop with weight transfer (:mod:`actors.tools.demo.rl_loop`)::
 
     python scripts/rl_loop.py --config configs/runs/rl_loop.yaml [--iterations N] [--json PATH]
     python scripts/rl_loop.py --engine vllm --cluster configs/clusters/vllm_cpu_tp1.yaml
@@ -15,6 +15,6 @@ if str(ROOT) not in sys.path:  # `python scripts/rl_loop.py` puts scripts/ first
 if __name__ == "__main__":
     import typer
 
-    from actors.demo.rl_loop import main
+    from actors.tools.demo.rl_loop import main
 
     typer.run(main)

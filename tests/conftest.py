@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from actors.testing.harness import RemoteTarget
-from weight_transfer.transport.simnic import SimNic
+from actors.tools.testkit.harness import RemoteTarget
+from weight_transfer.transport.simnic.nic import SimNic
 
 if os.environ.get("WT_TEST_HIDE_PYVERBS") == "1":
     sys.modules["pyverbs"] = None  # every `import pyverbs...` now raises ImportError
@@ -54,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     (``scripts/test.sh`` runs two workers) two workers starting their first local clusters
     at once would otherwise both generate one. Done once, in the controlling process."""
     if not hasattr(config, "workerinput"):
-        from actors.ray_token import private_token
+        from actors.tools.ray_token import private_token
 
         private_token(new_cluster=True)
 
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @functools.cache
 def pyverbs_missing() -> str | None:
     """Why pyverbs cannot be imported here, or None."""
-    from weight_transfer.transport.rdma_verbs import RdmaUnavailableError, import_pyverbs
+    from weight_transfer.transport.rdma.verbs import RdmaUnavailableError, import_pyverbs
 
     try:
         import_pyverbs()
@@ -82,7 +82,7 @@ def pyverbs_missing() -> str | None:
 @functools.cache
 def rdma_device_missing() -> str | None:
     """Why there is no usable RDMA device (pyverbs is importable), or None."""
-    from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
+    from weight_transfer.transport.rdma.verbs import rdma_unavailable_reason
 
     return rdma_unavailable_reason(os.environ.get("WT_RDMA_DEVICE") or None)
 
@@ -95,7 +95,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if needs_device and (why := rdma_device_missing()) is not None:
         pytest.skip(f"no RDMA device: {why}")
     if item.get_closest_marker("vllm") is not None:
-        from actors.testing.vllm_oracle import vllm_missing
+        from actors.tools.testkit.vllm_oracle import vllm_missing
 
         if (why := vllm_missing()) is not None:
             pytest.skip(why)

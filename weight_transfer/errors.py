@@ -24,7 +24,7 @@ an instance with its message and its typed fields without calling
     pickle.loads(pickle.dumps(err)).torn     # ["engine1"]
 
 :class:`FaultKind` names what happened to a peer, classified from the
-exception's type (:func:`actors.faults.fault_kind_of`), never from its text.
+exception's type (:func:`actors.controller.engine_control.fault_kind_of`), never from its text.
 This module imports nothing but the standard library: the core raises these.
 """
 

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.demo.fleet import LOCAL_NODE_IP
+from actors.tools.demo.fleet import LOCAL_NODE_IP
 
 CLUSTER_CPUS = 16  # the most any module asked its local instance for
 OBJECT_STORE_BYTES = 4 << 30  # ray.cluster_utils defaults to 150 MiB; local Ray to ~30% RAM

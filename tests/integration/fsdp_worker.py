@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from scheduling.serialize import loads_trainer_plan
-from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.executor import RankTransfer
-from weight_transfer.live_metadata import param_metas_from_module
-from weight_transfer.models import load_model_config
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.model.live_metadata import param_metas_from_module
+from weight_transfer.model.models import load_model_config
+from weight_transfer.plan.wire import loads_trainer_plan
+from weight_transfer.sender.executor import RankTransfer
+from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
+from weight_transfer.transport.simnic.nic import SimNic
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.(\d+))\.")
 

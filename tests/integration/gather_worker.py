@@ -4,7 +4,7 @@ Run by ``multiprocessing`` spawn from tests/integration/test_gather_nd.py. Every
 rank builds the same seeded full tensors, distributes them over the case's mesh
 and placements (``distribute_tensor``: ``torch.chunk`` per mesh dim, uneven
 chunks included), cuts buckets from the live metadata, gathers each bucket with
-:func:`weight_transfer.gather.gather_bucket` (recording its collectives) and
+:func:`weight_transfer.sender.gather.gather_bucket` (recording its collectives) and
 with one ``full_tensor()`` per parameter, and sends back both results and the
 record. A case: ``(mesh shape, mesh dim names, rank grid or None, placements as
 ("shard", dim) / ("replicate",), [(name, shape, dtype)], bucket_bytes)``.
@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from weight_transfer.gather import gather_bucket, plan_buckets
-from weight_transfer.live_metadata import param_metas_from_module
+from weight_transfer.model.live_metadata import param_metas_from_module
+from weight_transfer.sender.gather import gather_bucket, plan_buckets
 
 _PLACEMENT = {"shard": lambda dim: Shard(dim), "replicate": lambda: Replicate()}
 

@@ -23,8 +23,8 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from actors.testing.engine_bytes import engine_mismatches
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -220,7 +220,7 @@ def test_no_model_or_cluster_file_with_live_actors(env):
     """docs/embedding.md's TransferConfig() alone: the model from trainer 0's live model,
     the cluster from the actors (4 trainer ranks, 2 replicas x TP2); exact bytes land."""
     cfg, trainers, replicas, _ = env
-    from actors.testing.doc_snippets import snippet as doc_snippet
+    from actors.tools.testkit.doc_snippets import snippet as doc_snippet
 
     snippet = doc_snippet(Path(__file__).resolve().parents[2] / "docs" / "embedding.md",
                           "live-config")

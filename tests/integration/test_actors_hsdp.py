@@ -19,7 +19,7 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from actors.testing.engine_bytes import engine_mismatches
+from actors.tools.testkit.engine_bytes import engine_mismatches
 from scheduling.config_metadata import trainer_meta_from_config
 from weight_transfer.types import Placement
 

@@ -20,8 +20,8 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from actors.testing.engine_bytes import engine_mismatches
-from actors.trainer_model import make_optimizer, sequence_loss
+from actors.ready.trainer_model import make_optimizer, sequence_loss
+from actors.tools.testkit.engine_bytes import engine_mismatches
 from weight_transfer.engines.reference.hf_model import build_hf_model
 from weight_transfer.types import Placement
 

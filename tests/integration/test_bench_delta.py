@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from actors.bench.delta import run
-from actors.run_config import ROOT
+from actors.tools.bench.delta import run
+from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

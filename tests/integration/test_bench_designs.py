@@ -12,9 +12,9 @@ import math
 
 import pytest
 
-import actors.bench.designs as bench_designs
-from actors.bench.designs import run
-from actors.run_config import ROOT
+import actors.tools.bench.designs.bench as bench_designs
+from actors.tools.bench.designs.bench import run
+from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

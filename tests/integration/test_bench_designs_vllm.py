@@ -15,8 +15,8 @@ import math
 
 import pytest
 
-from actors.bench.designs import run
-from actors.run_config import ROOT
+from actors.tools.bench.designs.bench import run
+from actors.tools.demo.run_config import ROOT
 
 # Skipped where vLLM cannot be imported (tests/conftest.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.bench.pipeline import run
+from actors.tools.bench.pipeline import run
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs/models/tiny_moe.yaml"

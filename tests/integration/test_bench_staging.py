@@ -7,7 +7,7 @@ the engine regions equal the reference loader's after the last one.
 import json
 from pathlib import Path
 
-from actors.bench.staging import MODES, run
+from actors.tools.bench.staging import MODES, run
 
 ROOT = Path(__file__).resolve().parents[2]
 

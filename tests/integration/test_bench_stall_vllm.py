@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from actors.bench.stall import run, run_config_for
+from actors.tools.bench.stall.bench import run, run_config_for
 
 # Skipped where vLLM cannot be imported (tests/conftest.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]

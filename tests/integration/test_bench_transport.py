@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from actors.bench.transport import parse_backends, run
+from actors.tools.bench.transport import parse_backends, run
 
 
 def test_benchmark_writes_json_with_every_backend(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Sparse delta updates end to end on a local Ray instance: tiny_llama, 4 FSDP2 trainer
 actors -> 2 replicas x TP2 over simnic, real AdamW steps. After every update every engine
 byte equals the reference layout of the trainers' weights (the demo's byte check,
-:func:`actors.demo.verify.check_bytes`); delta updates move fewer bytes than dense anchors;
+:func:`actors.tools.demo.verify.check_bytes`); delta updates move fewer bytes than dense anchors;
 an engine byte changed behind the chain's back is caught by the digest and re-sent dense;
 a failed write makes the next update a dense anchor."""
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import ray
 
-from actors.demo.fleet import start_fleet, token_batch
-from actors.demo.verify import check_bytes
-from actors.run_config import load_run_config, parse_run_config
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.demo.fleet import start_fleet, token_batch
+from actors.tools.demo.run_config import load_run_config, parse_run_config
+from actors.tools.demo.verify import check_bytes
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

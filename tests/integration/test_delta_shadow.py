@@ -21,11 +21,11 @@ import pytest
 import ray
 import torch
 
-from actors.demo.fleet import start_fleet, token_batch
-from actors.demo.verify import _flip_byte as flip_live_byte
-from actors.demo.verify import check_bytes
-from actors.run_config import load_run_config, parse_run_config
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.demo.fleet import start_fleet, token_batch
+from actors.tools.demo.run_config import load_run_config, parse_run_config
+from actors.tools.demo.verify import _flip_byte as flip_live_byte
+from actors.tools.demo.verify import check_bytes
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -16,13 +16,13 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from actors.cli.main import app
-from actors.demo.checks import STAGES
-from actors.demo.fleet import run_job
-from actors.run_config import ROOT, load_run_config
-from weight_transfer.engine_layout import engine_tensor_specs
-from weight_transfer.models import load_model_config
-from weight_transfer.trace import read_chrome_trace
+from actors.tools.cli.main import app
+from actors.tools.demo.checks import STAGES
+from actors.tools.demo.fleet import run_job
+from actors.tools.demo.run_config import ROOT, load_run_config
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.model.models import load_model_config
+from weight_transfer.observe.trace import read_chrome_trace
 from weight_transfer.types import ShardSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

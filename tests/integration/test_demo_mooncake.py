@@ -20,11 +20,11 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from actors.demo import fleet as demo
-from actors.demo.fleet import run_cli
-from actors.testing.engine_bytes import engine_mismatches
-from actors.testing.hooks import FaultyTrainerActor
-from weight_transfer.transport.mooncake import load_engine_class
+from actors.tools.demo import fleet as demo
+from actors.tools.demo.fleet import run_cli
+from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.hooks import FaultyTrainerActor
+from weight_transfer.transport.mooncake.transport import load_engine_class
 
 try:
     load_engine_class()

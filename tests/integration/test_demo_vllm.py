@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from actors.run_config import ROOT
+from actors.tools.demo.run_config import ROOT
 
 # Skipped where vLLM cannot be imported (tests/conftest.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -34,7 +34,7 @@ UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", 
 def test_wt_demo_with_vllm_verifies_every_update_against_vllms_load_weights():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VLLM_LOGGING_LEVEL")}
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli.main", "demo", "--engine", "vllm", "--json", "-",
+        [sys.executable, "-m", "actors.tools.cli.main", "demo", "--engine", "vllm", "--json", "-",
          "--model", "configs/models/tiny_moe.yaml",
          "--cluster", "configs/clusters/vllm_cpu_tp1.yaml", "--updates", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)

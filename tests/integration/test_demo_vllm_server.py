@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from actors.run_config import ROOT
+from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 def test_wt_demo_with_a_vllm_server_reports_the_versions_a_streaming_client_saw():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VLLM_LOGGING_LEVEL")}
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli.main", "demo", "--engine", "vllm-server",
+        [sys.executable, "-m", "actors.tools.cli.main", "demo", "--engine", "vllm-server",
          "--json", "-", "--updates", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-4000:]

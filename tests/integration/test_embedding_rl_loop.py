@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.testing.doc_snippets import run_snippet
+from actors.tools.testkit.doc_snippets import run_snippet
 
 pytestmark = [pytest.mark.timeout(600)]
 

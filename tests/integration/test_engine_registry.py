@@ -26,13 +26,13 @@ import torch
 from actors import TransferConfig, WeightTransferController, launch_trainers
 from actors.connections import this_host
 from actors.engine_registry import engine_spec, register_engine, unregister_engine
-from actors.handles import Launched
-from actors.testing.engine_bytes import engine_mismatches
-from weight_transfer.engine_layout import engine_tensor_specs
+from actors.ready.handles import Launched
+from actors.tools.testkit.engine_bytes import engine_mismatches
 from weight_transfer.engines.fence import KEEP, CommandFence
 from weight_transfer.engines.rank import ENGINE_RANK_METHODS
 from weight_transfer.engines.registered import RegisteredMemory
-from weight_transfer.prepare import as_bytes
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.sender.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ENGINE = "dict_engine"

@@ -32,8 +32,8 @@ from weight_transfer.engines.reference.hf_model import (
     greedy_generate,
 )
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.listen import serve_store
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sync.listen import serve_store
 from weight_transfer.types import ShardSpec
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"

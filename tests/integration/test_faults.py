@@ -30,9 +30,9 @@ from actors import (
     launch_trainers,
 )
 from actors.connections import engine_endpoints
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
+from weight_transfer.sender.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 UPDATE_TIMEOUT_S = 15.0
@@ -45,7 +45,7 @@ def env(ray_job):  # a Ray job of its own on the shared cluster
         CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
         update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
         nic_gbps=0.01)  # about 0.2-0.5 s of writes per update: long enough to hit one
-    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # fault hooks: actors.testing
+    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # actors.tools.testkit hooks
     ctl = WeightTransferController(trainers=trainers, config=cfg,
                                    engines=launch_engines(cfg, actor_cls=FaultyInferenceActor))
     ctl.setup()
@@ -257,8 +257,8 @@ def test_trainer_killed_mid_update_then_replaced(env):
 
 @pytest.fixture(scope="module")
 def fleet(env):
-    from actors.demo.fleet import Fleet
-    from actors.run_config import load_run_config
+    from actors.tools.demo.fleet import Fleet
+    from actors.tools.demo.run_config import load_run_config
 
     ctl = env["ctl"]
     return Fleet(run=load_run_config(CONFIGS / "runs" / "demo.yaml"), config=env["cfg"],
@@ -267,7 +267,7 @@ def fleet(env):
 
 
 def test_wt_soak_nothing_grows(env, fleet, tmp_path):
-    from actors.demo import soak
+    from actors.tools.demo import soak
 
     out = tmp_path / "soak.json"
     assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=20, json_path=out,
@@ -292,7 +292,7 @@ def ctl_versions(env):
 
 
 def test_wt_chaos_json(env, fleet, tmp_path):
-    from actors.demo import chaos
+    from actors.tools.demo import chaos
 
     out = tmp_path / "chaos.json"
     faults = ["nic-link-down", "nic-transient-error", "region-revoked"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from gather_worker import run_rank  # tests/integration is on sys.path
 
-from weight_transfer.buckets import plan_buckets, shard_levels
-from weight_transfer.gather_nd import level_shapes
-from weight_transfer.listen import serve_store
+from weight_transfer.sender.buckets import plan_buckets, shard_levels
+from weight_transfer.sender.gather_nd import level_shapes
+from weight_transfer.sync.listen import serve_store
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, numel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

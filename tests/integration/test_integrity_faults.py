@@ -24,10 +24,10 @@ import torch
 import yaml
 
 from actors import TransferConfig, UpdateError, WeightTransferController
-from actors.audit import read_audit
-from actors.launch import launch_engines, launch_trainers
-from actors.testing.engine_bytes import engine_mismatches
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.controller.audit import read_audit
+from actors.ready.launch import launch_engines, launch_trainers
+from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.run_config import ROOT
+from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BIN = Path(sys.executable).parent

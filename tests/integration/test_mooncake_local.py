@@ -15,7 +15,7 @@ import torch
 
 from weight_transfer.transport import Transport, TransportError, make_transport
 from weight_transfer.transport.base import PeerUnreachableError
-from weight_transfer.transport.mooncake import load_engine_class
+from weight_transfer.transport.mooncake.transport import load_engine_class
 from weight_transfer.types import PeerInfo
 
 try:

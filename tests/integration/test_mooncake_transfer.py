@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.testing.harness import GUARD_BYTE, RemoteTarget
+from actors.tools.testkit.harness import GUARD_BYTE, RemoteTarget
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError, make_transport
-from weight_transfer.transport.mooncake import load_engine_class
+from weight_transfer.transport.mooncake.transport import load_engine_class
 
 try:
     load_engine_class()

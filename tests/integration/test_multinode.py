@@ -22,7 +22,7 @@ from actors.placement import trainer_rank_infos
 from scheduling import load_cluster_config
 from scheduling.serialize import loads_plan
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
+from weight_transfer.sender.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LOCAL = CONFIGS / "clusters" / "local_cpu.yaml"

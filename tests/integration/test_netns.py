@@ -1,6 +1,6 @@
 """Hosts that are really separate: Ray nodes in network namespaces this module makes.
 
-Three namespaces on one bridge (:mod:`actors.testing.netns`), each with its own
+Three namespaces on one bridge (:mod:`actors.tools.testkit.netns`), each with its own
 loopback, an address of its own in a 10.213.X.0/24 no route of this host uses,
 and no route anywhere else: ``trainers`` (the Ray head, the driver, the trainer
 ranks), ``site0`` and ``site1`` (the engine replicas, Ray worker nodes). One
@@ -34,9 +34,9 @@ import time
 import pytest
 import yaml
 
-from actors.bench.groups import SITES, run_groups_driver, sites_cluster
-from actors.run_config import ROOT
-from actors.testing.netns import NetnsNetwork, Shaping, netns_unavailable
+from actors.tools.bench.groups.bench import SITES, run_groups_driver, sites_cluster
+from actors.tools.demo.run_config import ROOT
+from actors.tools.testkit.netns import NetnsNetwork, Shaping, netns_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RATE = Shaping(rate_mbit=40)  # 5 MB/s: a 4 MB replica takes ~0.8 s over a site's link
@@ -56,8 +56,8 @@ def sites():
 
 
 def _demo(cluster, *args: str) -> dict:
-    out = cluster.run_driver([sys.executable, "-m", "actors.cli.main", "demo", "--updates", "2",
-                              "--json", "-", *args], timeout=900)
+    out = cluster.run_driver([sys.executable, "-m", "actors.tools.cli.main", "demo",
+                              "--updates", "2", "--json", "-", *args], timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
 
@@ -88,8 +88,8 @@ def test_demo_over_tcp_across_namespaces_is_verified(sites):
 
 def test_demo_over_mooncake_tcp_is_refused_across_namespaces_by_default(sites):
     net, cluster = sites
-    out = cluster.run_driver([sys.executable, "-m", "actors.cli.main", "demo", "--updates", "1",
-                              "--transport", "mooncake"], timeout=900)
+    out = cluster.run_driver([sys.executable, "-m", "actors.tools.cli.main", "demo",
+                              "--updates", "1", "--transport", "mooncake"], timeout=900)
     assert out.returncode != 0
     text = " ".join((out.stdout + out.stderr).split())  # rich wraps lines
     assert "allow_unauthenticated: true" in text and net.addr("trainers") in text, text[-3000:]

@@ -18,7 +18,7 @@ import yaml
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from scheduling import load_cluster_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

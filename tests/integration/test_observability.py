@@ -28,9 +28,9 @@ from actors import (
     launch_engines,
     launch_trainers,
 )
-from actors.demo.fleet import LOCAL_NODE_IP
-from actors.testing.hooks import FaultyTrainerActor
-from weight_transfer.trace import read_chrome_trace, timeline_of_trace
+from actors.tools.demo.fleet import LOCAL_NODE_IP
+from actors.tools.testkit.hooks import FaultyTrainerActor
+from weight_transfer.observe.trace import read_chrome_trace, timeline_of_trace
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -10,7 +10,7 @@ import yaml
 
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs/models/tiny_deepseek_v3.yaml"
@@ -18,7 +18,8 @@ CLUSTER = ROOT / "configs/clusters/local_cpu.yaml"
 
 
 def wt(*args):
-    return subprocess.run([sys.executable, "-m", "actors.cli.main", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "actors.tools.cli.main", *map(str, args)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
 

@@ -4,7 +4,7 @@ Needs an RDMA device (InfiniBand, RoCE or rxe): the ``rdma`` marker makes
 tests/conftest.py skip with "pyverbs not importable: ..." or "no RDMA device:
 ..." without one. ``WT_RDMA_DEVICE`` and ``WT_RDMA_GID_INDEX`` choose the device and GID
 (RoCE needs a GID that carries an address). The cross-process tests use
-:class:`~actors.testing.harness.RemoteTarget`: a spawned process
+:class:`~actors.tools.testkit.harness.RemoteTarget`: a spawned process
 registers the middle of a guarded buffer; the writer writes into it while the
 target sleeps in read(2), and the test compares digests of the written range,
 of the rest of the region and of the guards.
@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-from actors.testing.harness import GUARD_BYTE, RemoteTarget
+from actors.tools.testkit.harness import GUARD_BYTE, RemoteTarget
 from weight_transfer.transport import (
     PeerUnreachableError,
     RemoteAccessError,

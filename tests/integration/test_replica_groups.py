@@ -20,8 +20,8 @@ import ray
 import torch
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from actors.testing.engine_bytes import engine_mismatches
-from actors.testing.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -8,8 +8,8 @@ import math
 import pytest
 from rich.console import Console
 
-from actors.demo.rl_loop import advantages_of, run_rl, toy_reward
-from actors.run_config import RlConfig, load_run_config
+from actors.tools.demo.rl_loop import advantages_of, run_rl, toy_reward
+from actors.tools.demo.run_config import RlConfig, load_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -29,9 +29,9 @@ import torch
 import yaml
 
 from actors import TransferConfig, WeightTransferController
-from actors.audit import read_audit
-from actors.launch import launch_engines, launch_trainers
-from actors.testing.engine_bytes import engine_mismatches
+from actors.controller.audit import read_audit
+from actors.ready.launch import launch_engines, launch_trainers
+from actors.tools.testkit.engine_bytes import engine_mismatches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 OUTSIDER = Path(__file__).with_name("outsider_write.py")

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from actors.bench.stall import run as run_stall
-from actors.demo.chaos import run as run_chaos
-from actors.run_config import ROOT
+from actors.tools.bench.stall.bench import run as run_stall
+from actors.tools.demo.chaos import run as run_chaos
+from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from actors.testing.harness import GUARD_BYTE
+from actors.tools.testkit.harness import GUARD_BYTE
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError
 
 MiB = 1 << 20

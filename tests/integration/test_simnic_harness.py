@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from actors.testing.harness import (
+from actors.tools.testkit.harness import (
     GUARD_BYTE,
     RemoteTarget,
     RemoteTargetError,

@@ -12,8 +12,8 @@ import hashlib
 import pytest
 import torch
 
-from actors.testing.harness import GUARD_BYTE, RemoteTarget, proc_activity
-from weight_transfer.transport.simnic import SimNic
+from actors.tools.testkit.harness import GUARD_BYTE, RemoteTarget, proc_activity
+from weight_transfer.transport.simnic.nic import SimNic
 
 MiB = 1 << 20
 GUARD = 64 * 1024

@@ -23,9 +23,9 @@ from ray.cluster_utils import Cluster
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
 from actors.groups import GroupMember, connect_store
-from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
+from weight_transfer.sender.prepare import as_bytes
+from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 IPS = ("127.0.0.2", "127.0.0.3")

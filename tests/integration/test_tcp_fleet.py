@@ -41,8 +41,8 @@ import torch
 from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
 from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
-from actors.audit import read_audit
-from actors.testing.engine_bytes import engine_mismatches
+from actors.controller.audit import read_audit
+from actors.tools.testkit.engine_bytes import engine_mismatches
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

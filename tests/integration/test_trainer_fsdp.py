@@ -17,16 +17,16 @@ import pytest
 import torch
 from fsdp_worker import run_rank  # tests/integration is on sys.path
 
-from actors.testing.harness import RemoteTarget
+from actors.tools.testkit.harness import RemoteTarget
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import dumps_trainer_plan
-from weight_transfer.barrier import BarrierKey
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.listen import serve_store
-from weight_transfer.models import load_model_config
-from weight_transfer.prepare import as_bytes
+from weight_transfer.model.models import load_model_config
+from weight_transfer.plan.wire import dumps_trainer_plan
+from weight_transfer.sender.prepare import as_bytes
+from weight_transfer.sync.barrier import BarrierKey
+from weight_transfer.sync.listen import serve_store
 from weight_transfer.types import TrainerMeta
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

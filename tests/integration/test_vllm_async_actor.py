@@ -18,8 +18,8 @@ import pytest
 import ray
 from vllm_fleet import LLAMA, START_SEED, train_step  # tests/integration is on sys.path
 
-from actors.testing.doc_snippets import run_snippet
-from actors.testing.vllm_oracle import save_checkpoint
+from actors.tools.testkit.doc_snippets import run_snippet
+from actors.tools.testkit.vllm_oracle import save_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.testing.vllm_oracle import (
+from actors.tools.testkit.vllm_oracle import (
     compare_to_oracle,
     connect_link,
     oracle_load,
@@ -65,8 +65,8 @@ def test_layout_is_recorded_from_vllm(engine):
 
 
 def test_recorded_layout_agrees_with_our_tables(engine):
-    from scheduling.recorded import engine_table_differences
-    from weight_transfer.models import load_model_config
+    from scheduling.build.recorded import engine_table_differences
+    from weight_transfer.model.models import load_model_config
 
     _, meta, model, _ = engine
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -34,7 +34,7 @@ def env(tmp_path_factory, ray_job):  # on the shared cluster
 
 
 def test_controller_updates_a_vllm_replica(env):
-    from scheduling.recorded import engine_table_differences
+    from scheduling.build.recorded import engine_table_differences
     from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
 
     cfg, trainers, replicas, owners, ctl, root = env

@@ -23,7 +23,7 @@ from vllm_fleet import (  # tests/integration is on sys.path
     vllm_fleet,
 )
 
-from actors.testing.vllm_oracle import registered_tensors
+from actors.tools.testkit.vllm_oracle import registered_tensors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.testing.vllm_meta import save_fp8_model
-from actors.testing.vllm_oracle import (
+from actors.tools.testkit.vllm_meta import save_fp8_model
+from actors.tools.testkit.vllm_oracle import (
     compare_to_oracle,
     connect_link,
     oracle_load,

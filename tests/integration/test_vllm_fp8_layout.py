@@ -1,6 +1,6 @@
 """FP8 into vLLM, checked where FP8 kernels cannot run: vLLM's own Llama class with a
 block-FP8 quantization config (float8_e4m3fn weights, float32 weight_scale_inv), TP=2,
-built in two processes without an engine (:mod:`actors.testing.vllm_meta`). On the meta device
+built in two processes without an engine (:mod:`actors.tools.testkit.vllm_meta`). On the meta device
 its load_weights is recorded as our backend records it; the recorded pieces must equal
 our rule tables' FP8 pieces, and the bytes the trainers' quantization lays out from them
 must equal what vLLM's own load_weights makes of the FP8 checkpoint of the same weights,
@@ -21,7 +21,7 @@ LLAMA = Path(__file__).parents[2] / "configs" / "models" / "tiny_llama.yaml"
 
 
 def test_fp8_layout_recorded_from_vllm_matches_our_tables_and_its_loader(tmp_path):
-    from actors.testing.vllm_meta import check_fp8_layout
+    from actors.tools.testkit.vllm_meta import check_fp8_layout
 
     results = check_fp8_layout(LLAMA, tp_size=2, root=tmp_path)
     assert len(results) == 2

@@ -18,8 +18,8 @@ import pytest
 import ray
 import torch
 
-from actors.testing.doc_snippets import run_snippet
-from actors.testing.vllm_oracle import save_checkpoint
+from actors.tools.testkit.doc_snippets import run_snippet
+from actors.tools.testkit.vllm_oracle import save_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -32,7 +32,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, ray_job):
     from actors import TransferConfig, launch_trainers
-    from actors.testing.vllm_oracle_ext import EXTENSION
+    from actors.tools.testkit.vllm_oracle_ext import EXTENSION
     from weight_transfer.engines.vllm.channel import new_key
     from weight_transfer.engines.vllm.server import VllmServer
 
@@ -55,7 +55,7 @@ def _train(trainers, seed):
 
 
 def _oracle(owner, trainers, root, version):
-    from actors.vllm_engine import save_trainer_checkpoint
+    from actors.vllm.engine import save_trainer_checkpoint
 
     path = save_trainer_checkpoint(list(trainers), root / f"trainer-v{version}")
     (answer,) = ray.get(owner.collective_rpc.remote("wt_oracle_check", (str(path),)))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.testing.vllm_oracle import (
+from actors.tools.testkit.vllm_oracle import (
     compare_to_oracle,
     connect_link,
     oracle_load,

@@ -21,7 +21,7 @@ from vllm_fleet import (  # tests/integration is on sys.path
     vllm_fleet,
 )
 
-from actors.testing.vllm_oracle import flip_registered_byte
+from actors.tools.testkit.vllm_oracle import flip_registered_byte
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

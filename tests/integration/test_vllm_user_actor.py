@@ -16,8 +16,8 @@ import pytest
 import ray
 from vllm_fleet import LLAMA, START_SEED, train_step  # tests/integration is on sys.path
 
-from actors.testing.doc_snippets import run_snippet
-from actors.testing.vllm_oracle import save_checkpoint
+from actors.tools.testkit.doc_snippets import run_snippet
+from actors.tools.testkit.vllm_oracle import save_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -25,11 +25,11 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
                "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20,
-               "worker_extension_cls": "actors.testing.vllm_oracle_ext.OracleExtension"}
+               "worker_extension_cls": "actors.tools.testkit.vllm_oracle_ext.OracleExtension"}
 
 
 def _oracle(llm_actor, trainers, root):
-    from actors.vllm_engine import save_trainer_checkpoint
+    from actors.vllm.engine import save_trainer_checkpoint
 
     path = save_trainer_checkpoint(list(trainers), root / "trainer-v1")
     return ray.get(llm_actor.__ray_call__.remote(

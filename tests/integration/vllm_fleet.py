@@ -32,7 +32,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.testing.vllm_oracle import (
+from actors.tools.testkit.vllm_oracle import (
     compare_to_oracle,
     oracle_load,
     registered_tensors,
@@ -69,7 +69,7 @@ def vllm_fleet(cfg: Any, root: Path) -> Iterator[VllmFleet]:
     """Trainers, one vLLM engine per replica (from a random checkpoint saved under
     ``root``) and a controller, not set up; all shut down on exit."""
     from actors import WeightTransferController, launch_trainers
-    from actors.vllm_engine import launch_vllm_engines
+    from actors.vllm.engine import launch_vllm_engines
 
     start_model, start = save_checkpoint(LLAMA, seed=START_SEED, root=root)
     with (launch_trainers(cfg) as trainers,

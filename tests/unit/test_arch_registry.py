@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-import weight_transfer.arch as registry
-from weight_transfer.arch import (
+import weight_transfer.model.arch as registry
+from weight_transfer.model.arch import (
     Architecture,
     architecture_names,
     get_architecture,
     register_architecture,
 )
-from weight_transfer.arch.llama import Llama
-from weight_transfer.models import ModelConfig, load_model_config, trainer_param_specs
-from weight_transfer.naming import bound_rules, name_problems
+from weight_transfer.model.arch.llama import Llama
+from weight_transfer.model.models import ModelConfig, load_model_config, trainer_param_specs
+from weight_transfer.model.naming import bound_rules, name_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = ("deepseek_v3", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
@@ -47,7 +47,7 @@ def test_builtin_architectures_by_name():
         arch = get_architecture(name)
         assert isinstance(arch, Architecture) and arch.name == name
         assert get_architecture(name) is arch
-        assert type(arch).__module__ == f"weight_transfer.arch.{name}"
+        assert type(arch).__module__ == f"weight_transfer.model.arch.{name}"
 
 
 def test_unknown_architecture_lists_the_known_names():
@@ -66,11 +66,11 @@ def test_model_config_is_validated_against_the_registry(tmp_path):
 
 def test_modules_are_imported_on_first_use_and_import_no_torch():
     code = (
-        "import sys, weight_transfer.arch as a, weight_transfer.models\n"
-        "assert 'weight_transfer.arch.mixtral' not in sys.modules\n"
+        "import sys, weight_transfer.model.arch as a, weight_transfer.model.models\n"
+        "assert 'weight_transfer.model.arch.mixtral' not in sys.modules\n"
         "arch = a.get_architecture('mixtral')\n"
-        "assert 'weight_transfer.arch.mixtral' in sys.modules\n"
-        "assert 'weight_transfer.arch.deepseek_v3' not in sys.modules\n"
+        "assert 'weight_transfer.model.arch.mixtral' in sys.modules\n"
+        "assert 'weight_transfer.model.arch.deepseek_v3' not in sys.modules\n"
         "for name in a.architecture_names(): a.get_architecture(name)\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
     )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.assign import (
+from scheduling.build.assign import (
     assign_sources,
     greedy_batches_many,
     interleave_order,

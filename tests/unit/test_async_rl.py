@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 
-from actors.demo.async_rl import AsyncRlSettings, Tally, take_batch, version_number
+from actors.tools.demo.async_rl import AsyncRlSettings, Tally, take_batch, version_number
 from weight_transfer.engines.vllm.stream import Completion, Span, versions_seen
 
 

@@ -6,10 +6,10 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from actors.audit import AuditLog, ResyncAudit, UpdateAudit, read_audit
-from actors.integrity_check import IntegrityResult, Mismatch
+from actors.controller.audit import AuditLog, ResyncAudit, UpdateAudit, read_audit
+from actors.controller.checks import IntegrityResult, Mismatch
 from actors.reports import RankReport
-from weight_transfer.executor import TransferReport
+from weight_transfer.sender.executor import TransferReport
 
 
 def rank_report(rank, dest):
@@ -90,8 +90,8 @@ def test_integrity_result_summary():
 
 
 def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_path):
-    from actors.controller_state import ControllerState
-    from actors.controller_update import UpdateOutcome, check_version
+    from actors.controller.state import ControllerState
+    from actors.controller.update import UpdateOutcome, check_version
     from weight_transfer.errors import UpdateError
 
     log = AuditLog(tmp_path / "a.jsonl")
@@ -114,7 +114,7 @@ def test_an_update_that_fails_before_recording_itself_still_leaves_a_line(tmp_pa
 
 
 def test_update_lines_carry_what_the_engines_refused(tmp_path):
-    from actors.audit import refused_counts
+    from actors.controller.audit import refused_counts
 
     refused = refused_counts(["engine0/tp0", "engine0/tp1"],
                              [{"refused_connections": 3, "refused_writes": 1},

@@ -1,11 +1,11 @@
-"""Refused barrier arrivals get audit lines of their own (actors.audit.RefusedAudit)."""
+"""Refused barrier arrivals get audit lines of their own (actors.controller.audit.RefusedAudit)."""
 
 from __future__ import annotations
 
 import pickle
 
-from actors.audit import AuditLog, read_audit
-from actors.controller_update import refusals_of
+from actors.controller.audit import AuditLog, read_audit
+from actors.controller.update import refusals_of
 from actors.reports import TrainerFault
 from weight_transfer.errors import BarrierRefusedError, FaultKind
 

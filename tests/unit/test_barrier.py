@@ -7,8 +7,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weight_transfer.barrier import BarrierKey, StoreBarrier
-from weight_transfer.listen import serve_store
+from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
+from weight_transfer.sync.listen import serve_store
 
 KEY = BarrierKey.new()
 

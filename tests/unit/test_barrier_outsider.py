@@ -17,9 +17,9 @@ import pytest
 import torch.distributed as dist
 from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
-from weight_transfer.barrier import BarrierKey, StoreBarrier
 from weight_transfer.errors import BarrierRefusedError, BarrierTimeoutError
-from weight_transfer.listen import serve_store
+from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
+from weight_transfer.sync.listen import serve_store
 
 pytestmark = pytest.mark.slow  # spawns a process that imports torch
 

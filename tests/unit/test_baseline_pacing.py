@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from actors.bench.pacing import NicPacer, bucket_layout, bucket_nbytes, gloo_broadcast_sends
+from actors.tools.bench.pacing import NicPacer, bucket_layout, bucket_nbytes, gloo_broadcast_sends
 
 
 @pytest.mark.parametrize(("size", "sends"), [

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from actors.bench.designs import _bench_class, run
-from actors.bench.designs_fleet import DesignBench, ReferenceBench
-from actors.engine_registry import engine_names, engine_spec
-from actors.run_config import ROOT
+from actors.engine_registry import engine_names
+from actors.tools.bench.designs.bench import _bench_class, run
+from actors.tools.bench.designs.fleet import DesignBench, ReferenceBench
+from actors.tools.demo.run_config import ROOT
+from actors.tools.engine_tools import has_tool
 
 
 def _run(**kw):
@@ -30,10 +31,10 @@ def test_bad_arguments_exit_2_naming_the_option(kw, named, capsys):
 
 
 def test_each_engine_has_a_fleet_and_a_bench():
-    assert {n for n in engine_names() if engine_spec(n).has_tool("bench")} == {
+    assert {n for n in engine_names() if has_tool(n, "bench")} == {
         "reference", "vllm"}
     start, cls = _bench_class("reference")
-    assert cls is ReferenceBench and start.__module__ == "actors.demo.fleet"
+    assert cls is ReferenceBench and start.__module__ == "actors.tools.demo.fleet"
     start, cls = _bench_class("vllm")
     assert issubclass(cls, DesignBench) and cls.engine == "vllm"
-    assert start.__module__ == "actors.demo.vllm_demo"
+    assert start.__module__ == "actors.tools.demo.vllm_demo"

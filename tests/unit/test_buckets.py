@@ -10,7 +10,7 @@ same buckets because they depend on the metadata only.
 
 import pytest
 
-from weight_transfer.buckets import GatherBucket, plan_buckets, reserve_bytes
+from weight_transfer.sender.buckets import GatherBucket, plan_buckets, reserve_bytes
 from weight_transfer.types import MeshDesc, ParamMeta, Placement
 
 MESH2 = MeshDesc(ranks=(0, 1), shape=(2,))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.bench.calibrate import CHECK_CONFIGS, bench_cluster, write_sim
-from scheduling.cluster import load_cluster_config
+from actors.tools.bench.calibrate import CHECK_CONFIGS, bench_cluster, write_sim
+from scheduling.cluster.config import load_cluster_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSTANTS = {"copy_gbps": 4.0, "fp8_quant_gbps": 0.5, "intra_node_gbps": 1.5,

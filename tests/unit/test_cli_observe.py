@@ -10,11 +10,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from actors.cli.main import app
-from actors.cli.progress import PhaseBars, command_console, emit_json, progress_bar, steps
-from actors.run_config import ROOT
-from weight_transfer.pipeline import Span
-from weight_transfer.trace import RankTrace, UpdateTrace, write_chrome_trace
+from actors.tools.cli.main import app
+from actors.tools.cli.progress import PhaseBars, command_console, emit_json, progress_bar, steps
+from actors.tools.demo.run_config import ROOT
+from weight_transfer.observe.trace import RankTrace, UpdateTrace, write_chrome_trace
+from weight_transfer.sender.pipeline import Span
 
 runner = CliRunner()
 MODEL = ROOT / "configs" / "models" / "tiny_llama.yaml"

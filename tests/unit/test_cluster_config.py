@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scheduling.cluster import cluster_from_dict, load_cluster_config
+from scheduling.cluster.config import cluster_from_dict, load_cluster_config
 from scheduling.config_metadata import trainer_meta_from_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import Placement
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"

@@ -5,7 +5,7 @@ transport (``RdmaTransport`` over ``test_rdma_transport``'s in-process model of 
 verbs device). The device here holds every work completion until the test releases
 it (and, in one variant, has already moved the bytes: landed but not completed, as
 a NIC may). While any completion is outstanding the controller's fence
-(:func:`actors.completion_fence.completion_fence`, what both the shadow flip and the
+(:func:`actors.controller.checks.completion_fence`, what both the shadow flip and the
 in-place resume wait on) does not clear the replica, whatever bytes landed; a
 partial report does not clear it either; only once every WRITE completed at its
 writer and its report is seen does it clear, and then the flip serves exactly the
@@ -22,14 +22,14 @@ import pytest
 import torch
 from test_rdma_transport import Fabric, FakeQP, fake_verbs, stand_in_plain_verbs
 
-from actors.completion_fence import completion_fence
+from actors.controller.checks import completion_fence
 from weight_transfer.engines.fence import CommandFence
 from weight_transfer.engines.registered import RegisteredMemory
-from weight_transfer.engines.shadow import ShadowCopy, ShadowError
-from weight_transfer.engines.shadow_rank import ShadowControl
-from weight_transfer.integrity import IntegrityPolicy
-from weight_transfer.retry import RetryingWriter, RetryPolicy
-from weight_transfer.run_log import RunLog
+from weight_transfer.engines.shadow.rank import ShadowControl
+from weight_transfer.engines.shadow.store import ShadowCopy, ShadowError
+from weight_transfer.integrity.checksums import IntegrityPolicy
+from weight_transfer.sender.retry import RetryingWriter, RetryPolicy
+from weight_transfer.sender.run_log import RunLog
 from weight_transfer.transport import make_transport
 from weight_transfer.transport.options import DEFAULT_TRANSPORT
 from weight_transfer.types import Piece, ShardSpec, WriteTask

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from actors.cli.config_cmd import check, detect_kind
-from actors.cli.main import app
-from actors.run_config import ROOT
+from actors.tools.cli.config_cmd import check, detect_kind
+from actors.tools.cli.main import app
+from actors.tools.demo.run_config import ROOT
 
 CONFIGS = ROOT / "configs"
 runner = CliRunner()

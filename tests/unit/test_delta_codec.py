@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from weight_transfer.delta_apply import DeltaArena, arena_layout
-from weight_transfer.delta_codec import (
+from weight_transfer.delta.codec import (
     PAGE,
     Encoding,
     apply,
@@ -19,7 +18,8 @@ from weight_transfer.delta_codec import (
     encode,
     encoded_size,
 )
-from weight_transfer.delta_send import DeltaDirective, DeltaSender, DeltaSlot
+from weight_transfer.engines.delta import DeltaArena, arena_layout
+from weight_transfer.sender.delta.send import DeltaDirective, DeltaSender, DeltaSlot
 from weight_transfer.types import Piece, RegionDesc, WriteTask
 
 DTYPES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}

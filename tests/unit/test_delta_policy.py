@@ -1,4 +1,4 @@
-"""The time rule of sparse deltas (weight_transfer.delta_policy) and a sender under it: a
+"""The time rule of sparse deltas (weight_transfer.delta.policy) and a sender under it: a
 rank writes dense when its measured rates say deltas would take longer, probes while a
 rate is unknown, keeps probing a share of its pieces while dense, and its kept bytes stay
 the bytes it wrote either way."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from weight_transfer.delta_policy import PROBE_SHARE, DeltaRates, busy_seconds
-from weight_transfer.delta_send import DeltaDirective, DeltaSender, DeltaSlot
+from weight_transfer.delta.policy import PROBE_SHARE, DeltaRates, busy_seconds
+from weight_transfer.sender.delta.send import DeltaDirective, DeltaSender, DeltaSlot
 from weight_transfer.types import Piece, RegionDesc
 
 

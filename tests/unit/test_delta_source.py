@@ -1,5 +1,5 @@
-"""FP8 deltas from the source weights (weight_transfer.delta_source) and the delta stage's
-prepare (weight_transfer.delta_write.DeltaStage.prepare_into): after every step the FP8
+"""FP8 deltas from the source weights (weight_transfer.sender.delta.source) and the delta stage's
+prepare (weight_transfer.sender.delta.write.DeltaStage.prepare_into): after every step the FP8
 bytes and scales are exactly quantize_fp8_blocks' of the new source, the indices returned
 are exactly the bytes that changed, including blocks whose scale grew or whose largest
 element shrank, partial edge blocks and a rectangle cut out of a larger tensor."""
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from weight_transfer.delta_send import DeltaDirective, DeltaSender, DeltaSlot
-from weight_transfer.delta_source import MAX_CHANGED, fp8_changes, keep_source, supported
-from weight_transfer.delta_write import DeltaStage
-from weight_transfer.prepare import prepare_pieces_into
-from weight_transfer.quant import quantize_fp8_blocks
+from weight_transfer.layout.quant import quantize_fp8_blocks
+from weight_transfer.sender.delta.send import DeltaDirective, DeltaSender, DeltaSlot
+from weight_transfer.sender.delta.source import MAX_CHANGED, fp8_changes, keep_source, supported
+from weight_transfer.sender.delta.write import DeltaStage
+from weight_transfer.sender.prepare import prepare_pieces_into
 from weight_transfer.types import Piece, RegionDesc, Transform
 
 

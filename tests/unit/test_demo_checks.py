@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from actors.demo.checks import (
+from actors.tools.demo.checks import (
     UpdateCheck,
     byte_problems,
     expected_digests,
@@ -19,11 +19,11 @@ from actors.demo.checks import (
     token_problems,
     write_json,
 )
-from actors.run_config import ROOT
+from actors.tools.demo.run_config import ROOT
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import load_model_config
-from weight_transfer.prepare import as_bytes
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sender.prepare import as_bytes
 from weight_transfer.types import ShardSpec
 
 CFG = load_model_config(ROOT / "configs" / "models" / "tiny_llama.yaml")

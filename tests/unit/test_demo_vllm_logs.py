@@ -14,8 +14,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from actors.cli.main import app
-from actors.demo import vllm_demo as demo_vllm
+from actors.tools.cli.main import app
+from actors.tools.demo import vllm_demo as demo_vllm
 
 
 @pytest.mark.parametrize(("env", "verbose", "level"), [

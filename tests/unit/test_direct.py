@@ -1,7 +1,7 @@
 """Shard-direct pieces: which pieces a rank's own block covers, which are gathered, and why.
 
-Tables of small cases for :func:`scheduling.direct.cover_piece` and the block
-geometry it rests on (:mod:`weight_transfer.shard_blocks`), then whole plans:
+Tables of small cases for :func:`scheduling.build.direct.cover_piece` and the block
+geometry it rests on (:mod:`weight_transfer.layout.shard_blocks`), then whole plans:
 sources fixed by ownership (FSDP) or chosen among replicas (HSDP), every check
 of a corrupt shard-direct plan.
 """
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from scheduling import compute_plan, load_cluster_config
+from scheduling.build.direct import cover_piece
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.direct import cover_piece
-from weight_transfer.engine_layout import piece_nbytes
-from weight_transfer.executor import check_trainer_plan, own_block
-from weight_transfer.prepare import piece_bytes
-from weight_transfer.shard_blocks import dim_cuts, local_rect, owners_at, shifted
+from weight_transfer.layout.engine_layout import piece_nbytes
+from weight_transfer.layout.shard_blocks import dim_cuts, local_rect, owners_at, shifted
+from weight_transfer.sender.executor import check_trainer_plan, own_block
+from weight_transfer.sender.prepare import piece_bytes
 from weight_transfer.types import MeshDesc, ParamMeta, Piece, Placement, Transform
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def _plan(cluster: str, model: str = "tiny_llama", gather="shard_direct", fp8=Fa
 
 
 def load_model_config_(name):
-    from weight_transfer.models import load_model_config
+    from weight_transfer.model.models import load_model_config
 
     return load_model_config(ROOT / "configs/models" / f"{name}.yaml")
 
@@ -255,7 +255,7 @@ def test_piece_scale_scales_the_bytes_on_the_wire():
 
 
 def test_simulate_gather_modes_side_by_side():
-    from actors.cli.gather_modes import simulate_gather_modes
+    from actors.tools.cli.gather_modes import simulate_gather_modes
 
     rows = simulate_gather_modes(ROOT / "configs/models/tiny_llama.yaml",
                                  ROOT / "configs/clusters/local_cpu_hsdp.yaml",
@@ -271,7 +271,8 @@ def test_simulate_gather_modes_side_by_side():
 def test_plan_blobs_with_inconsistent_direct_fields_are_refused():
     import msgpack
 
-    from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, loads_trainer_plan
+    from scheduling.serialize import dumps_plan, loads_plan
+    from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
 
     plan, _ = _plan("local_cpu.yaml")
     back = loads_plan(dumps_plan(plan))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduling.cluster_defaults import ClusterMismatchError
+from scheduling.cluster.defaults import ClusterMismatchError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION = ROOT / "docs" / "configuration.md"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from actors.testing.doc_snippets import run_snippet, snippets
+from actors.tools.testkit.doc_snippets import run_snippet, snippets
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.engine_adapter import EngineAdapter
+from weight_transfer.engines.adapter import EngineAdapter
 from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
 from weight_transfer.engines.reference.engine import ReferenceEngine
 from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import ShardSpec
 
 CFG = load_model_config(Path(__file__).resolve().parents[2] / "configs/models/tiny_llama.yaml")

@@ -8,17 +8,17 @@ import pickle
 
 import pytest
 
-from actors.engine_control import fan_out
+from actors.controller.engine_control import fan_out
 from actors.engine_registry import (
     engine_names,
     engine_spec,
     register_engine,
     unregister_engine,
 )
-from actors.handles import Launched
 from actors.inference import InferenceMixin
-from actors.testing.hooks import EngineFaultHooks, FaultyInferenceWorker, TrainerFaultHooks
-from actors.vllm_engine import VllmRankFacade
+from actors.ready.handles import Launched
+from actors.tools.testkit.hooks import EngineFaultHooks, FaultyInferenceWorker, TrainerFaultHooks
+from actors.vllm.engine import VllmRankFacade
 from weight_transfer.engines.fence import KEEP, CommandFence
 from weight_transfer.engines.rank import ENGINE_RANK_METHODS, EngineRank, method_name
 
@@ -90,16 +90,27 @@ def test_the_registry_resolves_names_once_and_refuses_duplicates_and_unknowns():
         register_engine("reference", "x", "y")
     with pytest.raises(ValueError, match=r"unknown engine 'sglang'.*reference, vllm"):
         engine_spec("sglang")
-    with pytest.raises(ValueError, match="has no 'bench'"):
-        register_engine("tmp_engine", "actors.launch", "launch_engines").tool("bench")
+    register_engine("tmp_engine", "actors.ready.launch", "launch_engines")
     unregister_engine("tmp_engine")
-    with pytest.raises(ValueError, match="module:attribute"):
-        register_engine("tmp_engine", "m", "f", tools={"bench": "no-colon"})
     assert "tmp_engine" not in engine_names()
 
 
+def test_the_tools_hooks_are_named_apart_from_the_library_registry():
+    from actors.tools.engine_tools import engine_tool, register_tools, unregister_tools
+
+    with pytest.raises(ValueError, match="has no 'bench'"):
+        engine_tool("tmp_engine", "bench")
+    with pytest.raises(ValueError, match="module:attribute"):
+        register_tools("tmp_engine", bench="no-colon")
+    with pytest.raises(ValueError, match="unknown hooks"):
+        register_tools("tmp_engine", benchmark="m:f")
+    register_tools("tmp_engine", bench="actors.tools.bench.designs.fleet:ReferenceBench")
+    assert engine_tool("tmp_engine", "bench").__name__ == "ReferenceBench"
+    unregister_tools("tmp_engine")
+
+
 def test_a_run_config_names_a_registered_engine():
-    from actors.run_config import ROOT, load_run_config
+    from actors.tools.demo.run_config import ROOT, load_run_config
 
     run = load_run_config(ROOT / "configs/runs/demo.yaml")
     with pytest.raises(ValueError, match="registered engines"):
@@ -116,7 +127,7 @@ def test_a_launch_handle_is_a_sequence_and_closes_what_it_owns(monkeypatch):
 
     killed, removed = [], []
     monkeypatch.setattr(ray, "kill", lambda a: killed.append(a))
-    monkeypatch.setattr("actors.handles.remove_groups", lambda gs: removed.extend(gs))
+    monkeypatch.setattr("actors.ready.handles.remove_groups", lambda gs: removed.extend(gs))
     a, b, c = object(), object(), object()
     h = Launched.merge([Launched([[a, b]], groups=["pg0"]), Launched([[c]], groups=["pg1"])],
                        what="engines")
@@ -136,7 +147,7 @@ def test_the_vllm_backend_opens_the_update_window_only_for_the_writes():
     start_weight_update and close it at finish_weight_update, before reprocessing."""
     from types import SimpleNamespace
 
-    from actors.testing.vllm_oracle import vllm_missing
+    from actors.tools.testkit.vllm_oracle import vllm_missing
 
     if (why := vllm_missing()) is not None:
         pytest.skip(why)

@@ -1,6 +1,6 @@
 """Epoch-fenced engine commands (no Ray running): a stale or late command changes nothing.
 
-The engine side of :mod:`actors.engine_control`: a rank ignores a pause, resume
+The engine side of :mod:`actors.controller.engine_control`: a rank ignores a pause, resume
 or version command older than the newest it has seen, refuses a resume past its
 deadline, and a fenced pause makes the version it reports None.
 """
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from actors.engine_control import (
+from actors.controller.engine_control import (
     RankFault,
     dead_replicas,
     describe_faults,

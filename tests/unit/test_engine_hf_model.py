@@ -15,8 +15,8 @@ from weight_transfer.engines.reference.hf_model import (
     hf_config,
 )
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import ModelConfig, load_model_config
-from weight_transfer.models import trainer_param_specs as specs_of
+from weight_transfer.model.models import ModelConfig, load_model_config
+from weight_transfer.model.models import trainer_param_specs as specs_of
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 TINY_QWEN3 = ModelConfig(

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.engines.reference.buffer import TENSOR_ALIGN, EngineBuffer, slot_layout
 from weight_transfer.engines.reference.engine import ReferenceEngine
 from weight_transfer.engines.reference.hf_model import (
@@ -26,8 +25,9 @@ from weight_transfer.engines.reference.hf_model import (
     greedy_generate,
 )
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.host_memory import HUGE_PAGE_SIZE
-from weight_transfer.models import ModelConfig, load_model_config
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.model.models import ModelConfig, load_model_config
+from weight_transfer.sender.host_memory import HUGE_PAGE_SIZE
 from weight_transfer.types import ShardSpec
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -7,10 +7,10 @@ import pickle
 
 import pytest
 
-from actors.cli.plots import MissingExtraError
-from actors.engine_control import RankFault
-from actors.testing.harness import RemoteTargetError
-from scheduling.topology import NoHardwareError
+from actors.controller.engine_control import RankFault
+from actors.tools.cli.plots import MissingExtraError
+from actors.tools.testkit.harness import RemoteTargetError
+from scheduling.cluster.topology import NoHardwareError
 from weight_transfer.engines.vllm.mailbox import Failure
 from weight_transfer.errors import (
     BarrierRefusedError,
@@ -20,7 +20,7 @@ from weight_transfer.errors import (
     UpdateError,
     WeightTransferError,
 )
-from weight_transfer.pipeline import PipelineError
+from weight_transfer.sender.pipeline import PipelineError
 from weight_transfer.transport.base import (
     LinkDownError,
     PeerUnreachableError,
@@ -29,8 +29,8 @@ from weight_transfer.transport.base import (
     TransientTransportError,
     TransportError,
 )
-from weight_transfer.transport.rdma_cuda import CudaDmaBufError
-from weight_transfer.transport.rdma_verbs import RdmaUnavailableError
+from weight_transfer.transport.rdma.cuda import CudaDmaBufError
+from weight_transfer.transport.rdma.verbs import RdmaUnavailableError
 
 UPDATE = UpdateError("update to version 3 failed on trainer ranks [1]: boom", version=3,
                      ranks={1: "RuntimeError: boom"}, torn=["engine1"],
@@ -88,7 +88,7 @@ def test_fault_kinds_are_their_labels_and_rank_faults_take_them_by_value():
 def test_fault_kind_is_read_from_the_exception_type_not_its_message():
     import ray
 
-    from actors.faults import fault_kind_of
+    from actors.controller.engine_control import fault_kind_of
 
     died = ray.exceptions.ActorDiedError()
     assert fault_kind_of(died) is FaultKind.DEAD

@@ -16,12 +16,12 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.executor import RankTransfer, check_trainer_plan
-from weight_transfer.models import load_model_config
-from weight_transfer.pipeline import PipelineError
-from weight_transfer.prepare import as_bytes
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
+from weight_transfer.sender.pipeline import PipelineError
+from weight_transfer.sender.prepare import as_bytes
 from weight_transfer.transport.base import RemoteAccessError
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from weight_transfer.live_metadata import expert_naming_of
+from weight_transfer.model.live_metadata import expert_naming_of
 
 
 def _model(*names: str) -> nn.Module:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weight_transfer.engines.shadow_rank import store_rendezvous
+from weight_transfer.engines.shadow.rank import store_rendezvous
 
 
 @pytest.fixture

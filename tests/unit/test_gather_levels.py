@@ -2,14 +2,14 @@
 
 ``torch.chunk`` per mesh dim, outermost first: ``ceil(n / m)`` rows per rank,
 the last ranks fewer or none; the innermost level is the rank's local shard,
-which :func:`weight_transfer.gather_nd.gather_nd` checks before gathering.
+which :func:`weight_transfer.sender.gather_nd.gather_nd` checks before gathering.
 """
 
 import pytest
 import torch
 
-from weight_transfer.buckets import shard_levels
-from weight_transfer.gather_nd import level_shapes
+from weight_transfer.sender.buckets import shard_levels
+from weight_transfer.sender.gather_nd import level_shapes
 from weight_transfer.types import MeshDesc, ParamMeta, Placement
 
 S0, S1, R = Placement(kind="shard", dim=0), Placement(kind="shard", dim=1), Placement(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weight_transfer.engines.gpu_flush import flush_gpudirect_writes
-from weight_transfer.engines.shadow import scratch_for, swap_chunked
+from weight_transfer.engines.shadow.store import scratch_for, swap_chunked
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="no CUDA device on this machine: the GPUDirect flush and a "

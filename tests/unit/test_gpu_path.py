@@ -7,8 +7,8 @@ Skipped without CUDA (these machines have none); run on a GPU host with
 import pytest
 import torch
 
-from weight_transfer.bucket_prepare import to_device
-from weight_transfer.quant import quantize_fp8_blocks
+from weight_transfer.layout.quant import quantize_fp8_blocks
+from weight_transfer.sender.bucket_prepare import to_device
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,9 +21,8 @@ from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 
 from actors.connections import Connector, copy_links, plan_links, trainer_owner
 from actors.inference import InferenceMixin
-from actors.testing.hooks import TrainerFaultHooks
+from actors.tools.testkit.hooks import TrainerFaultHooks
 from actors.trainer import TrainerMixin
-from weight_transfer.transport import rdma
 from weight_transfer.transport.handshake import (
     Connection,
     Endpoint,
@@ -35,6 +34,7 @@ from weight_transfer.transport.handshake import (
     route_answers,
 )
 from weight_transfer.transport.options import parse_transport
+from weight_transfer.transport.rdma import transport as rdma
 from weight_transfer.types import PeerInfo, RankInfo, ShardSpec
 
 HOST = HostId(hostname="box", address="10.0.0.1")

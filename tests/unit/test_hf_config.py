@@ -12,9 +12,9 @@ import torch
 import transformers
 import yaml
 
-from weight_transfer.hf_config import ConfigKeyError
-from weight_transfer.live_metadata import expert_naming_of, param_metas_from_module
-from weight_transfer.models import (
+from weight_transfer.model.hf_config import ConfigKeyError
+from weight_transfer.model.live_metadata import expert_naming_of, param_metas_from_module
+from weight_transfer.model.models import (
     ModelConfig,
     load_model_config,
     model_config_from_hf,
@@ -135,7 +135,7 @@ def test_our_own_yaml_stays_strict(tmp_path):
 
 
 def test_wt_config_check_knows_a_config_json(tmp_path):
-    from actors.cli.config_cmd import check
+    from actors.tools.cli.config_cmd import check
 
     hf_config("mixtral").save_pretrained(tmp_path)
     kind, cfg, facts = check(tmp_path / "config.json")
@@ -144,7 +144,7 @@ def test_wt_config_check_knows_a_config_json(tmp_path):
 
 
 def test_the_model_type_table_of_the_registry(monkeypatch):
-    import weight_transfer.arch as registry
+    import weight_transfer.model.arch as registry
 
     assert registry.architecture_for_hf("kimi_k2") == "deepseek_v3"
     assert registry.architecture_for_hf(None, ["MistralForCausalLM"]) == "llama"

@@ -7,8 +7,8 @@ import torch
 
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import load_model_config
-from weight_transfer.quant import quantize_fp8_blocks
+from weight_transfer.layout.quant import quantize_fp8_blocks
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import ShardSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduling.cluster import load_cluster_config
+from scheduling.cluster.config import load_cluster_config
 from weight_transfer.types import EngineRankId, NicId
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"

@@ -10,7 +10,7 @@ import torch
 import xxhash
 from test_executor import Setup
 
-from weight_transfer.integrity import (
+from weight_transfer.integrity.checksums import (
     ADDR,
     CHECKSUM,
     LENGTH,
@@ -193,7 +193,7 @@ def in_process(**kw):
 
 
 def test_verify_update_names_the_replica_rank_tensor_and_checksums_of_a_flipped_byte():
-    from actors.integrity_check import verify_update
+    from actors.controller.checks import verify_update
     from actors.reports import RankReport
 
     s = Setup("tiny_llama", fp8=False)
@@ -229,7 +229,7 @@ def test_verify_update_names_the_replica_rank_tensor_and_checksums_of_a_flipped_
 
 
 def test_verify_copy_compares_whole_regions_with_the_source():
-    from actors.integrity_check import verify_copy
+    from actors.controller.checks import verify_copy
 
     s = Setup("tiny_llama", fp8=False)
     try:

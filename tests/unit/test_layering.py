@@ -6,13 +6,13 @@ functions included) into an import graph between project modules:
 - ``weight_transfer/`` (the core) imports no scheduling or actors, and no ``ray``;
 - ``scheduling/`` (pure planning) imports no actors, and no ``ray``, ``torch`` or
   ``transformers``;
-- the test scaffolding (``actors.testing``) is imported only by itself and by the
-  harnesses that verify what they run (``actors.bench``, ``actors.demo``), never by
+- the test scaffolding (``actors.tools.testkit``) is imported only by itself and by the
+  harnesses that verify what they run (``actors.tools.bench``, ``actors.tools.demo``), never by
   the library;
 - no import cycle between project modules: every import counts, those under
   ``if TYPE_CHECKING:`` and those inside functions too (a typing-only cycle is
   still two modules that know each other; the shared type belongs in a module
-  both import, as ``weight_transfer.arch.shape`` and ``actors.demo.fleet_handle``).
+  both import, as ``weight_transfer.model.arch.shape`` and ``actors.tools.demo.fleet_handle``).
 
 A subprocess then imports ``scheduling`` and every submodule and checks that
 neither torch nor ray was loaded on the way.
@@ -37,8 +37,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "weight_transfer": frozenset({"scheduling", "actors", "ray"}),
     "scheduling": frozenset({"actors", "ray", "torch", "transformers"}),
 }
-# Subpackages that may import the test scaffolding (actors.testing).
-TESTING_USERS = ("actors.testing", "actors.bench", "actors.demo")
+# Subpackages that may import the test scaffolding (actors.tools.testkit).
+TESTING_USERS = ("actors.tools.testkit", "actors.tools.bench", "actors.tools.demo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +115,18 @@ def project_target(target: str) -> str | None:
 
 def test_the_sources_are_found_and_parsed():
     modules = project_modules()
-    for name in ("weight_transfer.transport.base", "scheduling.plan", "actors.controller",
-                 "weight_transfer.engines.reference.loader", "actors.testing.harness",
-                 "actors.cli.main"):
+    for name in ("weight_transfer.transport.base", "scheduling.plan",
+                 "actors.controller.controller",
+                 "weight_transfer.engines.reference.loader", "actors.tools.testkit.harness",
+                 "actors.tools.cli.main"):
         assert name in modules, name
     graph = import_graph()
-    assert {"ray", "actors.controller_setup", "weight_transfer.errors"} <= {
-        i.target for i in all_imports() if i.importer == "actors.controller"}
-    assert {"actors.controller_setup", "weight_transfer.errors"} <= graph["actors.controller"]
-    assert {"actors.schedule_actor", "weight_transfer.types"} <= graph["actors.controller_setup"]
-    assert "ray" not in graph["actors.controller"]  # third-party names are no graph nodes
+    ctl, setup = "actors.controller.controller", "actors.controller.setup"
+    assert {"ray", setup, "weight_transfer.errors"} <= {
+        i.target for i in all_imports() if i.importer == ctl}
+    assert {setup, "weight_transfer.errors"} <= graph[ctl]
+    assert {"actors.controller.schedule_actor", "weight_transfer.types"} <= graph[setup]
+    assert "ray" not in graph[ctl]  # third-party names are no graph nodes
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -163,11 +165,45 @@ def test_only_harnesses_import_the_test_scaffolding():
     bad = [
         f"{ROOT.joinpath(*i.importer.split('.'))}: line {i.line} imports {i.target}"
         for i in all_imports()
-        if (i.target == "actors.testing" or i.target.startswith("actors.testing."))
+        if (i.target == "actors.tools.testkit" or i.target.startswith("actors.tools.testkit."))
         and not any(i.importer == u or i.importer.startswith(u + ".") for u in TESTING_USERS)
     ]
-    assert not bad, "only " + ", ".join(TESTING_USERS) + " may import actors.testing:\n" + (
+    assert not bad, "only " + ", ".join(TESTING_USERS) + " may import actors.tools.testkit:\n" + (
         "\n".join(bad))
+
+
+def is_tools(name: str) -> bool:
+    return name == "actors.tools" or name.startswith("actors.tools.")
+
+
+def test_the_library_neither_imports_nor_names_the_tools():
+    """Tooling is not library: nothing outside ``actors.tools`` imports it or names one of its
+    modules in a string (a lazy import all the same)."""
+    bad = [f"{ROOT.joinpath(*i.importer.split('.'))}: line {i.line} imports {i.target}"
+           for i in all_imports() if is_tools(i.target) and not is_tools(i.importer)]
+    for name, path in project_modules().items():
+        if is_tools(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and MODULE_REF.match(node.value)
+                    and is_tools(project_target(node.value.partition(":")[0]) or "")):
+                bad.append(f"{path}: line {node.lineno} names {node.value!r}")
+    assert not bad, "library code may not use actors.tools:\n" + "\n".join(bad)
+
+
+MAX_MODULES = 15
+
+
+def test_no_package_is_a_flat_pile_of_modules():
+    """Folders are the architecture: a package with more modules than this wants subpackages."""
+    crowded = {}
+    for pkg in PACKAGES:
+        for init in (ROOT / pkg).rglob("__init__.py"):
+            n = sum(1 for p in init.parent.glob("*.py") if p.name != "__init__.py")
+            if n > MAX_MODULES:
+                crowded[str(init.parent.relative_to(ROOT))] = n
+    assert not crowded, f"packages with more than {MAX_MODULES} modules: {crowded}"
 
 
 def test_scripts_is_no_package():
@@ -253,13 +289,14 @@ def test_strongly_connected_finds_cycles_and_only_cycles():
 def test_imports_under_type_checking_and_in_functions_are_edges(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("from typing import TYPE_CHECKING\n"
-                      "if TYPE_CHECKING:\n    from weight_transfer.models import ModelConfig\n"
+                      "if TYPE_CHECKING:\n"
+                      "    from weight_transfer.model.models import ModelConfig\n"
                       "def f():\n    import scheduling.plan\n")
     found = {(i.target, i.runtime) for i in imports_of("probe", source)}
-    assert ("weight_transfer.models", False) in found
+    assert ("weight_transfer.model.models", False) in found
     assert ("scheduling.plan", True) in found
     graph = import_graph()  # the project's own type-only imports are edges as well
-    assert "weight_transfer.arch.shape" in graph["weight_transfer.arch.base"]
+    assert "weight_transfer.model.arch.shape" in graph["weight_transfer.model.arch.base"]
 
 
 def test_no_import_cycles_between_project_modules():

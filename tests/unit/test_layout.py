@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from weight_transfer.engine_layout import (
+from weight_transfer.layout.engine_layout import (
     check_mapping,
     engine_pieces,
     engine_tensor_specs,
     split_piece,
 )
-from weight_transfer.models import ModelConfig, load_model_config, trainer_param_specs
+from weight_transfer.model.models import ModelConfig, load_model_config, trainer_param_specs
 from weight_transfer.types import Piece, ShardSpec, Transform
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from weight_transfer.engine_layout import engine_pieces, engine_tensor_specs, split_piece
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import ModelConfig
-from weight_transfer.prepare import as_bytes, piece_bytes
+from weight_transfer.layout.engine_layout import engine_pieces, engine_tensor_specs, split_piece
+from weight_transfer.model.models import ModelConfig
+from weight_transfer.sender.prepare import as_bytes, piece_bytes
 from weight_transfer.types import ShardSpec
 
 

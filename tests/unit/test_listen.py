@@ -1,4 +1,4 @@
-"""Listeners of ours bind one address, never a wildcard (weight_transfer.listen)."""
+"""Listeners of ours bind one address, never a wildcard (weight_transfer.sync.listen)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import prometheus_client
 import pytest
 
 from actors.groups import host_store
-from weight_transfer.listen import check_listen_address, is_wildcard, serve_store
-from weight_transfer.metrics_prometheus import MetricsListen, serve_metrics
+from weight_transfer.observe.prometheus import MetricsListen, serve_metrics
+from weight_transfer.sync.listen import check_listen_address, is_wildcard, serve_store
 
 
 @pytest.mark.parametrize("address", ["", "0.0.0.0", "::", "[::]", "*", "0:0:0:0:0:0:0:0"])

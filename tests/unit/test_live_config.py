@@ -11,14 +11,19 @@ import torch
 import transformers
 
 from actors.config import TransferConfig
-from actors.launch import launch_engines, launch_trainers
-from actors.live_config import check_actors, cluster_for_actors, replica_sizes, with_cluster
+from actors.controller.live_config import (
+    check_actors,
+    cluster_for_actors,
+    replica_sizes,
+    with_cluster,
+)
+from actors.ready.launch import launch_engines, launch_trainers
 from actors.trainer import TrainerMixin
-from actors.vllm_engine import launch_vllm_engines
-from scheduling.cluster import load_cluster_config
-from scheduling.cluster_defaults import ClusterMismatchError, check_cluster, simulated_cluster
+from actors.vllm.engine import launch_vllm_engines
+from scheduling.cluster.config import load_cluster_config
+from scheduling.cluster.defaults import ClusterMismatchError, check_cluster, simulated_cluster
 from weight_transfer.errors import WeightTransferError
-from weight_transfer.models import load_model_config, trainer_param_specs
+from weight_transfer.model.models import load_model_config, trainer_param_specs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LOCAL_CPU = CONFIGS / "clusters" / "local_cpu.yaml"  # 4 trainer ranks, 2 replicas x TP2

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weight_transfer.engine_layout import check_mapping
-from weight_transfer.live_metadata import engine_tensors_from_state, param_metas_from_module
-from weight_transfer.models import load_model_config, trainer_param_specs
+from weight_transfer.layout.engine_layout import check_mapping
+from weight_transfer.model.live_metadata import engine_tensors_from_state, param_metas_from_module
+from weight_transfer.model.models import load_model_config, trainer_param_specs
 from weight_transfer.types import MeshDesc, Placement
 
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
@@ -125,7 +125,7 @@ def test_one_tensor_record_for_every_kind_of_metadata():
     import pickle
 
     from weight_transfer.engines.reference.buffer import TensorSlot
-    from weight_transfer.models import TrainerParamSpec
+    from weight_transfer.model.models import TrainerParamSpec
     from weight_transfer.types import EngineTensorMeta, ParamMeta, RegionDesc, TensorSpec
 
     mesh = MeshDesc(ranks=(0, 1), shape=(2,))

@@ -16,6 +16,7 @@ import prometheus_client
 import pytest
 from test_executor import Setup
 
+from actors.controller.telemetry import failure_kinds, record_failure, record_success
 from actors.reports import (
     RankReport,
     TrainerFault,
@@ -23,9 +24,8 @@ from actors.reports import (
     WriteFailure,
     rank_report_of,
 )
-from actors.telemetry import failure_kinds, record_failure, record_success
 from weight_transfer.errors import FaultKind
-from weight_transfer.metrics import (
+from weight_transfer.observe.metrics import (
     METRICS,
     backend_names,
     make_backend,
@@ -98,7 +98,7 @@ def test_a_real_transfer_shows_up_in_the_prometheus_exposition(registry):
 
 
 def _report(rank: int, failures=()) -> RankReport:
-    from weight_transfer.executor import TransferReport
+    from weight_transfer.sender.executor import TransferReport
 
     t = TransferReport(rank=rank, version=1, seconds=1.0, bytes_written=1, bytes_planned=1,
                        writes=1, params_gathered=1, barrier_seconds=0.0, watermark_peak=0,
@@ -138,7 +138,7 @@ def test_every_metric_has_a_distinct_name_and_known_kind(registry):
 def test_the_registry_is_lazy_and_names_what_it_knows():
     with pytest.raises(ValueError, match=r"unknown metrics backend 'nope'.*prometheus"):
         make_backend("nope")
-    register_backend("test-null", "weight_transfer.metrics", "NullBackend")
+    register_backend("test-null", "weight_transfer.observe.metrics", "NullBackend")
     assert "test-null" in backend_names()
     m = make_metrics("test-null")
     m.failure("x", 2)

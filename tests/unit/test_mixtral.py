@@ -16,18 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.testing.replay import replay_in_memory
+from actors.tools.testkit.replay import replay_in_memory
 from scheduling import compute_plan
-from scheduling.cluster import cluster_from_dict
+from scheduling.cluster.config import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import dumps_trainer_plan, loads_trainer_plan
-from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.engines.reference.hf_model import build_hf_model, expert_naming_of, hf_config
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import ModelConfig, load_model_config, trainer_param_specs
-from weight_transfer.naming import Split, bound_rules, layer_blocks
-from weight_transfer.prepare import as_bytes
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.model.models import ModelConfig, load_model_config, trainer_param_specs
+from weight_transfer.model.naming import Split, bound_rules, layer_blocks
+from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
+from weight_transfer.sender.prepare import as_bytes
 from weight_transfer.types import ShardSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import (
+from weight_transfer.model.models import (
     ModelConfig,
     load_model_config,
     param_count,

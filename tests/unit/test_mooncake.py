@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from weight_transfer.transport import make_transport
-from weight_transfer.transport.mooncake import (
+from weight_transfer.transport.mooncake.transport import (
     CallThread,
     MooncakeTransport,
     chunk_deadline_s,

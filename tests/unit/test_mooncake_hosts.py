@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from actors.connections import Connector
-from weight_transfer.transport._mooncake_calls import _WARNED
 from weight_transfer.transport.handshake import HostId
+from weight_transfer.transport.mooncake.calls import _WARNED
 from weight_transfer.transport.options import parse_transport
 from weight_transfer.types import EngineRankMeta, EngineTensorMeta, RegionDesc, ShardSpec
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from weight_transfer.models import load_model_config, trainer_param_specs
-from weight_transfer.naming import (
+from weight_transfer.model.models import load_model_config, trainer_param_specs
+from weight_transfer.model.naming import (
     STACKED_PARAMS_MAPPING,
     Split,
     all_sources,

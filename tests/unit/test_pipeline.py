@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from weight_transfer.pipeline import Pipeline, PipelineError, PipelineItem, Stage
-from weight_transfer.watermark import ByteWatermark
+from weight_transfer.sender.pipeline import Pipeline, PipelineError, PipelineItem, Stage
+from weight_transfer.sender.watermark import ByteWatermark
 
 
 def items(n, reserve=10):
@@ -126,7 +126,7 @@ def test_bad_construction():
 
 
 def test_drain_waits_instead_of_spinning_once_every_item_is_fed(monkeypatch):
-    import weight_transfer.pipeline as pipeline_mod
+    import weight_transfer.sender.pipeline as pipeline_mod
 
     calls = 0
     real_wait = asyncio.wait

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from scheduling import compute_plan
-from scheduling.build import build_plan
-from scheduling.cluster import load_cluster_config
+from scheduling.build.build import build_plan
+from scheduling.cluster.config import load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.serialize import dumps_plan
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,

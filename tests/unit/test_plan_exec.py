@@ -15,15 +15,15 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from actors.testing.replay import replay_in_memory
+from actors.tools.testkit.replay import replay_in_memory
 from scheduling import compute_plan
-from scheduling.cluster import cluster_from_dict
+from scheduling.cluster.config import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import dumps_trainer_plan, loads_trainer_plan
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import ModelConfig, load_model_config
-from weight_transfer.prepare import as_bytes
+from weight_transfer.model.models import ModelConfig, load_model_config
+from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
+from weight_transfer.sender.prepare import as_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from scheduling import compute_plan
-from scheduling.assign import assign_sources, mesh_groups
-from scheduling.cluster import load_cluster_config
+from scheduling.build.assign import assign_sources, mesh_groups
+from scheduling.cluster.config import load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, loads_trainer_plan
-from weight_transfer.models import load_model_config
+from scheduling.serialize import dumps_plan, loads_plan
+from weight_transfer.model.models import load_model_config
+from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
 from weight_transfer.types import Placement
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

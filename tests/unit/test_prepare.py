@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.engine_layout import engine_pieces
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.models import load_model_config
-from weight_transfer.prepare import piece_bytes, prepare_piece, prepare_pieces
-from weight_transfer.quant import quantize_fp8_blocks
+from weight_transfer.layout.engine_layout import engine_pieces
+from weight_transfer.layout.quant import quantize_fp8_blocks
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sender.prepare import piece_bytes, prepare_piece, prepare_pieces
 from weight_transfer.types import Piece, ShardSpec, Transform
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -45,7 +45,7 @@ def test_actors_exports_no_internals():
                 "ScheduleActor", "Scheduler", "RankReport", "WriteFailure"}
     assert not internal & set(actors.__all__)
     with pytest.raises(AttributeError):
-        actors.ScheduleActor  # noqa: B018 (imported from actors.schedule_actor instead)
+        actors.ScheduleActor  # noqa: B018 (imported from actors.controller.schedule_actor instead)
 
 
 def test_weight_transfer_exports_nothing_but_its_version():

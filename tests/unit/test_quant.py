@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from weight_transfer.fp8_geometry import FP8_BLOCK
-from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from weight_transfer.layout.fp8_geometry import FP8_BLOCK
+from weight_transfer.layout.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
 
 def test_hand_computed_blocks():

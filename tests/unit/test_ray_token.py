@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.ray_token import private_token, protect_token
-from actors.run_config import ROOT
+from actors.tools.demo.run_config import ROOT
+from actors.tools.ray_token import private_token, protect_token
 
 
 def mode(path: Path) -> int:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from weight_transfer.transport.rdma_cuda import (
+from weight_transfer.transport.rdma.cuda import (
     CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
     CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
     CudaDmaBufError,

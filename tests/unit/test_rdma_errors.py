@@ -9,7 +9,7 @@ from weight_transfer.transport.base import (
     RemoteAccessError,
     TransportError,
 )
-from weight_transfer.transport.rdma_errors import (
+from weight_transfer.transport.rdma.errors import (
     WC_STATUS,
     completion_error,
     wc_status_name,

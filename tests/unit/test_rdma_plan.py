@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from weight_transfer.transport.rdma_plan import (
+from weight_transfer.transport.rdma.plan import (
     Chunk,
     LocalRegion,
     LocalRegions,

@@ -7,8 +7,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from actors.cli.main import app
-from weight_transfer.transport.rdma_verbs import rdma_unavailable_reason
+from actors.tools.cli.main import app
+from weight_transfer.transport.rdma.verbs import rdma_unavailable_reason
 
 needs_no_device = pytest.mark.skipif(rdma_unavailable_reason() is None,
                                      reason="an RDMA device is present: see tests/integration")

@@ -29,7 +29,7 @@ import pytest
 from rich.console import Console
 
 from weight_transfer.transport import PeerUnreachableError, RemoteAccessError, make_transport
-from weight_transfer.transport.rdma_verbs import RdmaUnavailableError
+from weight_transfer.transport.rdma.verbs import RdmaUnavailableError
 
 MiB = 1 << 20
 OK, LOC_PROT, FLUSH, REM_ACCESS, RETRY_EXC = 0, 4, 5, 10, 12
@@ -424,8 +424,8 @@ def test_close_releases_every_qp_and_mr(fabric):
 
 
 def test_selftest_loopback_on_the_model_device(monkeypatch, plain):
-    from actors.cli import selftest
-    from weight_transfer.transport import rdma
+    from actors.tools.cli import selftest
+    from weight_transfer.transport.rdma import transport as rdma
 
     fabric = Fabric(plain, max_msg_sz=MiB)
     monkeypatch.setattr(rdma, "import_pyverbs", lambda: fake_verbs(fabric))

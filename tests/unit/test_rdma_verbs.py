@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from weight_transfer.transport import make_transport
-from weight_transfer.transport.rdma_plan import Chunk
-from weight_transfer.transport.rdma_verbs import (
+from weight_transfer.transport.rdma.plan import Chunk
+from weight_transfer.transport.rdma.verbs import (
     PYVERBS_MODULES,
     RdmaUnavailableError,
     import_pyverbs,
@@ -20,7 +20,7 @@ from weight_transfer.transport.rdma_verbs import (
     rdma_unavailable_reason,
     to_qp_attr,
 )
-from weight_transfer.transport.rdma_wire import RdmaEndpoint, build_qp_attrs
+from weight_transfer.transport.rdma.wire import RdmaEndpoint, build_qp_attrs
 
 NO_DEVICE = rdma_unavailable_reason()
 needs_no_device = pytest.mark.skipif(NO_DEVICE is None, reason="an RDMA device is present")

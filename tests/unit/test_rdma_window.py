@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from weight_transfer.transport.base import RemoteAccessError, TransportError
-from weight_transfer.transport.rdma_errors import IBV_WC_WR_FLUSH_ERR, completion_error
-from weight_transfer.transport.rdma_plan import Chunk, split_write
-from weight_transfer.transport.rdma_window import Completion, CompletionWindow
+from weight_transfer.transport.rdma.errors import IBV_WC_WR_FLUSH_ERR, completion_error
+from weight_transfer.transport.rdma.plan import Chunk, split_write
+from weight_transfer.transport.rdma.window import Completion, CompletionWindow
 from weight_transfer.types import RegionDesc
 
 REM_ACCESS_ERR = 10

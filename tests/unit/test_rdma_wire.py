@@ -7,7 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from weight_transfer.transport.rdma_wire import (
+from weight_transfer.transport.rdma.wire import (
     IBV_ACCESS_LOCAL_WRITE,
     IBV_ACCESS_REMOTE_WRITE,
     MTU_ENUM,

@@ -9,10 +9,11 @@ import pytest
 from test_receipt_properties import world
 
 from actors.messages import check_trainer_metas
-from scheduling.serialize import loads_plan, loads_trainer_plan
-from weight_transfer.receipt import check_engine_meta, check_peer_info, check_region
+from scheduling.serialize import loads_plan
+from weight_transfer.integrity.receipt import check_engine_meta, check_peer_info, check_region
+from weight_transfer.plan.wire import loads_trainer_plan
 from weight_transfer.transport.handshake import Connection, answer_requests, connect_peers
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 from weight_transfer.types import PeerInfo, RegionDesc
 
 

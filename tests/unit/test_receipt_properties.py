@@ -28,14 +28,15 @@ from hypothesis import strategies as st
 from actors.messages import TrainerRankMeta, check_trainer_metas
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import dumps_plan, dumps_trainer_plan, loads_plan, loads_trainer_plan
-from scheduling.validate import expected_piece_nbytes
-from weight_transfer.executor import check_trainer_plan
-from weight_transfer.models import load_model_config
-from weight_transfer.receipt import check_engine_meta
+from scheduling.serialize import dumps_plan, loads_plan
+from weight_transfer.integrity.receipt import check_engine_meta
+from weight_transfer.model.models import load_model_config
+from weight_transfer.plan.check import expected_piece_nbytes
+from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
+from weight_transfer.sender.executor import check_trainer_plan
 from weight_transfer.transport.base import TransportError
 from weight_transfer.transport.handshake import Connection, HostId, connect_peers
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 from weight_transfer.types import DTYPE_SIZES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -160,7 +161,7 @@ def test_corrupt_plans_are_refused_or_still_valid(data):
 
 def test_a_trainer_keeps_its_previous_plan_when_the_new_one_is_corrupt():
     from actors.trainer import TrainerMixin
-    from weight_transfer.barrier import BarrierKey
+    from weight_transfer.sync.barrier import BarrierKey
 
     w, t = world(), TrainerMixin()
     t.wt_attach(model=torch.nn.Linear(4, 4), rank=0, world=4)

@@ -12,7 +12,7 @@ import pytest
 
 from actors import TransferConfig
 from actors.replica_groups import ReplicaGroups
-from actors.testing.netns import NetnsNetwork, Shaping, host_networks, pick_subnet
+from actors.tools.testkit.netns import NetnsNetwork, Shaping, host_networks, pick_subnet
 
 GROUPS = [["engine0", "engine1"], ["engine2", "engine3", "engine4"]]
 
@@ -89,7 +89,7 @@ def test_site_labels_are_checked_before_anything_is_made():
 
 
 def test_wt_bench_groups_without_namespaces_says_why(monkeypatch, capsys):
-    import actors.bench.groups as groups
+    import actors.tools.bench.groups.bench as groups
 
     monkeypatch.setattr(groups, "netns_unavailable", lambda: "network namespaces need root")
     assert groups.run(rate_mbit=40, updates=1, transport="tcp", json_path=None) == 2
@@ -97,7 +97,7 @@ def test_wt_bench_groups_without_namespaces_says_why(monkeypatch, capsys):
 
 
 def test_the_groups_bench_table_puts_the_modes_side_by_side():
-    from actors.bench.groups import mode_rows
+    from actors.tools.bench.groups.bench import mode_rows
 
     def update(seconds, link, trainer, peer):
         return {"seconds": seconds, "trainer_bytes": trainer, "peer_bytes": peer,

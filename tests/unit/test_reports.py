@@ -16,8 +16,8 @@ from actors.reports import (
     rank_report_of,
     stage_seconds,
 )
-from weight_transfer.executor import TransferReport
-from weight_transfer.pipeline import Span
+from weight_transfer.sender.executor import TransferReport
+from weight_transfer.sender.pipeline import Span
 
 
 @pytest.mark.parametrize(

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from actors.config import TransferConfig
-from actors.ledger import ControlLedger, pickled_size
+from actors.controller.calls import ControlLedger, pickled_size
+from actors.controller.schedule_actor import merge_trainer_metas, summarize
 from actors.messages import TrainerRankMeta
-from actors.schedule_actor import merge_trainer_metas, summarize
-from actors.trainer_model import rank_rows, sequence_loss
+from actors.ready.trainer_model import rank_rows, sequence_loss
 from actors.write_guard import WriteGuard
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.transport.base import PeerUnreachableError
 from weight_transfer.types import MeshDesc, ParamMeta, Piece, Placement, RegionDesc, WriteTask
 

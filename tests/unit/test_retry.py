@@ -9,8 +9,8 @@ import torch
 from test_executor import Setup
 
 from weight_transfer.engines.reference.loader import load_engine_shard
-from weight_transfer.prepare import as_bytes
-from weight_transfer.retry import RetryingWriter, RetryPolicy, parse_retry
+from weight_transfer.sender.prepare import as_bytes
+from weight_transfer.sender.retry import RetryingWriter, RetryPolicy, parse_retry
 from weight_transfer.transport.base import (
     LinkDownError,
     RemoteAccessError,

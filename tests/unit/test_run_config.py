@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.run_config import ROOT, load_run_config, parse_run_config, resolve_path
+from actors.tools.demo.run_config import ROOT, load_run_config, parse_run_config, resolve_path
 
 RUNS = sorted((ROOT / "configs" / "runs").glob("*.yaml"))
 TINY = "configs/models/tiny_llama.yaml"
@@ -80,8 +80,8 @@ def test_wt_demo_and_launch_refuse_bad_input_before_starting_anything(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from actors.cli.main import app
-    from actors.demo import launch
+    from actors.tools.cli.main import app
+    from actors.tools.demo import launch
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"model: {TINY}\nupdates: 0\n")

@@ -7,15 +7,11 @@ import numpy as np
 import pytest
 
 from scheduling import compute_plan
-from scheduling.cluster import load_cluster_config
+from scheduling.cluster.config import load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.serialize import (
-    dumps_plan,
-    dumps_trainer_plan,
-    loads_plan,
-    loads_trainer_plan,
-)
-from weight_transfer.models import load_model_config
+from scheduling.serialize import dumps_plan, loads_plan
+from weight_transfer.model.models import load_model_config
+from weight_transfer.plan.wire import dumps_trainer_plan, loads_trainer_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("task_piece", "task_src", "task_dst", "task_region", "task_offset", "task_group",

@@ -1,4 +1,4 @@
-"""Checksums of served memory (weight_transfer.served): the engine-side chunks cover every
+"""Checksums of served memory (weight_transfer.integrity.served): the engine-side chunks cover every
 tensor byte, the background rotation covers every row within ceil(bytes / budget) ticks, a
 peer copy moves a reference to the target's addresses, and the audit line of a check."""
 
@@ -12,11 +12,25 @@ import pytest
 import torch
 from test_executor import Setup
 
-from actors.audit import CheckAudit, open_audit, read_audit
-from actors.integrity_check import IntegrityResult, Mismatch
-from actors.served_check import BackgroundCheck
-from weight_transfer.integrity import ADDR, CHECKSUM, LENGTH, NO_TASK, OFFSET, TASK, checksum_ranges
-from weight_transfer.served import ServedBook, ServedSums, region_maps, rotate, tensor_chunks
+from actors.controller.audit import CheckAudit, open_audit, read_audit
+from actors.controller.checks import IntegrityResult, Mismatch
+from actors.controller.served import BackgroundCheck
+from weight_transfer.integrity.checksums import (
+    ADDR,
+    CHECKSUM,
+    LENGTH,
+    NO_TASK,
+    OFFSET,
+    TASK,
+    checksum_ranges,
+)
+from weight_transfer.integrity.served import (
+    ServedBook,
+    ServedSums,
+    region_maps,
+    rotate,
+    tensor_chunks,
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 
 from actors.config import TransferConfig
-from actors.controller_shadow import apply_delta, none_flipped, rollback
-from actors.controller_state import ControllerState
-from actors.engine_control import RankFault
-from actors.shadow_setup import setup_shadow
-from scheduling.cluster import load_cluster_config
+from actors.controller.engine_control import RankFault
+from actors.controller.setup import setup_shadow
+from actors.controller.shadow import apply_delta, none_flipped, rollback
+from actors.controller.state import ControllerState
+from scheduling.cluster.config import load_cluster_config
 from scheduling.flip import flip_seconds, shadow_need, sync_seconds
-from weight_transfer.engines.shadow import ShadowError
+from weight_transfer.engines.shadow.store import ShadowError
 from weight_transfer.errors import FaultKind
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 KIMI = CONFIGS / "models" / "kimi_k2.yaml"
@@ -120,7 +120,7 @@ def test_a_delta_update_flips_only_replicas_whose_shadow_got_every_record(anchor
 
 
 def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
-    from actors.bench.stall import idle_gap, stall_of
+    from actors.tools.bench.stall.bench import idle_gap, stall_of
 
     steps = [0.0, 0.1, 0.2, 1.5, 1.6, 1.7]
     assert stall_of(steps, 0.25, 1.4) == pytest.approx(1.3)  # 0.2 -> 1.5 spans it
@@ -130,7 +130,7 @@ def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
 
 
 def test_the_idle_floor_is_the_median_of_the_longest_gaps_of_update_long_windows():
-    from actors.bench.stall import idle_floor
+    from actors.tools.bench.stall.bench import idle_floor
 
     # steps every 10 ms, one 50 ms hiccup at 0.3: windows of 0.1 s over [0, 1]
     steps = [i / 100 for i in range(31)] + [0.35 + i / 100 for i in range(66)]

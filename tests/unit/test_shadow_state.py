@@ -12,15 +12,15 @@ import torch
 
 from weight_transfer.engines.fence import CommandFence
 from weight_transfer.engines.registered import RegisteredMemory
-from weight_transfer.engines.shadow import (
+from weight_transfer.engines.shadow.rank import ShadowControl
+from weight_transfer.engines.shadow.store import (
     Holds,
     ShadowCopy,
     ShadowError,
     ShadowState,
     swap_chunked,
 )
-from weight_transfer.engines.shadow_rank import ShadowControl
-from weight_transfer.integrity import checksum
+from weight_transfer.integrity.checksums import checksum
 from weight_transfer.transport.options import DEFAULT_TRANSPORT
 from weight_transfer.types import ShardSpec
 

@@ -1,4 +1,4 @@
-"""The simulator with sparse deltas (scheduling.sim_delta): bytes on the wire per piece as
+"""The simulator with sparse deltas (scheduling.sim.delta): bytes on the wire per piece as
 the sender decides them, and a delta update never predicted slower on the NICs than dense."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.cli.plan_cmd import build
-from scheduling.sim_delta import piece_wire_bytes, simulate_delta
-from scheduling.simulate import simulate
-from weight_transfer.delta_codec import RECORD, Encoding, encoded_size
+from actors.tools.cli.plan_cmd import build
+from scheduling.sim.delta import piece_wire_bytes, simulate_delta
+from scheduling.sim.simulate import simulate
+from weight_transfer.delta.codec import RECORD, Encoding, encoded_size
 
 
 @pytest.fixture(scope="module")

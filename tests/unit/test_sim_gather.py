@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from scheduling import compute_plan, simulate
-from scheduling.cluster import cluster_from_dict
+from scheduling.cluster.config import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.sim_gather import gather_rings, param_gathers, sharded_fraction
-from scheduling.sim_stages import _item_gathers
-from weight_transfer.buckets import plan_buckets
-from weight_transfer.models import load_model_config
+from scheduling.sim.gather import gather_rings, param_gathers, sharded_fraction
+from scheduling.sim.stages import _item_gathers
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sender.buckets import plan_buckets
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, RankInfo
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
-"""The stage model of the simulator: hand-computed small cases of scheduling.sim_stages."""
+"""The stage model of the simulator: hand-computed small cases of scheduling.sim.stages."""
 
 import numpy as np
 import pytest
 
-from scheduling.sim_gather import ring_allgather_seconds
-from scheduling.sim_stages import GroupCosts, run_group
+from scheduling.sim.gather import ring_allgather_seconds
+from scheduling.sim.stages import GroupCosts, run_group
 
 
 def costs(*, h2d=(0.0,), gather=(0.0,), prepare=(0.0,), wbytes=(1.0,), reserve=(1.0,),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weight_transfer.transport import PeerUnreachableError, TransportError, make_transport
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 
 
 @pytest.mark.parametrize(

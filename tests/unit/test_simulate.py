@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduling import compute_plan, simulate
-from scheduling.cluster import cluster_from_dict, load_cluster_config
+from scheduling.cluster.config import cluster_from_dict, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.plan import Plan
-from weight_transfer.models import load_model_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import (
     EngineRankMeta,
     MeshDesc,

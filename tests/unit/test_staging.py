@@ -18,19 +18,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 
-import weight_transfer.staging as staging
+import weight_transfer.sender.staging as staging
 from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer import bucket_prepare
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.executor import RankTransfer
-from weight_transfer.models import load_model_config
-from weight_transfer.prepare import as_bytes, prepare_pieces, prepare_pieces_into
-from weight_transfer.staging import ALIGN, RingAllocator, StagingArena, piece_slots
+from weight_transfer.model.models import load_model_config
+from weight_transfer.sender import bucket_prepare
+from weight_transfer.sender.executor import RankTransfer
+from weight_transfer.sender.prepare import as_bytes, prepare_pieces, prepare_pieces_into
+from weight_transfer.sender.staging import ALIGN, RingAllocator, StagingArena, piece_slots
 from weight_transfer.transport import make_transport
 from weight_transfer.transport.base import TransportBase
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -156,7 +156,7 @@ def test_arena_is_registered_once_and_hands_out_fifo_ranges():
 
 def test_a_request_larger_than_the_arena_gets_a_one_off_buffer(caplog):
     arena = StagingArena(1024)
-    with caplog.at_level(logging.WARNING, logger="weight_transfer.staging"):
+    with caplog.at_level(logging.WARNING, logger="weight_transfer.sender.staging"):
         lease = asyncio.run(arena.acquire(5000))
     assert lease.oversized and lease.buf.numel() == 5000
     assert arena.oversized == 1

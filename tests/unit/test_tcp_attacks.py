@@ -25,11 +25,13 @@ import time
 import numpy as np
 import pytest
 
-import weight_transfer.transport._tcp_client as tcp_client
+import weight_transfer.transport.tcp.client as tcp_client
 from weight_transfer.transport import make_transport
-from weight_transfer.transport._tcp_client import Channel, LinkParams, sendmsg_all
-from weight_transfer.transport._tcp_server import recv_exact
-from weight_transfer.transport._tcp_wire import (
+from weight_transfer.transport.base import PeerUnreachableError, RemoteAccessError
+from weight_transfer.transport.tcp.client import Channel, LinkParams, sendmsg_all
+from weight_transfer.transport.tcp.server import recv_exact
+from weight_transfer.transport.tcp.transport import TcpLinkError
+from weight_transfer.transport.tcp.wire import (
     BAD_OP,
     OK,
     OP_READ,
@@ -40,8 +42,6 @@ from weight_transfer.transport._tcp_wire import (
     identity,
     pack_hello,
 )
-from weight_transfer.transport.base import PeerUnreachableError, RemoteAccessError
-from weight_transfer.transport.tcp import TcpLinkError
 from weight_transfer.types import PeerInfo
 
 HOST = "127.0.0.1"

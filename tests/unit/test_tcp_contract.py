@@ -10,7 +10,7 @@ from test_staging import Replay
 
 from weight_transfer.transport import parse_transport, transport_class
 from weight_transfer.transport.handshake import HostId, reaches
-from weight_transfer.transport.tcp import TcpOptions, TcpTransport
+from weight_transfer.transport.tcp.transport import TcpOptions, TcpTransport
 
 
 def test_tcp_is_registered_with_its_options_model():

@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from weight_transfer.transport._tcp_codec import Codec, CodecError
-from weight_transfer.transport._tcp_wire import (
+from weight_transfer.transport.tcp.codec import Codec, CodecError
+from weight_transfer.transport.tcp.wire import (
     HEADER,
     HELLO,
     MODE_ENCRYPT,

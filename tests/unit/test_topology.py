@@ -16,10 +16,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from actors.cli.main import app
-from actors.cli.topology_cmd import EXIT_NO_HARDWARE, run
+from actors.tools.cli.main import app
+from actors.tools.cli.topology_cmd import EXIT_NO_HARDWARE, run
 from scheduling import load_cluster_config
-from scheduling.topology import (
+from scheduling.cluster.topology import (
     NoHardwareError,
     PciDevice,
     cluster_dict,

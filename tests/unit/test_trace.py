@@ -17,17 +17,16 @@ import numpy as np
 import pytest
 from test_executor import Setup
 
+from actors.controller.telemetry import UpdateClock, update_trace
 from actors.messages import PlanSummary
 from actors.reports import rank_report_of
-from actors.run_config import ROOT
-from actors.telemetry import UpdateClock, update_trace
+from actors.tools.demo.run_config import ROOT
 from scheduling import compute_plan, load_cluster_config, simulate
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from scheduling.sim_timeline import merge_intervals, pick_rows, sim_timeline
-from weight_transfer.models import load_model_config
-from weight_transfer.pipeline import Span
-from weight_transfer.timeline import Bar, Timeline
-from weight_transfer.trace import (
+from scheduling.sim.timeline import merge_intervals, pick_rows, sim_timeline
+from weight_transfer.model.models import load_model_config
+from weight_transfer.observe.timeline import Bar, Timeline
+from weight_transfer.observe.trace import (
     FORMAT,
     RankTrace,
     UpdateTrace,
@@ -38,6 +37,7 @@ from weight_transfer.trace import (
     timeline_of_trace,
     write_chrome_trace,
 )
+from weight_transfer.sender.pipeline import Span
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_simulated_task_times_are_consistent_with_the_result():
 
 def test_gantt_pngs_of_a_trace_and_a_simulation(measured, tmp_path):
     pytest.importorskip("matplotlib", reason="the plots extra is not installed")
-    from actors.cli.plots import draw_gantt
+    from actors.tools.cli.plots import draw_gantt
 
     plan, cl = _plan()
     doc = chrome_trace([_update(measured)])
@@ -207,7 +207,7 @@ def test_gantt_pngs_of_a_trace_and_a_simulation(measured, tmp_path):
 
 
 def test_drawing_without_matplotlib_names_the_extra(monkeypatch):
-    from actors.cli.plots import MissingExtraError, import_pyplot
+    from actors.tools.cli.plots import MissingExtraError, import_pyplot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"plots. extra: pip install -e '\.\[plots\]'"):

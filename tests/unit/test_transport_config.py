@@ -14,14 +14,14 @@ import pytest
 
 from actors.config import TransferConfig, TransferSettings
 from actors.connections import Connector
-from actors.run_config import parse_run_config
-from scheduling.cluster import load_cluster_config
-from weight_transfer.models import load_model_config
+from actors.tools.demo.run_config import parse_run_config
+from scheduling.cluster.config import load_cluster_config
+from weight_transfer.model.models import load_model_config
 from weight_transfer.transport import fault_injection, make_transport
 from weight_transfer.transport.handshake import HostId, reaches, unreachable_links
-from weight_transfer.transport.mooncake import MooncakeOptions
+from weight_transfer.transport.mooncake.transport import MooncakeOptions
 from weight_transfer.transport.options import DEFAULT_TRANSPORT, parse_transport
-from weight_transfer.transport.simnic import SimNicOptions
+from weight_transfer.transport.simnic.nic import SimNicOptions
 from weight_transfer.types import EngineRankMeta, EngineTensorMeta, RegionDesc, ShardSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -174,7 +174,7 @@ def test_the_run_yaml_chooses_the_transport_and_the_command_line_overrides_it():
 def test_wt_demo_refuses_an_unknown_transport_before_starting_anything():
     from typer.testing import CliRunner
 
-    from actors.cli.main import app
+    from actors.tools.cli.main import app
 
     result = CliRunner().invoke(app, ["demo", "--transport", "pigeon"])
     assert result.exit_code == 2

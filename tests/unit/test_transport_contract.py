@@ -26,7 +26,7 @@ from pydantic import Field
 from test_rdma_transport import Fabric, fake_verbs, stand_in_plain_verbs
 from test_staging import Replay
 
-from weight_transfer.retry import RetryingWriter, RetryPolicy
+from weight_transfer.sender.retry import RetryingWriter, RetryPolicy
 from weight_transfer.transport import (
     BACKENDS,
     make_transport,
@@ -48,10 +48,14 @@ from weight_transfer.transport.base import (
     target_buffer,
 )
 from weight_transfer.transport.handshake import HostId, reaches
-from weight_transfer.transport.mooncake import MooncakeLinkError, MooncakeTransport, _Chunk
-from weight_transfer.transport.rdma_errors import RdmaQueueFullError, completion_error, post_error
+from weight_transfer.transport.mooncake.transport import (
+    MooncakeLinkError,
+    MooncakeTransport,
+    _Chunk,
+)
+from weight_transfer.transport.rdma.errors import RdmaQueueFullError, completion_error, post_error
 from weight_transfer.transport.registry import unregister_transport
-from weight_transfer.transport.simnic import SimNic
+from weight_transfer.transport.simnic.nic import SimNic
 from weight_transfer.types import PeerInfo, RegionDesc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -392,10 +396,11 @@ def _code_strings(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("module", ["weight_transfer/transport/options.py",
                                     "weight_transfer/transport/handshake.py",
-                                    "weight_transfer/retry.py", "weight_transfer/executor.py",
-                                    "weight_transfer/staging.py",
-                                    "weight_transfer/bucket_prepare.py",
-                                    "weight_transfer/executor_delta.py"])
+                                    "weight_transfer/sender/retry.py",
+                                    "weight_transfer/sender/executor.py",
+                                    "weight_transfer/sender/staging.py",
+                                    "weight_transfer/sender/bucket_prepare.py",
+                                    "weight_transfer/sender/delta/executor.py"])
 def test_generic_modules_branch_on_no_transport_name(module):
     strings = _code_strings(ROOT / module)
     assert not strings & {"simnic", "rdma", "mooncake"}, module

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weight_transfer.engines.reference.ops import greedy_loop
-from weight_transfer.versions import (
+from weight_transfer.sync.versions import (
     Generation,
     VersionRecorder,
     VersionSpan,
@@ -101,7 +101,7 @@ def test_reference_engine_spans_follow_an_update_between_steps():
     from weight_transfer.engines.reference.adapter import ReferenceEngineAdapter
     from weight_transfer.engines.reference.engine import ReferenceEngine
     from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
-    from weight_transfer.models import load_model_config
+    from weight_transfer.model.models import load_model_config
     from weight_transfer.types import ShardSpec
 
     cfg = load_model_config(Path(__file__).resolve().parents[2]
@@ -146,8 +146,8 @@ def test_a_shadow_flip_mid_request_tags_the_steps_after_it():
     from weight_transfer.engines.reference.engine import ReferenceEngine
     from weight_transfer.engines.reference.hf_model import build_hf_model, greedy_generate
     from weight_transfer.engines.registered import RegisteredMemory
-    from weight_transfer.engines.shadow_rank import ShadowControl
-    from weight_transfer.models import load_model_config
+    from weight_transfer.engines.shadow.rank import ShadowControl
+    from weight_transfer.model.models import load_model_config
     from weight_transfer.types import ShardSpec
 
     cfg = load_model_config(Path(__file__).resolve().parents[2]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduling.recorded import recorded_pieces, table_differences
-from weight_transfer.checkpoint_names import to_trainer_pieces
-from weight_transfer.models import load_model_config
-from weight_transfer.recording.slices import copy_pieces, rect_of_chain
+from scheduling.build.recorded import recorded_pieces, table_differences
+from weight_transfer.layout.recording.slices import copy_pieces, rect_of_chain
+from weight_transfer.model.checkpoint_names import to_trainer_pieces
+from weight_transfer.model.models import load_model_config
 from weight_transfer.types import (
     EngineRankMeta,
     EngineTensorMeta,
@@ -97,7 +97,7 @@ def test_recorded_pieces_keep_the_trainers_wrapper_names():
 
 
 def test_our_tables_cross_check_a_recorded_layout():
-    from weight_transfer.engine_layout import engine_pieces
+    from weight_transfer.layout.engine_layout import engine_pieces
 
     cfg = load_model_config("configs/models/tiny_llama.yaml")
     table = engine_pieces(cfg, ShardSpec(), fp8=False)
@@ -115,7 +115,7 @@ def _spec(name, shape, dtype):
 
 
 def test_fp8_checkpoint_pieces_quantize_the_trainers_weight():
-    from weight_transfer.recording.fp8 import fp8_pieces
+    from weight_transfer.layout.recording.fp8 import fp8_pieces
     from weight_transfer.types import Transform
 
     ckpt = {s.name: s for s in (_spec("q.weight", (384, 256), "float8_e4m3fn"),
@@ -136,7 +136,7 @@ def test_fp8_checkpoint_pieces_quantize_the_trainers_weight():
 
 
 def test_fp8_pieces_refuse_partial_blocks_and_dequantizing_loaders():
-    from weight_transfer.recording.fp8 import fp8_pieces
+    from weight_transfer.layout.recording.fp8 import fp8_pieces
 
     ckpt = {"q.weight": _spec("q.weight", (384, 256), "float8_e4m3fn")}
     row = Piece(dst_tensor="qkv.weight", dst_offset=0, nbytes=256, dst_dtype="float8_e4m3fn",

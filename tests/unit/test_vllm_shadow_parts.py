@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.vllm_shadow import VllmShadow
+from actors.vllm.shadow import VllmShadow
 from weight_transfer.engines.fence import CommandFence
-from weight_transfer.engines.shadow import ShadowError
+from weight_transfer.engines.shadow.store import ShadowError
 from weight_transfer.engines.vllm import shadow as vshadow
 from weight_transfer.types import TensorSpec
 

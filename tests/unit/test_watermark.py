@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from weight_transfer.watermark import ByteWatermark
+from weight_transfer.sender.watermark import ByteWatermark
 
 
 def run(coro):

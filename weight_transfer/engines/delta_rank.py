@@ -6,9 +6,9 @@ and its version in a :class:`~weight_transfer.engines.fence.CommandFence`
 ``wt_delta_arena(slots)`` (setup, after each plan): register the delta arena once
 with the rank's first NIC (the same slots again: the same region, reused);
 ``wt_delta_apply(version)`` (finish, before the resume): apply every record in
-place (:class:`~weight_transfer.delta_apply.DeltaArena`); the result names the
+place (:class:`~weight_transfer.engines.delta.DeltaArena`); the result names the
 ranges the trainers must re-send dense. In shadow mode (``_wt_shadow`` enabled,
-a :class:`~weight_transfer.engines.shadow_rank.ShadowControl`) the records are
+a :class:`~weight_transfer.engines.shadow.rank.ShadowControl`) the records are
 applied to the shadow, staged with ``version``, before the flip; their base is the
 live version the stage copied into it.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from weight_transfer.delta_apply import DeltaApplied, DeltaArena
+from weight_transfer.engines.delta import DeltaApplied, DeltaArena
 from weight_transfer.types import RegionDesc
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Every engine keeps one :class:`CommandFence` (the reference engine one per
 rank, vLLM one per replica: the controller gives a replica's ranks the same
 epoch). The controller's pause, resume and version commands carry an epoch
-(:func:`actors.engine_control.next_epoch`); the fence ignores a command older
+(:func:`actors.controller.engine_control.next_epoch`); the fence ignores a command older
 than the newest it has seen and refuses a resume that comes after its wall
 clock deadline, so a rank that was stopped while the controller gave up on it
 does not serve again when it continues. The engine says what a command does

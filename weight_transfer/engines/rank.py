@@ -3,7 +3,7 @@ rank's actor, whatever the engine.
 
 An engine rank is one (replica, TP rank) actor. The reference engine's
 (:class:`actors.inference.InferenceMixin`) and vLLM's facade
-(:class:`actors.vllm_engine.VllmRankFacade`) implement :class:`EngineRank`
+(:class:`actors.vllm.engine.VllmRankFacade`) implement :class:`EngineRank`
 with one shared implementation underneath: :class:`~.fence.CommandFence` (epochs,
 version held, events) and :class:`~.registered.RegisteredMemory` (NICs, regions,
 connection set-up, peer copy, checksums, statistics).
@@ -90,7 +90,7 @@ class EngineRank(Protocol):
 class ShadowEngineRank(EngineRank, Protocol):
     """An engine rank that can run shadow mode (``TransferConfig.apply="shadow"``): a second
     copy of its weights that updates write while it serves, a flip at a step boundary,
-    and a rollback that is one more flip (:mod:`weight_transfer.engines.shadow`). An engine
+    and a rollback that is one more flip (:mod:`weight_transfer.engines.shadow.store`). An engine
     without these methods is refused shadow mode at setup, naming the engine.
 
     Every command is fenced by the controller's epoch like a pause (a stale one returns

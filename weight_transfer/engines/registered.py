@@ -16,7 +16,7 @@ copies, checksums and statistics over the same NICs::
 
 ``buffers`` are ``(buffer, entries)`` pairs, each entry ``(name, shape, dtype,
 byte offset)`` of one tensor inside the buffer (an
-:class:`~weight_transfer.engine_adapter.EngineAdapter`'s ``region_buffers()``);
+:class:`~weight_transfer.engines.adapter.EngineAdapter`'s ``region_buffers()``);
 buffer ``i`` is registered with NIC ``nic_names[i % len(nic_names)]``.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from weight_transfer.engine_copy import copy_jobs, regions_of
-from weight_transfer.integrity import checksum_ranges
-from weight_transfer.receipt import check_engine_meta
+from weight_transfer.integrity.checksums import checksum_ranges
+from weight_transfer.integrity.receipt import check_engine_meta
+from weight_transfer.layout.engine_copy import copy_jobs, regions_of
 from weight_transfer.transport.handshake import answer_requests, connect_peers
 from weight_transfer.types import EngineRankMeta, EngineTensorMeta, Piece, ShardSpec
 
@@ -125,8 +125,8 @@ class RegisteredMemory:
     def checksum(self, ranges: np.ndarray, buffers: Mapping[int, Any] | None = None
                  ) -> np.ndarray:
         """XXH3-64 of each (region addr, offset, length) row of ``ranges``
-        (:func:`weight_transfer.integrity.checksum_ranges`); ``buffers``: the bytes to hash
-        per registered region address instead (shadow mode: the live copy)."""
+        (:func:`~weight_transfer.integrity.checksums.checksum_ranges`); ``buffers``: the bytes
+        to hash per registered region address instead (shadow mode: the live copy)."""
         self.require()
         return checksum_ranges(self.buffers if buffers is None else buffers, ranges)
 

@@ -34,7 +34,7 @@ so callers never probe with ``getattr``:
   engine paused for an update / resumes (tcp enforces both; others ignore them);
 - ``disconnect(owner, nic=None)``: closes the connections to a peer;
 - ``is_transient(exc)``: whether a failed WRITE may succeed when tried again
-  (:mod:`weight_transfer.retry` asks it); by default an instance of
+  (:mod:`weight_transfer.sender.retry` asks it); by default an instance of
   :class:`TransientTransportError`, which each backend raises for its own
   transient faults.
 
@@ -90,7 +90,7 @@ class PeerUnreachableError(TransportError):
 
 class TransientTransportError(TransportError):
     """A fault that may clear by itself (a link that is down for now): the same WRITE may
-    succeed when retried (see :mod:`weight_transfer.retry`). Every other TransportError
+    succeed when retried (see :mod:`weight_transfer.sender.retry`). Every other TransportError
     is permanent for the write that raised it."""
 
 

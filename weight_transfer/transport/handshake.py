@@ -17,7 +17,7 @@ process does 2 and 4 on its own NICs):
 4. ``connect_peers(nics, conns[owner])``: each NIC connects to its peers;
 5. nothing else: only these small records cross the control plane.
 
-Each receiver checks what it got before using it (:mod:`weight_transfer.receipt`):
+Each receiver checks what it got before using it (:mod:`weight_transfer.integrity.receipt`):
 requests name NICs by strings, peer infos name owner, NIC and the receiving
 NIC's transport, endpoints are mappings with string keys; each NIC's
 ``check_peer(info)`` checks its backend's endpoint fields, for every connection
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weight_transfer.receipt import check_peer_info, check_str
+from weight_transfer.integrity.receipt import check_peer_info, check_str
 from weight_transfer.transport.options import TransportSpec
 from weight_transfer.transport.registry import registered_transports, transport_class
 from weight_transfer.types import PeerInfo

@@ -108,7 +108,7 @@ BACKENDS: Mapping[str, _Entry] = MappingProxyType(_REGISTRY)
 
 DEFAULT_TRANSPORT_NAME = "simnic"  # the default without RDMA hardware
 
-register_transport("simnic", "weight_transfer.transport.simnic", "SimNic")
-register_transport("rdma", "weight_transfer.transport.rdma", "RdmaTransport")
-register_transport("mooncake", "weight_transfer.transport.mooncake", "MooncakeTransport")
-register_transport("tcp", "weight_transfer.transport.tcp", "TcpTransport")
+register_transport("simnic", "weight_transfer.transport.simnic.nic", "SimNic")
+register_transport("rdma", "weight_transfer.transport.rdma.transport", "RdmaTransport")
+register_transport("mooncake", "weight_transfer.transport.mooncake.transport", "MooncakeTransport")
+register_transport("tcp", "weight_transfer.transport.tcp.transport", "TcpTransport")

@@ -7,7 +7,7 @@ tests use the loader and the trainer model as independent oracles.
 - ``engine.ReferenceEngine`` (with ``layers``, ``ops``, ``buffer``): a small TP
   decoder holding its weights in vLLM's layout inside one registrable buffer,
   with greedy generation; ``adapter.ReferenceEngineAdapter`` pauses it at a step
-  boundary for :class:`weight_transfer.engine_adapter.EngineAdapter`.
+  boundary for :class:`weight_transfer.engines.adapter.EngineAdapter`.
 - ``loader.load_engine_shard``: one engine rank's tensors (vLLM names and TP/EP
   shards, optional FP8) from a Hugging Face state dict, written the way vLLM's
   ``load_weights`` is and sharing no code with the plan's layout.

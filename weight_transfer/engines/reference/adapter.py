@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from weight_transfer.engine_adapter import TensorEntry
+from weight_transfer.engines.adapter import TensorEntry
 from weight_transfer.engines.reference.buffer import EngineBuffer
 from weight_transfer.engines.reference.engine import ReferenceEngine
 
@@ -57,7 +57,7 @@ class ReferenceEngineAdapter:
         # time.time() at the start of each of the latest generation steps (wt bench stall)
         self.step_starts: deque[float] = deque(maxlen=STEPS_KEPT)
         # meet(key, timeout_s) of a TP replica's ranks before a flip parks them (set by the
-        # actor that knows the replica's store: weight_transfer.engines.shadow_rank)
+        # actor that knows the replica's store: weight_transfer.engines.shadow.rank)
         self.rendezvous: Callable[[str, float], bool] | None = None
         engine.step_guard = self._step
 

@@ -2,7 +2,7 @@
 
 An inference rank registers its weights with a NIC once; a weight update then
 writes straight into them while the engine runs no code. So all tensors of the
-rank live in ONE buffer from :func:`weight_transfer.host_memory.alloc_buffer`
+rank live in ONE buffer from :func:`weight_transfer.sender.host_memory.alloc_buffer`
 (private, 2 MiB-aligned, huge-page advised, pre-faulted: a remote write hits no
 page fault), each a typed view at a 128-byte-aligned offset::
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.host_memory import alloc_buffer
+from weight_transfer.sender.host_memory import alloc_buffer
 from weight_transfer.types import TensorSpec
 
 TENSOR_ALIGN = 128

@@ -2,7 +2,7 @@
 
 It is what the demo and the tests transfer weights into. Its tensors have
 exactly the names, shapes and dtypes of
-:func:`weight_transfer.engine_layout.engine_tensor_specs` (fused ``qkv_proj`` and
+:func:`weight_transfer.layout.engine_layout.engine_tensor_specs` (fused ``qkv_proj`` and
 ``gate_up_proj``, stacked ``w13``/``w2`` experts, vocab-parallel embedding and
 head, optional FP8 weights with ``weight_scale_inv``), all views into one
 registrable buffer (:class:`~weight_transfer.engines.reference.buffer.EngineBuffer`).
@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-from weight_transfer.arch import architecture_names, get_architecture
-from weight_transfer.engine_layout import engine_tensor_specs
 from weight_transfer.engines.reference import layers as L
 from weight_transfer.engines.reference.buffer import EngineBuffer
 from weight_transfer.engines.reference.loader import load_engine_shard
@@ -48,11 +46,13 @@ from weight_transfer.engines.reference.ops import (
     rope_cos_sin,
     rope_theta,
 )
-from weight_transfer.models import ModelConfig
-from weight_transfer.naming import scale_name
-from weight_transfer.quant import dequantize_fp8_blocks
+from weight_transfer.layout.engine_layout import engine_tensor_specs
+from weight_transfer.layout.quant import dequantize_fp8_blocks
+from weight_transfer.model.arch import architecture_names, get_architecture
+from weight_transfer.model.models import ModelConfig
+from weight_transfer.model.naming import scale_name
+from weight_transfer.sync.versions import Generation
 from weight_transfer.types import ShardSpec
-from weight_transfer.versions import Generation
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ import torch
 import transformers
 from torch import nn
 
-from weight_transfer.arch import architecture_names, get_architecture
 from weight_transfer.engines.reference.ops import (
     activation,
     check_prompts,
@@ -41,9 +40,10 @@ from weight_transfer.engines.reference.ops import (
     rope_theta,
 )
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.live_metadata import expert_naming_of
-from weight_transfer.models import ModelConfig, trainer_param_specs
-from weight_transfer.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from weight_transfer.layout.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from weight_transfer.model.arch import architecture_names, get_architecture
+from weight_transfer.model.live_metadata import expert_naming_of
+from weight_transfer.model.models import ModelConfig, trainer_param_specs
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from weight_transfer.engines.reference.ops import (
     causal_attention,
     rms_norm,
 )
-from weight_transfer.models import ModelConfig
-from weight_transfer.shard_geometry import VOCAB_PADDING
+from weight_transfer.layout.shard_geometry import VOCAB_PADDING
+from weight_transfer.model.models import ModelConfig
 from weight_transfer.types import ShardSpec
 
 Weights = Callable[[str], torch.Tensor]

@@ -1,6 +1,6 @@
 """Reference loader: a Hugging Face state dict -> the tensors of one engine rank.
 
-This is the independent oracle for :mod:`weight_transfer.engine_layout` and, later, the
+This is the independent oracle for :mod:`weight_transfer.layout.engine_layout` and, later, the
 demo engine's loader. It is written the way vLLM's ``load_weights`` does it -
 ``narrow`` each checkpoint tensor to this rank's shard, ``torch.cat`` fused
 parts, ``torch.stack`` local experts - and shares no code with
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.fp8_geometry import FP8_BLOCK
-from weight_transfer.models import ModelConfig
-from weight_transfer.quant import quantize_fp8_blocks
+from weight_transfer.layout.fp8_geometry import FP8_BLOCK
+from weight_transfer.layout.quant import quantize_fp8_blocks
+from weight_transfer.model.models import ModelConfig
 from weight_transfer.types import ShardSpec
 
 _PAD = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE

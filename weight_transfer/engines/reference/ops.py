@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from weight_transfer.models import ModelConfig
+from weight_transfer.model.models import ModelConfig
+from weight_transfer.sync.versions import Generation, VersionRecorder
 from weight_transfer.types import ShardSpec
-from weight_transfer.versions import Generation, VersionRecorder
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_EPS = 1e-6
@@ -87,7 +87,7 @@ def greedy_loop(
     ``last_logits(ids)`` gives the logits of the last position of each row; each
     step recomputes the whole prefix and runs inside ``step_guard()`` if given.
     With ``version_of`` (the version the engine holds, read inside each step's
-    guard) the result is one :class:`~weight_transfer.versions.Generation` per
+    guard) the result is one :class:`~weight_transfer.sync.versions.Generation` per
     prompt, its spans the versions that produced its tokens.
     """
     out: list[list[int]] = [[] for _ in prompts]

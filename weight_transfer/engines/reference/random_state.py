@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from weight_transfer.models import ModelConfig, trainer_param_specs
+from weight_transfer.model.models import ModelConfig, trainer_param_specs
 
 # Guards against seeding a real model (Kimi-K2) by mistake; configs/models/bench_dense.yaml
 # (286 M, the 0.57 GB model of `wt bench designs`) is the largest meant to be seeded.

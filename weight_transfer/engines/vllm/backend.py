@@ -15,13 +15,13 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   region table belongs to the process that registered the memory;
 * ``copy_to``: write this rank's registered memory into another replica's;
 * ``checksum``: hashes of written ranges (the controller's integrity check);
-* ``stats``, ``deregister`` (fault injection, :mod:`actors.testing.hooks`), ``close``;
+* ``stats``, ``deregister`` (fault injection, :mod:`actors.tools.testkit.hooks`), ``close``;
 * shadow mode (``SetupRequest.apply="shadow"``, :mod:`.shadow`): ``discard`` (the update
   in progress ends without touching live memory), ``rollback`` (back to the version
   before the last flip), ``memory`` (the bytes each copy costs), ``live_checksum`` (the
   integrity hashes of the version served).
 * ``delta_arena`` / ``delta_apply``: sparse delta updates
-  (:class:`~weight_transfer.delta_apply.DeltaArena`): the arena registered once, and the
+  (:class:`~weight_transfer.engines.delta.DeltaArena`): the arena registered once, and the
   in-place apply of a version's records, run in the finish phase just before
   ``finish_weight_update`` reprocesses the repacked layers (a range the apply refuses is
   re-sent dense by the trainers in between, so the reprocess sees every byte).
@@ -54,14 +54,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weight_transfer.delta_apply import DeltaApplied, DeltaArena
+from weight_transfer.engines.delta import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm import channel
 from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
 from weight_transfer.engines.vllm.shadow import DirectShadow, Standby
-from weight_transfer.recording import checkpoint as ckpt
+from weight_transfer.layout.recording import checkpoint as ckpt
 from weight_transfer.types import EngineRankId, EngineRankMeta, ShardSpec
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from weight_transfer.engines.vllm.mailbox import Failure
-from weight_transfer.listen import check_listen_address
+from weight_transfer.sync.listen import check_listen_address
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from weight_transfer.engines.vllm.mailbox import Mailbox, SetupRequest
+from weight_transfer.sync.versions import Generation, from_vllm
 from weight_transfer.types import EngineRankMeta
-from weight_transfer.versions import Generation, from_vllm
 
 log = logging.getLogger(__name__)
 

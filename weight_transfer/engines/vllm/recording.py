@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.recording.fp8 import fp8_pieces
-from weight_transfer.recording.slices import copy_pieces, rect_of_chain
+from weight_transfer.layout.recording.fp8 import fp8_pieces
+from weight_transfer.layout.recording.slices import copy_pieces, rect_of_chain
 from weight_transfer.types import Piece, TensorSpec, dtype_size
 
 log = logging.getLogger(__name__)

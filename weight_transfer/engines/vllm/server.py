@@ -36,7 +36,7 @@ from typing import Any
 
 from weight_transfer.engines.vllm import BACKEND_NAME
 from weight_transfer.engines.vllm.channel import KEY_ENV
-from weight_transfer.listen import check_listen_address
+from weight_transfer.sync.listen import check_listen_address
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,26 @@
+"""The byte oracle as a vLLM worker extension, for a server (``vllm serve``) in tests and the demo.
+
+A server started with ``--worker-extension-cls
+actors.tools.testkit.vllm_oracle_ext.OracleExtension`` answers the dev route
+``POST /collective_rpc {"method": "wt_oracle_check", "args": [checkpoint]}``
+with, per worker, ``{"problems": [...], "digests": {...}}``: the same check as
+:func:`actors.tools.testkit.vllm_oracle.oracle_check` (every registered byte against vLLM's
+own ``load_weights`` of ``checkpoint``), reached by name with string arguments,
+so no callable crosses the wire (no insecure serialization).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXTENSION = "actors.tools.testkit.vllm_oracle_ext.OracleExtension"
+
+
+class OracleExtension:
+    """Mixed into vLLM's worker class by vLLM (``worker_extension_cls``)."""
+
+    def wt_oracle_check(self, checkpoint: str) -> dict[str, Any]:
+        from actors.tools.testkit.vllm_oracle import oracle_check
+
+        problems, digests = oracle_check(self, checkpoint)
+        return {"problems": problems, "digests": digests}

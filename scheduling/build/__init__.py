@@ -1,0 +1,1 @@
+"""Building a plan: match engine tensors to parameters, shard-direct pieces, assign, validate."""

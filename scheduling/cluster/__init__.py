@@ -1,0 +1,1 @@
+"""Cluster descriptions: written YAML, defaults derived from the actors, and the topology."""

@@ -1,0 +1,1 @@
+"""The discrete-event simulator of a plan: stages, gathers, deltas and the timeline."""

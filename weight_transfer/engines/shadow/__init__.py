@@ -1,0 +1,1 @@
+"""Shadow weights: a second copy of every engine tensor, staged by updates and flipped."""

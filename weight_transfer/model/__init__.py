@@ -1,0 +1,1 @@
+"""Models: configs, Hugging Face configs, name tables, one module per architecture (``arch/``)."""

@@ -1,0 +1,1 @@
+"""Observability: metrics, the Prometheus exporter, Chrome traces and timelines."""

@@ -1,0 +1,1 @@
+"""The plan as the executor runs it: checks and checked decoding of plan blobs."""

@@ -1,0 +1,125 @@
+"""The prepare stage of a rank's transfer: one bucket's parameters into the pieces it writes.
+
+:class:`~weight_transfer.sender.executor.RankTransfer` runs :func:`prepare_bucket` on its
+gather thread for each :class:`BucketWork` in turn. A gather bucket is gathered
+with one collective per sharded mesh dim (:func:`weight_transfer.sender.gather.gather_bucket`);
+a shard-direct parameter (the group's ``local``, :mod:`scheduling.build.direct`) is an
+item of its own with no collective: :func:`local_fulls` takes the rank's own block
+of it (``DTensor.to_local()``, which :func:`weight_transfer.layout.shard_blocks.local_rect`
+places in global coordinates) and the pieces are cut with their sources shifted
+into that block, so the same bytes land as from the gathered tensor. The pieces
+are written into the bucket's staging lease when it has one
+(:func:`weight_transfer.sender.prepare.prepare_pieces_into`, or ``prepare`` in its place:
+a delta run's :meth:`~weight_transfer.sender.delta.write.DeltaStage.prepare_into`, which
+makes FP8 pieces from their source's changes; with ``write_from_views`` a piece
+that already is a contiguous host slice stays a view), else allocated afresh::
+
+    work = BucketWork(layout=layout, params=[ParamWork(meta=m, tasks=list(ts))
+                                             for m, ts in layout.params])
+    prepare_bucket(work, rank=0, write_from_views=True)   # fills each ParamWork.prepared
+
+:func:`to_device` is the ``h2d`` stage's copy of a local shard to the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weight_transfer.layout.shard_blocks import shifted
+from weight_transfer.sender.gather import GatherBucket, gather_bucket
+from weight_transfer.sender.prepare import prepare_pieces, prepare_pieces_into
+from weight_transfer.sender.rank_items import BucketLayout, own_block
+from weight_transfer.sender.staging import Lease
+from weight_transfer.types import ParamMeta, WriteTask
+
+
+@dataclass(slots=True)
+class ParamWork:
+    """One parameter moving through the stages on this rank."""
+
+    meta: ParamMeta
+    tasks: list[WriteTask]
+    local: Any = None  # local shard (Tensor or DTensor)
+    prepared: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BucketWork:
+    """One gather bucket (one parameter, or several gathered at once) on this rank."""
+
+    layout: BucketLayout
+    params: list[ParamWork]
+    lease: Lease | None = None  # its pieces' range of the staging arena
+
+    @property
+    def bucket(self) -> GatherBucket:
+        return self.layout.bucket
+
+    @property
+    def tasks(self) -> list[WriteTask]:
+        return [t for p in self.params for t in p.tasks]
+
+
+Full = tuple[torch.Tensor, tuple | None]  # a tensor, and its block (None: the whole parameter)
+
+
+def local_fulls(work: BucketWork, rank: int) -> list[Full]:
+    """A shard-direct item's parameters: each the rank's own block and where it sits."""
+    return [own_block(p.meta, p.local, rank) for p in work.params]
+
+
+def gathered_fulls(work: BucketWork, record: Callable[[tuple], None] | None = None
+                   ) -> list[Full]:
+    """A gather bucket's parameters, gathered whole (``record``: each collective issued)."""
+    return [(f, None) for f in gather_bucket(work.bucket, [p.local for p in work.params],
+                                             record=record)]
+
+
+def prepare_bucket(work: BucketWork, *, rank: int, write_from_views: bool,
+                   record: Callable[[tuple], None] | None = None,
+                   prepare: Callable[..., list[torch.Tensor]] | None = None) -> BucketWork:
+    """Gather (or take the own blocks of) ``work``'s parameters and cut every piece this
+    rank writes, into the bucket's lease when it has one; drops the local shards."""
+    fulls = local_fulls(work, rank) if work.layout.local else gathered_fulls(work, record)
+    slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
+    on_cuda = False
+    for p, (full, block) in zip(work.params, fulls, strict=True):
+        p.local = None
+        mine = list(dict.fromkeys(t.piece for t in p.tasks))
+        if not mine:
+            continue
+        # a local block: the same pieces with sources relative to it
+        src = mine if block is None else [shifted(q, block) for q in mine]
+        if work.lease is not None:
+            outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
+            views = write_from_views and not full.is_cuda
+            if prepare is not None and not full.is_cuda:  # (pieces and their sources)
+                got = prepare(full, mine, src, outs, views=views)
+            else:
+                got = prepare_pieces_into(full, src, outs, views=views)
+            ready = dict(zip(mine, got, strict=True))
+        else:
+            ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
+        p.prepared = [ready[t.piece] for t in p.tasks]
+        on_cuda = on_cuda or full.is_cuda
+    if on_cuda:
+        torch.cuda.current_stream(fulls[0][0].device).synchronize()
+    return work
+
+
+def to_device(local: Any, device: torch.device) -> Any:
+    """Host-to-device copy of a local shard (pinned memory makes it asynchronous)."""
+    to_local = getattr(local, "to_local", None)
+    if to_local is None:
+        return local.to(device, non_blocking=True)
+    from torch.distributed.tensor import DTensor
+
+    shard = to_local().to(device, non_blocking=True)
+    return DTensor.from_local(
+        shard, local.device_mesh, local.placements, run_check=False,
+        shape=local.shape, stride=local.stride(),
+    )

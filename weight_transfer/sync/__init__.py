@@ -1,0 +1,1 @@
+"""Synchronisation: barriers, listening addresses and weight versions."""
