@@ -11,16 +11,10 @@ weight_transfer/ (neither of which imports Ray).
     ctl.setup()
     report = ctl.update(version=1)
 
-Public names (this package's ``__all__``, listed in docs/embedding.md): the
-controller and its config (``WeightTransferController``, ``TransferConfig``,
-``TransferSettings``, ``UpdateReport``, ``UpdateError``), the two mixins for your
-own actors (``TrainerMixin``, ``InferenceMixin``) and the ready-made actors with
-their launch helpers and settings (``TrainerActor``, ``InferenceActor``,
-``launch_trainers``, ``launch_engines``, ``DemoActorConfig``). Everything else
-lives in its module: trainer, inference, schedule_actor, controller, launch,
-reports, config, messages (what crosses Ray at setup).
-``Launched`` (actors.ready.handles) is what a launch helper returns: it owns the actors,
-engine owners and placement groups it started and closes them.
+Public names: this package's ``__all__``, listed and documented in docs/embedding.md ("The
+public API"); a test compares the two. Everything else is internal and imported from its
+module. ``Launched`` (what a launch helper returns) owns the actors, engine owners and
+placement groups it started and closes them.
 
 The package imports its submodules lazily, on first access of a public name:
 ``import actors.reports`` (plain data) does not import Ray; ``from actors import
@@ -36,19 +30,35 @@ from typing import Any
 # public name -> the submodule that defines it. Internals (the ready-made workers' classes,
 # the schedule actor, what crosses Ray at setup) are imported from their modules.
 _EXPORTS: dict[str, str] = {
-    "DemoActorConfig": "actors.config",
-    "InferenceActor": "actors.inference",
-    "InferenceMixin": "actors.inference",
-    "Launched": "actors.ready.handles",
-    "TrainerActor": "actors.trainer",
-    "TrainerMixin": "actors.trainer",
+    # the controller and its configuration
+    "WeightTransferController": "actors.controller.controller",
     "TransferConfig": "actors.config",
     "TransferSettings": "actors.config",
-    "UpdateError": "actors.controller.controller",
     "UpdateReport": "actors.reports",
-    "WeightTransferController": "actors.controller.controller",
-    "launch_engines": "actors.ready.launch",
+    "UpdateError": "actors.controller.controller",
+    "WeightTransferError": "weight_transfer.errors",
+    # your own actors
+    "TrainerMixin": "actors.trainer",
+    "InferenceMixin": "actors.inference",
+    "EngineAdapter": "weight_transfer.engines.adapter",
+    # the ready-made actors and their launch helpers
+    "TrainerActor": "actors.ready.trainer",
+    "InferenceActor": "actors.ready.inference",
     "launch_trainers": "actors.ready.launch",
+    "launch_engines": "actors.ready.launch",
+    "DemoActorConfig": "actors.config",
+    "Launched": "actors.ready.handles",
+    # vLLM: your own LLM or AsyncLLM actor, engines we launch, servers you run
+    "VllmWeightsMixin": "actors.vllm.handle",
+    "AsyncVllmWeightsMixin": "actors.vllm.handle",
+    "vllm_replicas": "actors.vllm.handle",
+    "launch_vllm_engines": "actors.vllm.engine",
+    "save_trainer_checkpoint": "actors.vllm.engine",
+    "connect_vllm_servers": "actors.vllm.served",
+    "StreamingClient": "weight_transfer.engines.vllm.stream",
+    "versions_seen": "weight_transfer.engines.vllm.stream",
+    # another engine
+    "register_engine": "actors.engine_registry",
 }
 
 __all__ = sorted(_EXPORTS)

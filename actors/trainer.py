@@ -38,22 +38,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from actors.config import DemoActorConfig, TransferConfig
 from actors.connections import this_host, trainer_owner
-from actors.groups import GroupMember, connect_store, join_gloo_group
+from actors.groups import connect_store
 from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
-from actors.ready.trainer_model import (
-    build_sharded_model,
-    gather_full_state,
-    make_optimizer,
-    train_step,
-)
+from actors.ready.trainer_model import gather_full_state
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_delta import TrainerDeltaMixin
 from actors.write_guard import WriteGuard
@@ -136,6 +131,30 @@ class TrainerMixin(TrainerDeltaMixin):
             params=tuple(param_metas_from_module(model)),
             host=self.wt_host(),
         )
+
+    def wt_save_checkpoint(self, path: str) -> bool:
+        """The attached model's current weights as a Hugging Face checkpoint in ``path``
+        (``config.json`` and ``model.safetensors``): what a vLLM engine starts from. A
+        collective: every rank calls (FSDP2 shards are gathered); rank 0 writes and returns
+        True. ValueError if the model has no Hugging Face ``.config``."""
+        model = self._wt_require_model()
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "save_pretrained"):
+            raise ValueError(
+                f"trainer rank {self._wt_rank}: the attached {type(model).__name__} has no "
+                "Hugging Face .config to save beside its weights")
+        full = gather_full_state(model)
+        if self._wt_rank != 0:
+            return False
+        from safetensors.torch import save_file  # a dependency of transformers, on use
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(out)
+        # safetensors refuses tensors that share memory (tied embeddings): one copy each.
+        save_file({k: v.contiguous().clone() for k, v in full.items()},
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        return True
 
     def wt_model_config(self) -> ModelConfig:
         """The ModelConfig of this rank's live model (its Hugging Face ``.config`` and
@@ -295,75 +314,3 @@ class TrainerMixin(TrainerDeltaMixin):
         if self._wt_nic is not None:
             self._wt_nic.close()
             self._wt_nic = self._wt_nic_key = None
-
-
-class TrainerWorker(TrainerMixin, GroupMember):
-    """The ready-made trainer rank (``TrainerActor`` is this class as a Ray actor)."""
-
-    def __init__(self, config: TransferConfig, rank: int, *,
-                 demo: DemoActorConfig = DemoActorConfig()) -> None:
-        self.config, self.rank, self.demo = config, rank, demo
-        self.world = config.cluster.trainer_world
-        if not 0 <= rank < self.world:
-            raise ValueError(f"trainer rank {rank} outside [0, {self.world})")
-        self._store = None
-        self._ref: torch.nn.Module | None = None
-
-    def init_rank(self, host: str, port: int) -> str:
-        """Join the gloo group, build and shard the model; returns this rank's node id."""
-        cfg = self.config
-        if self._store is None:
-            self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
-        join_gloo_group(self._store, rank=self.rank, world=self.world,
-                        timeout_s=cfg.setup_timeout_s)
-        seed = self.demo.seed
-        torch.manual_seed(seed + 1000 + self.rank)  # per-rank randomness stays reproducible
-        model = build_sharded_model(cfg.model, cfg.cluster, seed=seed)
-        self.optimizer = make_optimizer(model, lr=self.demo.lr)
-        self.wt_attach(model=model, rank=self.rank, world=self.world)
-        return self.node_id()
-
-    def train_step(self, tokens: Any, advantages: Any = None, prompt_len: int = 0) -> float:
-        """One AdamW step (all ranks call with the same batch; each trains on its share)."""
-        return train_step(self._wt_require_model(), self.optimizer, tokens, rank=self.rank,
-                          world=self.world, advantages=advantages, prompt_len=prompt_len)
-
-    def _reference_model(self) -> torch.nn.Module | None:
-        """Full weights in a plain model on rank 0 (a collective: every rank calls)."""
-        full = gather_full_state(self._wt_require_model())
-        if self.rank != 0:
-            return None
-        if self._ref is None:
-            from weight_transfer.engines.reference.hf_model import (
-                build_hf_model,  # transformers, on first use
-            )
-
-            self._ref = build_hf_model(self.config.model, seed=self.demo.seed)
-        self._ref.load_state_dict(full)
-        return self._ref
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The trainer's current full weights on rank 0 (for verification only)."""
-        full = gather_full_state(self._wt_require_model())
-        return full if self.rank == 0 else None
-
-    def reference_generate(self, prompts: list[list[int]], max_new_tokens: int):
-        """Greedy generations of the trainer's current weights (rank 0 answers)."""
-        from weight_transfer.engines.reference.hf_model import (
-            greedy_generate,  # transformers, on first use
-        )
-
-        ref = self._reference_model()
-        return None if ref is None else greedy_generate(ref, prompts, max_new_tokens)
-
-    def reference_logits(self, ids: Any) -> torch.Tensor | None:
-        """Float32 logits [B, T, vocab] of the trainer's current weights (rank 0 answers)."""
-        from weight_transfer.engines.reference.hf_model import (
-            float_logits,  # transformers, on first use
-        )
-
-        ref = self._reference_model()
-        return None if ref is None else float_logits(ref, torch.as_tensor(ids, dtype=torch.long))
-
-
-TrainerActor = ray.remote(TrainerWorker)

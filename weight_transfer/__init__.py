@@ -3,4 +3,4 @@
 Nothing in this package imports Ray; ``actors`` wraps it for a Ray cluster.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

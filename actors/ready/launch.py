@@ -31,14 +31,14 @@ import ray
 
 from actors.config import DemoActorConfig, TransferConfig
 from actors.controller.live_config import check_actors
-from actors.inference import InferenceActor
 from actors.placement import (
     ENGINE_NODE_RESOURCE,
     bundle_options,
     node_placement_groups,
 )
 from actors.ready.handles import Launched
-from actors.trainer import TrainerActor
+from actors.ready.inference import InferenceActor
+from actors.ready.trainer import TrainerActor
 
 log = logging.getLogger(__name__)
 

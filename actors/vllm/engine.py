@@ -394,19 +394,12 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
     return Launched(facades, owners=owners, what="vLLM engines")
 
 
-def _save_checkpoint(trainer: Any, path: str) -> bool:
-    """In every trainer rank (a collective): rank 0 saves the current weights, HF format."""
-    model = trainer._reference_model()
-    if model is None:
-        return False
-    model.save_pretrained(path)
-    return True
-
-
 def save_trainer_checkpoint(trainers: list[Any], path: Path) -> Path:
-    """The trainers' current weights as a Hugging Face checkpoint at ``path`` (rank 0 saves;
-    every rank is called, as a collective): what vLLM engines start from."""
-    saved = ray.get([t.__ray_call__.remote(_save_checkpoint, str(path)) for t in trainers])
+    """The trainers' current weights as a Hugging Face checkpoint at ``path``: what vLLM
+    engines start from. ``trainers``: every rank's actor, any actor with
+    :class:`~actors.trainer.TrainerMixin` (a collective: rank 0 writes,
+    :meth:`~actors.trainer.TrainerMixin.wt_save_checkpoint`)."""
+    saved = ray.get([t.wt_save_checkpoint.remote(str(path)) for t in trainers])
     if sum(saved) != 1:
         raise RuntimeError(f"{sum(saved)} trainer ranks saved a checkpoint, expected 1")
     return path

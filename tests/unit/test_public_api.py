@@ -21,9 +21,30 @@ def documented() -> dict[str, list[str]]:
         head = re.match(r"`(\w+)`( \(.*\))?:$", line)
         if head:
             current = out.setdefault(head.group(1), [])
-        elif current is not None and (item := re.match(r"- `(\w+)`$", line)):
+        elif current is not None and (item := re.match(r"- `(\w+)`(: \S.*)?$", line)):
             current.append(item.group(1))
     return out
+
+
+def test_every_public_name_of_actors_is_described():
+    text = DOC.read_text().split("## The public API", 1)[1].split("`scheduling`", 1)[0]
+    described = set(re.findall(r"^- `(\w+)`: \S", text, flags=re.M))
+    import actors
+
+    assert set(actors.__all__) <= described, set(actors.__all__) - described
+
+
+def test_the_doc_imports_only_the_public_api():
+    """Every import from the project in docs/embedding.md is ``from actors import ...`` (or
+    ``from scheduling import ...``) of public names: nothing internal is shown to users."""
+    bad = []
+    for m in re.finditer(r"^\s*from ((?:actors|scheduling|weight_transfer)[\w.]*) import (.+)$",
+                         DOC.read_text(), flags=re.M):
+        module, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
+        package = importlib.import_module(module) if module in ("actors", "scheduling") else None
+        if package is None or not set(names) <= set(package.__all__):
+            bad.append(m.group(0).strip())
+    assert not bad, bad
 
 
 def test_the_doc_lists_the_packages():
@@ -56,3 +77,15 @@ def test_weight_transfer_exports_nothing_but_its_version():
     public = {n for n, v in vars(weight_transfer).items()
               if not n.startswith("_") and not isinstance(v, types.ModuleType)}
     assert public == set() and weight_transfer.__version__
+
+
+def test_the_changelog_names_the_current_version():
+    import tomllib
+
+    root = DOC.parents[1]
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    import weight_transfer
+
+    assert weight_transfer.__version__ == version
+    heads = re.findall(r"^## (\d+\.\d+\.\d+)", (root / "CHANGELOG.md").read_text(), flags=re.M)
+    assert heads and heads[0] == version, f"CHANGELOG.md's newest is {heads[:1]}, not {version}"

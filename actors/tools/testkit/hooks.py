@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from actors.inference import InferenceWorker
-from actors.trainer import TrainerWorker
+from actors.ready.inference import InferenceWorker
+from actors.ready.trainer import TrainerWorker
 from actors.vllm.engine import VllmRankFacade
 from weight_transfer.delta.codec import SLOT_HEADER
 from weight_transfer.transport.base import fault_injection
