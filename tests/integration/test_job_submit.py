@@ -1,12 +1,12 @@
-"""The README's Ray job sequence, run as written, on loopback.
+"""docs/commands.md's Ray job sequence, run as written, on loopback.
 
-The fenced block of README.md that contains ``ray job submit`` is read from the
+The fenced block of docs/commands.md that contains ``ray job submit`` is read from the
 file and run line by line as a new user would, in one shell state carried from
 line to line (``source``, ``export``). Only what must differ on a shared test
 machine is substituted, never the commands themselves:
 
 - ``HOME`` is a fresh temporary directory (a machine that never ran Ray: no
-  ``~/.ray/auth_token``, so the README's ``ray get-auth-token --generate`` is
+  ``~/.ray/auth_token``, so docs/commands.md's ``ray get-auth-token --generate`` is
   what makes the token);
 - ``ray start --head`` gets ``--block``, free loopback ports and a temporary
   ``--temp-dir`` (the test owns the process, so it can stop it), and
@@ -18,7 +18,7 @@ machine is substituted, never the commands themselves:
   of other test sessions) is replaced by signalling our own ``ray start --block``.
 
 Then the cluster must refuse a client without ``RAY_AUTH_MODE=token`` (what the
-README warns about) and one with a wrong token.
+the doc warns about) and one with a wrong token.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _plain(text: str) -> str:
 
 
 def readme_job_block() -> list[str]:
-    """The command lines of README.md's fenced bash block that submits the job."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """The command lines of docs/commands.md's fenced bash block that submits the job."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "commands.md").read_text(), re.S)
     (block,) = [b for b in blocks if "ray job submit" in b]
     return [line for line in block.splitlines() if line.strip() and
             not line.lstrip().startswith("#")]
@@ -76,13 +76,13 @@ def _shell(lines: list[str], env: dict[str, str], tmp: Path) -> tuple[str, dict[
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=700)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"README lines failed ({proc.returncode}):\n{lines}\n{out[-5000:]}"
+    assert proc.returncode == 0, f"doc lines failed ({proc.returncode}):\n{lines}\n{out[-5000:]}"
     pairs = (item.split("=", 1) for item in env_file.read_text().split("\0") if "=" in item)
     return out, dict(pairs)
 
 
 def _start_head(line: str, env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, int, Path]:
-    """The README's ``ray start --head`` with --block and this test's ports and temp dir."""
+    """docs/commands.md's ``ray start --head`` with --block and this test's ports and temp dir."""
     gcs, dash, client, agent = _free_ports(4)
     argv = shlex.split(line)
     argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
@@ -120,7 +120,7 @@ def _stop(head: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def readme_run():
-    """Run the README block; yields (job output, final env, head log); stops the head."""
+    """Run the documented block; yields (job output, final env, head log); stops the head."""
     # Short: Ray's unix socket paths under the temp dir must stay within 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="wtrm", dir="/tmp"))
     (tmp / "home").mkdir()
@@ -146,7 +146,7 @@ def readme_run():
                 _stop(head)
             else:
                 pending.append(line)
-        assert head is not None and not pending, "the README block must start and stop Ray"
+        assert head is not None and not pending, "the documented block must start and stop Ray"
     finally:
         if head is not None:
             _stop(head)
@@ -158,7 +158,7 @@ def test_the_readme_block_starts_a_head_and_the_job_succeeds(readme_run):
     said = _plain(out)
     assert "Local node IP: 127.0.0.1" in _plain(head_log.read_text())
     token = Path(env["HOME"]) / ".ray" / "auth_token"
-    assert token.is_file()  # made by the README's line
+    assert token.is_file()  # made by docs/commands.md's line
     assert stat.S_IMODE(token.stat().st_mode) == 0o600  # readable by its owner only
     assert re.search(r"Job '\w+' succeeded", said), said[-5000:]
     assert "all updates verified" in said and "update 3:" in said
@@ -176,7 +176,7 @@ def _job_list(env: dict[str, str], **changes: str | None) -> subprocess.Complete
 def test_the_cluster_refuses_clients_without_the_token_mode_or_with_a_wrong_token(readme_run):
     _, env, _ = readme_run
     assert _job_list(env).returncode == 0
-    plain = _job_list(env, RAY_AUTH_MODE=None)  # what the README's export line is for
+    plain = _job_list(env, RAY_AUTH_MODE=None)  # what docs/commands.md's export line is for
     assert plain.returncode != 0
     assert "Authentication required" in _plain(plain.stdout + plain.stderr)
     wrong = _job_list(env, RAY_AUTH_TOKEN="not-the-token")  # RAY_AUTH_TOKEN wins over the file
