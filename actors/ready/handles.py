@@ -33,6 +33,24 @@ log = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 60.0
 
 
+class ReplicaRanks(list):
+    """One replica's TP-rank handles, as a :class:`Launched` of engines holds them: a plain
+    list, marked so that the controller tells one replica from a list of replicas."""
+
+
+def check_engines(engines: Any) -> None:
+    """TypeError, with the line to write instead, where ``engines`` is one replica's ranks:
+    the 0.1.0 shape ``replicas, owners = launch_vllm_engines(...)`` unpacks a Launched of two
+    replicas without an error and hands replica 0 over as if it were all of them."""
+    if isinstance(engines, ReplicaRanks):
+        raise TypeError(
+            "engines= got the rank handles of one replica, not a list of replicas. "
+            "launch_vllm_engines returns one Launched handle since 0.2.0 (it returned "
+            "(facades, owners) before): write `replicas = launch_vllm_engines(...)` and "
+            "`engines=replicas` (`replicas.owners` are the engine owners); to pass one "
+            "replica, write `engines=[replica]`. See CHANGELOG.md.")
+
+
 class Launched(Sequence):
     """See the module docstring. ``items``: what indexing and iteration give."""
 

@@ -36,7 +36,7 @@ import ray
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.controller.live_config import check_actors
-from actors.ready.handles import Launched
+from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.shadow import VllmShadow
 from weight_transfer.engines.fence import KEEP, CommandFence
 
@@ -390,7 +390,8 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
         raise
     tp = config.cluster.inference.gpus_per_replica
     rank_cls = rank_cls or VllmRank  # tests: actors.tools.testkit.hooks.FaultyVllmRank
-    facades = [[rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
+    facades = [ReplicaRanks(rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp))
+               for o in owners]
     return Launched(facades, owners=owners, what="vLLM engines")
 
 

@@ -89,3 +89,18 @@ def test_the_changelog_names_the_current_version():
     assert weight_transfer.__version__ == version
     heads = re.findall(r"^## (\d+\.\d+\.\d+)", (root / "CHANGELOG.md").read_text(), flags=re.M)
     assert heads and heads[0] == version, f"CHANGELOG.md's newest is {heads[:1]}, not {version}"
+
+
+def test_the_0_1_unpacking_of_launch_vllm_engines_fails_saying_what_to_write():
+    """0.1.0 returned ``(facades, owners)``; a Launched of two replicas unpacks into two
+    names without an error, so the controller refuses one replica given as ``engines``."""
+    from actors import Launched, TransferConfig, WeightTransferController
+    from actors.ready.handles import ReplicaRanks
+
+    launched = Launched([ReplicaRanks(["r0t0", "r0t1"]), ReplicaRanks(["r1t0", "r1t1"])],
+                        what="vLLM engines")
+    replicas, owners = launched  # the old line: no error here
+    assert list(owners) == ["r1t0", "r1t1"]  # replica 1, silently taken for the owners
+    with pytest.raises(TypeError, match=r"launch_vllm_engines returns one Launched handle.*"
+                                        r"`replicas = launch_vllm_engines\(\.\.\.\)`"):
+        WeightTransferController(trainers=["t0"], engines=replicas, config=TransferConfig())

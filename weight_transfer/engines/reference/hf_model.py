@@ -29,8 +29,14 @@ import copy
 import logging
 
 import torch
-import transformers
 from torch import nn
+
+try:
+    import transformers
+except ImportError as exc:  # the reference extra: the library itself does not need it
+    raise ImportError(
+        "the reference engine's Hugging Face model (the ready-made TrainerActor, the demo's "
+        "checks) needs transformers: pip install 'weight-transfer[reference]'") from exc
 
 from weight_transfer.engines.reference.ops import (
     activation,

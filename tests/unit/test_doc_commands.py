@@ -1,0 +1,128 @@
+"""Every ``wt`` command line the docs show names a command that exists and only options it
+takes: each one found in README.md and docs/*.md (inline code and code blocks) is resolved
+against the command line's own definition, as ``wt`` parses it.
+
+Running each documented command is the work of the modules that test that command, at its
+smallest setting (``RUN_BY`` below names them); a command with no such module fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from actors.tools.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Where each command runs as documented (at its smallest setting), or why it cannot here.
+RUN_BY = {
+    "demo": "tests/integration/test_demo.py",
+    "chaos": "tests/integration/test_faults.py",
+    "soak": "tests/integration/test_faults.py",
+    "trace": "tests/integration/test_observability.py",
+    "config check": "tests/unit/test_config_check.py",
+    "bench transport": "tests/integration/test_bench_transport.py",
+    "bench groups": "tests/integration/test_netns.py",
+    "bench pipeline": "tests/integration/test_bench_pipeline.py",
+    "bench gather": "tests/integration/test_gather_nd.py",
+    "bench staging": "tests/integration/test_bench_staging.py",
+    "bench designs": "tests/integration/test_bench_designs.py",
+    "bench delta": "tests/integration/test_bench_delta.py",
+    "bench integrity": "tests/integration/test_integrity_faults.py",
+    "bench served": "tests/integration/test_served_integrity.py",
+    "bench stall": "tests/integration/test_bench_stall_vllm.py",
+    "selftest": "tests/unit/test_rdma_selftest.py",
+    "topology": "tests/unit/test_topology.py",
+    "plan": "tests/integration/test_plan_cli.py",
+    "simulate": "tests/integration/test_plan_cli.py",
+}
+INLINE = re.compile(r"`((?:\.venv/bin/)?wt [^`]+)`")
+
+
+def documented_lines() -> list[tuple[str, str]]:
+    """(doc name, command line) for every ``wt`` command the docs show."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in INLINE.finditer(text):
+            out.append((doc.name, m.group(1)))
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+            joined = block.replace("\\\n", " ")
+            for line in joined.splitlines():
+                line = line.split("#", 1)[0].strip()
+                for part in re.split(r"&&|;|\|", line):
+                    part = part.strip()
+                    if re.match(r"(\.venv/bin/)?wt\s", part):
+                        out.append((doc.name, part))
+    return out
+
+
+def is_group(cmd: Any) -> bool:
+    return hasattr(cmd, "commands")  # typer's click (its own copy in newer typer)
+
+
+def resolve(words: list[str]) -> tuple[list[str], Any, list[str]]:
+    """(the command path, its click command, the remaining words) for ``wt words...``."""
+    cmd = typer.main.get_command(app)
+    path: list[str] = []
+    while is_group(cmd) and words and words[0] in cmd.commands:
+        path.append(words[0])
+        cmd = cmd.commands[words.pop(0)]
+    return path, cmd, words
+
+
+def options_of(cmd: Any) -> set[str]:
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+
+
+LINES = documented_lines()
+
+
+def test_the_docs_show_wt_commands():
+    assert len(LINES) > 30
+    assert {"demo", "plan", "simulate", "bench designs"} <= {
+        " ".join(resolve(shlex.split(line)[1:])[0]) for _, line in LINES}
+
+
+@pytest.mark.parametrize(("doc", "line"), LINES, ids=[f"{d}:{c[:60]}" for d, c in LINES])
+def test_a_documented_command_exists_with_its_options(doc, line):
+    words = shlex.split(line.replace("[", " ").replace("]", " ").replace("|", " "))[1:]
+    path, cmd, rest = resolve(words)
+    assert path and not is_group(cmd), (
+        f"{doc}: `{line}` names no wt command")
+    unknown = sorted({w.split("=", 1)[0] for w in rest if w.startswith("--")} - options_of(cmd))
+    assert not unknown, f"{doc}: `{line}`: wt {' '.join(path)} has no option {unknown}"
+
+
+def test_every_command_is_run_by_a_test_module():
+    top = typer.main.get_command(app)
+    commands = set()
+    for name, cmd in top.commands.items():
+        if is_group(cmd):
+            commands |= {f"{name} {sub}" for sub in cmd.commands}
+        else:
+            commands.add(name)
+    assert commands == set(RUN_BY), commands ^ set(RUN_BY)
+    missing = {c: m for c, m in RUN_BY.items() if not (ROOT / m).is_file()}
+    assert not missing, missing
+    for command, module in RUN_BY.items():
+        text = (ROOT / module).read_text()
+        words = command.split()
+        assert all(w in text for w in words), f"{module} never runs `wt {command}`"
+
+
+def test_without_the_cli_extra_wt_says_what_to_install(monkeypatch):
+    import sys
+
+    from actors.tools import cli
+
+    monkeypatch.setitem(sys.modules, "typer", None)  # import typer -> ImportError
+    with pytest.raises(SystemExit, match=r"needs the cli extra \(typer is missing\): pip "
+                                         r"install 'weight-transfer\[cli\]'"):
+        cli.entry()
