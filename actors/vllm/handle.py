@@ -61,13 +61,20 @@ OWNER_METHODS = frozenset({"engine_meta", "call", "pause", "resume", "set_versio
 def attached_owner(link: Any, replica: int, config: TransferConfig | None) -> VllmEngineOwner:
     """The vLLM owner of replica ``replica`` over ``link``; the simulated cluster's NICs when
     ``config`` has no cluster."""
-    config = config or TransferConfig()
-    if config.cluster is None:
-        from scheduling.cluster.defaults import simulated_cluster
+    return VllmEngineOwner(config_for_link(config, replica, link), replica, link=link)
 
-        config = config.replace(cluster=simulated_cluster(
-            trainer_ranks=1, replicas=replica + 1, tensor_parallel=link.tp_size))
-    return VllmEngineOwner(config, replica, link=link)
+
+def config_for_link(config: TransferConfig | None, replica: int, link: Any) -> TransferConfig:
+    """``config``, or with no cluster one with the simulated cluster's NICs for replica
+    ``replica`` at the engine's own TP (the controller derives the whole cluster from the
+    actors at setup, as for every shape without a cluster file)."""
+    config = config or TransferConfig()
+    if config.cluster is not None:
+        return config
+    from scheduling.cluster.defaults import simulated_cluster
+
+    return config.replace(cluster=simulated_cluster(
+        trainer_ranks=1, replicas=replica + 1, tensor_parallel=link.tp_size))
 
 
 def dispatch(owner: VllmEngineOwner | None, method: str, args: tuple, kwargs: dict) -> Any:

@@ -32,8 +32,9 @@ import ray
 from actors.config import TransferConfig
 from actors.connections import this_host
 from actors.controller.live_config import check_actors
-from actors.ready.handles import Launched
+from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.engine import VllmEngineOwner, VllmRank
+from actors.vllm.handle import config_for_link
 
 
 class VllmServedOwner(VllmEngineOwner):
@@ -46,7 +47,7 @@ class VllmServedOwner(VllmEngineOwner):
 
         link = HttpLink(url, key=key, reply_host=reply_host or this_host().address,
                         pause_mode=pause_mode, recompute=recompute)
-        super().__init__(config, replica, link=link)
+        super().__init__(config_for_link(config, replica, link), replica, link=link)
         self.url = url
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
@@ -75,12 +76,17 @@ VllmServed = ray.remote(max_concurrency=8)(VllmServedOwner)
 def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: str,
                          pause_mode: str = "keep", reply_host: str | None = None,
                          recompute: bool = True, trainers: Any = None) -> Launched:
-    """One replica per server URL (replica ``i`` of the cluster is ``urls[i]``): a handle of
-    the replicas' facades that owns them and the owner actors; see the module docstring.
-    ``pause_mode``: vLLM's ``abort``, ``wait`` or ``keep``."""
-    cluster = config.require("connect_vllm_servers", ("cluster",)).cluster
-    check_actors(cluster, trainers=trainers)
-    if len(urls) != cluster.inference.replicas:
+    """One replica per server URL (replica ``i`` is ``urls[i]``): a handle of the replicas'
+    facades that owns them and the owner actors; see the module docstring. ``pause_mode``:
+    vLLM's ``abort``, ``wait`` or ``keep``. With no cluster in ``config``, each replica's TP is
+    the server's own and the controller derives the cluster from the actors at setup; with
+    one, the servers are checked against it."""
+    if not urls:
+        raise ValueError("connect_vllm_servers needs at least one server URL")
+    cluster = config.cluster
+    if cluster is not None:
+        check_actors(cluster, trainers=trainers)
+    if cluster is not None and len(urls) != cluster.inference.replicas:
         from scheduling.cluster.defaults import ClusterMismatchError
 
         raise ClusterMismatchError(
@@ -96,6 +102,7 @@ def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: st
     except BaseException:
         Launched([], owners=owners, what="vLLM servers").close()
         raise
-    tp = cluster.inference.gpus_per_replica
-    facades = [[VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp)] for o in owners]
+    tps = ray.get([o.__ray_call__.remote(lambda self: self.tp) for o in owners])
+    facades = [ReplicaRanks(VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp))
+               for o, tp in zip(owners, tps, strict=True)]
     return Launched(facades, owners=owners, what="vLLM servers")

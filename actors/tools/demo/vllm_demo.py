@@ -25,7 +25,7 @@ worker extension by name instead). vLLM's own logs stay at WARNING and above
 (``VLLM_LOGGING_LEVEL``, read when a process imports vLLM: this one and the
 engines'); ``wt demo --verbose`` shows its INFO lines, and a
 ``VLLM_LOGGING_LEVEL`` set in the environment wins over both. FP8 engines with vLLM need a GPU
-(``tests/integration/test_vllm_fp8.py``); the demo refuses them on CPU.
+(``tests/integration/test_vllm_fp8_layout.py``); the demo refuses them on CPU.
 """
 
 from __future__ import annotations
