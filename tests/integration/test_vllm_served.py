@@ -125,3 +125,59 @@ def test_a_request_signed_with_another_key_is_refused(served):
         assert good.call("stats")[0]["refused_writes"] == 0
     finally:
         good.box.close()
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_no_token_carries_a_version_that_was_not_served_when_it_was_sampled(served, mode):
+    """Requests stream across two updates in each pause mode; every output token's label is
+    a version whose update had begun before the token arrived (a token is sampled before it
+    arrives): a request that sampled tokens before an update shows the old version for them.
+    ``keep`` carries requests across an update (two spans), ``wait`` finishes them first and
+    ``abort`` ends them (one span each). The controller has no cluster: it is derived."""
+    import time
+
+    from actors import (
+        StreamingClient,
+        TransferConfig,
+        WeightTransferController,
+        connect_vllm_servers,
+    )
+
+    _, trainers, server, key, _ = served
+    base = {"keep": 10, "wait": 20, "abort": 30}[mode]
+    cfg = TransferConfig(update_timeout_s=300, barrier_timeout_s=60)  # no model, no cluster
+    replicas = connect_vllm_servers(cfg, [server.url], key=key, pause_mode=mode,
+                                    reply_host="127.0.0.1")
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    began: dict[str, float] = {}
+    try:
+        ctl.setup()
+        params = {"max_tokens": 48, "temperature": 1.0}
+        with StreamingClient(server.url, PROMPTS, params, concurrency=3) as client:
+            serving = ray.get(replicas.owners[0].vllm_version.remote()) or "default"
+            client.wait_for_version(serving, timeout_s=300)  # requests are streaming now
+            for version in (base + 1, base + 2):
+                _train(trainers, version)
+                began[str(version)] = time.monotonic()
+                assert ctl.update(version).version == version
+            done = client.wait_for_version(base + 2, timeout_s=300)
+        done += client.take()
+        assert client.errors == []
+    finally:
+        ctl.shutdown()
+        replicas.close()
+    assert any(str(base + 2) in c.versions for c in done)
+    for c in done:
+        assert _spans_cover(c) and len(c.token_times) == len(c.token_ids), c
+        assert all(c.sent_at <= t for t in c.token_times)
+        for i, arrived in enumerate(c.token_times):
+            label = c.version_of(i)
+            assert label not in began or arrived >= began[label], (
+                f"token {i} arrived {began[label] - arrived:.3f} s before update {label} "
+                f"began, labelled {label}: {c.spans}")
+        numeric = [int(v) for v in c.versions if v.isdigit()]
+        assert numeric == sorted(numeric)
+        if mode != "keep":
+            assert len(c.spans) == 1, f"pause mode {mode}: a request spans {c.spans}"
+    if mode == "keep":
+        assert any(len(c.spans) > 1 for c in done), "no request was carried across an update"

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,17 +42,36 @@ class Span:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Completion:
-    """One finished choice of a streamed request."""
+    """One finished choice of a streamed request.
+
+    ``prompt``: the prompt's token ids; ``token_ids``: the output tokens; ``spans``: which
+    weight version sampled which output tokens (vLLM's ``weight_versions``: contiguous,
+    in order, covering every token; ``"default"`` for the weights the server started with);
+    ``finish_reason``: vLLM's (``"length"``, ``"stop"``, ``"abort"`` for a request aborted by
+    an update in pause mode ``abort``); ``logprobs``: of the sampled tokens, where asked for;
+    ``sent_at``: when the request was sent and ``token_times``: when each output token
+    arrived, both ``time.monotonic()`` seconds of this process (a token is sampled before it
+    arrives, so a token that arrived before an update began cannot carry its version).
+    """
 
     prompt: tuple[int, ...]
     token_ids: tuple[int, ...]
     spans: tuple[Span, ...]
     finish_reason: str | None
-    logprobs: tuple[float, ...] = ()  # of the sampled tokens, where requested
+    logprobs: tuple[float, ...] = ()
+    sent_at: float = 0.0
+    token_times: tuple[float, ...] = ()
 
     @property
     def versions(self) -> tuple[str, ...]:
         return tuple(s.version for s in self.spans)
+
+    def version_of(self, index: int) -> str:
+        """The weight version that sampled output token ``index``; IndexError outside."""
+        for span in self.spans:
+            if span.start <= index < span.end:
+                return span.version
+        raise IndexError(f"output token {index} is in no span of {self.spans}")
 
 
 def _events(resp: Any) -> Iterator[dict[str, Any]]:
@@ -74,15 +94,20 @@ def stream_generate(url: str, prompt: Sequence[int], sampling_params: dict[str, 
                                  data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     tokens: dict[int, list[int]] = {}
+    times: dict[int, list[float]] = {}
     logprobs: dict[int, list[float]] = {}
     out: list[Completion] = []
+    sent_at = time.monotonic()
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         for event in _events(resp):
+            arrived = time.monotonic()
             if "error" in event:
                 raise RuntimeError(f"{url}: {event['error']}")
             for ch in event["choices"]:
                 i = ch["index"]
-                tokens.setdefault(i, []).extend(ch.get("token_ids") or ())
+                new = ch.get("token_ids") or ()
+                tokens.setdefault(i, []).extend(new)
+                times.setdefault(i, []).extend([arrived] * len(new))
                 content = (ch.get("logprobs") or {}).get("content") or ()
                 logprobs.setdefault(i, []).extend(c["logprob"] for c in content)
                 if ch.get("finish_reason") is not None:
@@ -90,7 +115,8 @@ def stream_generate(url: str, prompt: Sequence[int], sampling_params: dict[str, 
                                   for s in ch.get("weight_versions") or ())
                     out.append(Completion(prompt=tuple(prompt), token_ids=tuple(tokens[i]),
                                           spans=spans, finish_reason=ch["finish_reason"],
-                                          logprobs=tuple(logprobs[i])))
+                                          logprobs=tuple(logprobs[i]), sent_at=sent_at,
+                                          token_times=tuple(times[i])))
     return out
 
 
@@ -147,8 +173,6 @@ class StreamingClient:
         """The completions finished since the previous take, once one sampled (in part) by
         ``version`` is among them; TimeoutError naming the versions seen otherwise (the
         completions stay taken: :attr:`last_taken`)."""
-        import time
-
         want, done = str(version), []
         deadline = time.monotonic() + timeout_s
         while True:
