@@ -9,6 +9,7 @@ through it::
     calls.progress = hook                      # hook(phase, done, total) while waiting
     metas = calls.gather(refs, ["trainer 0", "trainer 1"], phase="gather metadata")
     calls.each_engine(replicas, EngineRank.wt_pause, 10.0, epoch, names=["engine0"], phase="hold")
+    reports, errors = calls.go(trainers, 7, trace=False, until=deadline, budget_s=54.0)
 
 A late actor is a TimeoutError naming the phase and the actors; one that raised
 is a RuntimeError naming it and the remote error's first line.
@@ -24,9 +25,11 @@ from typing import Any
 
 import ray
 
+from actors.controller.audit import ProgressHook
 from actors.controller.engine_control import cause_of
-from actors.controller.telemetry import ProgressHook
+from actors.reports import RankReport, TrainerFault
 from weight_transfer.engines.rank import method_name
+from weight_transfer.errors import FaultKind
 from weight_transfer.types import EngineRankId
 
 
@@ -70,6 +73,40 @@ class ControlCalls:
                 break
             self.progress(phase, len(refs) - len(pending), len(refs))
         return pending
+
+    def go(self, trainers: Sequence[Any], version: int, *, trace: bool, until: float,
+           budget_s: float) -> tuple[dict[int, RankReport], dict[int, TrainerFault]]:
+        """"Go" to every trainer rank (``wt_update``: only the version crosses Ray, and
+        ``trace``); wait until ``until`` (``time.monotonic()``, ``budget_s`` after the
+        update began) or the first rank that raised (the others may wait for it). The
+        ranks' reports, and the faults of those that raised or did not finish."""
+        args = (version, True) if trace else (version,)
+        refs = {self.ledger.call(t.wt_update, *args): r for r, t in enumerate(trainers)}
+        pending, reports, errors = list(refs), {}, {}
+        if self.progress is not None:
+            self.progress("transfer", 0, len(refs))
+        while pending and not errors:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, until - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                try:
+                    reports[refs[ref]] = self.ledger.get(ref)
+                except ray.exceptions.RayError as err:
+                    errors[refs[ref]] = TrainerFault(rank=refs[ref], kind=FaultKind.FAILED,
+                                                     error=cause_of(err),
+                                                     cause=getattr(err, "cause", None))
+            if self.progress is not None:
+                self.progress("transfer", len(refs) - len(pending), len(refs))
+        for ref in pending:
+            errors[refs[ref]] = (
+                TrainerFault(rank=refs[ref], kind=FaultKind.ABORTED,
+                             error="did not finish: another rank failed") if errors else
+                TrainerFault(rank=refs[ref], kind=FaultKind.TIMEOUT,
+                             error=f"did not finish within {budget_s:.3g} s (update_timeout_s "
+                                   f"less the resume's share)"))
+        return reports, errors
 
     def each_engine(self, replicas: Mapping[str, Sequence[Any]], method: Any, *args: Any,
                     names: Sequence[str], phase: str, timeout: float | None = None) -> list:

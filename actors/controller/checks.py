@@ -14,6 +14,12 @@ is torn: the controller keeps it paused and reports it::
     result.message()     # replica, rank, tensor, range, expected and actual checksum
     result.as_dict()     # mode, ranges, bytes, seconds, ok, mismatches (the audit log's)
 
+An update asks each engine rank once: :func:`compare_and_hash` sends the sampled
+ranges of :func:`update_rows` and, in the same request, the ranges of the
+served-memory reference (:mod:`actors.controller.served`), and splits the answer;
+:func:`unchecked_faults` turns the ranks that did not answer into faults of their
+replicas.
+
 A torn replica is re-synced from a peer elsewhere (the controller); this
 module only finds it, and :func:`verify_copy` checks a replica filled from a
 peer (re-sync, ``add_replica``) region by region against its source::
@@ -27,20 +33,22 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 
-from actors.controller.engine_control import fault_kind_of
+from actors.controller.engine_control import RankFault, fault_kind_of
 from actors.inference import regions_of
+from weight_transfer.engines.rank import EngineRank, method_name
 from weight_transfer.errors import FaultKind
 from weight_transfer.integrity.checksums import (
     ADDR,
     ALGORITHM,
     CHECKSUM,
+    COLUMNS,
     LENGTH,
     NO_TASK,
     OFFSET,
@@ -148,6 +156,16 @@ def answers(refs: list, get: Callable[[Any], Any], timeout_s: float,
     return out
 
 
+def update_rows(policy: IntegrityPolicy, reports: Sequence[Any],
+                replicas: Collection[str]) -> dict[tuple[str, int], np.ndarray]:
+    """The ranges the trainers hashed into the ranks of ``replicas`` (``{(replica, rank):
+    uint64 [n, 5]}``, :data:`COLUMNS`); none where ``policy`` is off."""
+    if not policy.enabled:
+        return {}
+    return {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
+            .items() if k[0] in replicas and len(v)}
+
+
 def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
                   replicas: Mapping[str, Sequence[Any]],
                   metas: Mapping[str, Sequence[EngineRankMeta]],
@@ -158,12 +176,9 @@ def verify_update(*, policy: IntegrityPolicy, reports: Sequence[Any],
     with what those engine ranks hold; see the module docstring. ``pending(refs,
     timeout_s)`` returns the refs that did not answer in time (default: ``ray.wait``)."""
     start = time.perf_counter()
-    rows = {k: v for k, v in merge_ranges([s for r in reports for s in r.transfer.checksums])
-            .items() if k[0] in replicas and len(v)}
-    if not policy.enabled:
-        rows = {}
-    return compare_rows(mode=policy.mode, rows=rows, replicas=replicas, metas=metas, call=call,
-                        get=get, timeout_s=timeout_s, pending=pending, start=start)
+    return compare_rows(mode=policy.mode, rows=update_rows(policy, reports, replicas),
+                        replicas=replicas, metas=metas, call=call, get=get,
+                        timeout_s=timeout_s, pending=pending, start=start)
 
 
 def compare_rows(*, mode: str, rows: Mapping[tuple[str, int], np.ndarray],
@@ -176,27 +191,75 @@ def compare_rows(*, mode: str, rows: Mapping[tuple[str, int], np.ndarray],
     ranks, all at once, and compare with the rows' checksums (see :func:`verify_update`).
     ``checksum``: the rank method that hashes (``wt_live_checksum``: the memory a shadow-mode
     engine computes with)."""
+    return compare_and_hash(mode=mode, rows=rows, replicas=replicas, metas=metas, call=call,
+                            get=get, timeout_s=timeout_s, pending=pending, start=start,
+                            checksum=checksum)[0]
+
+
+Hashed = dict[tuple[str, int], tuple[np.ndarray | None, str]]
+
+
+def compare_and_hash(*, mode: str, rows: Mapping[tuple[str, int], np.ndarray],
+                     replicas: Mapping[str, Sequence[Any]],
+                     metas: Mapping[str, Sequence[EngineRankMeta]],
+                     call: Callable[..., Any], get: Callable[[Any], Any], timeout_s: float,
+                     pending: Callable[[list, float], list] = _ray_pending,
+                     start: float | None = None, checksum: str = "wt_checksum",
+                     also: Mapping[tuple[str, int], np.ndarray] | None = None
+                     ) -> tuple[IntegrityResult, Hashed]:
+    """:func:`compare_rows`, and in the same request to each engine rank the ranges of
+    ``also`` (rows of the same columns, e.g. the served-memory reference an update takes):
+    one request per rank for both. Returns the comparison of ``rows`` and, per key of
+    ``also``, its rows with the checksums the rank answered (or None, and why not); a
+    rank that answered nothing for its ``also`` rows alone is no mismatch."""
     start = time.perf_counter() if start is None else start
     rows = {k: v for k, v in rows.items() if len(v)}
-    if not rows:
-        return IntegrityResult(mode=mode, ranges=0, bytes=0, seconds=time.perf_counter() - start)
-    keys = sorted(rows)
-    refs = [call(getattr(replicas[rep][rank], checksum), rows[(rep, rank)][:, ADDR:CHECKSUM])
+    also = dict(also or {})
+    keys = sorted(rows.keys() | also.keys())
+    if not keys:
+        return IntegrityResult(mode=mode, ranges=0, bytes=0,
+                               seconds=time.perf_counter() - start), {}
+    empty = np.empty((0, len(COLUMNS)), dtype=np.uint64)
+    asked = {k: np.concatenate([rows.get(k, empty), also.get(k, empty)]) for k in keys}
+    refs = [call(getattr(replicas[rep][rank], checksum), asked[(rep, rank)][:, ADDR:CHECKSUM])
             for rep, rank in keys]
     found: list[Mismatch] = []
+    hashed: Hashed = {}
     for (rep, rank), (got, why, fault) in zip(keys, answers(refs, get, timeout_s, pending),
                                               strict=True):
-        want, meta = rows[(rep, rank)], _meta(metas, rep, rank)
-        if got is None or len(got) != len(want):
-            found.append(_mismatch(rep, rank, meta, want[0], None,
-                                   why or f"answered {len(got)} checksums for {len(want)}",
-                                   FaultKind.FAILED if got is not None else fault))
+        want, n = rows.get((rep, rank), empty), len(asked[(rep, rank)])
+        if got is not None and len(got) != n:
+            got, why, fault = None, f"answered {len(got)} checksums for {n}", FaultKind.FAILED
+        if (rep, rank) in also:
+            extra = None if got is None else also[(rep, rank)].copy()
+            if extra is not None:
+                extra[:, CHECKSUM] = got[len(want):]
+            hashed[(rep, rank)] = (extra, why)
+        if not len(want):
             continue
-        for i in np.flatnonzero(got != want[:, CHECKSUM]).tolist():
+        meta = _meta(metas, rep, rank)
+        if got is None:
+            found.append(_mismatch(rep, rank, meta, want[0], None, why, fault))
+            continue
+        for i in np.flatnonzero(got[:len(want)] != want[:, CHECKSUM]).tolist():
             found.append(_mismatch(rep, rank, meta, want[i], int(got[i])))
-    merged = np.concatenate([rows[k] for k in keys])
+    merged = np.concatenate([rows[k] for k in keys if k in rows] or [empty])
     return IntegrityResult(mode=mode, ranges=len(merged), bytes=int(merged[:, LENGTH].sum()),
-                           seconds=time.perf_counter() - start, mismatches=tuple(found))
+                           seconds=time.perf_counter() - start,
+                           mismatches=tuple(found)), hashed
+
+
+def unchecked_faults(check: IntegrityResult) -> dict[str, list[RankFault]]:
+    """The engine ranks that could not be checked (no answer, died, failed) as faults of
+    their replicas, so they are held like ranks that missed a pause or a resume."""
+    out: dict[str, list[RankFault]] = {}
+    for m in check.mismatches:
+        if m.actual is not None or any(f.rank == m.rank for f in out.get(m.replica, ())):
+            continue
+        out.setdefault(m.replica, []).append(RankFault(
+            replica=m.replica, rank=m.rank, kind=m.fault,
+            method=method_name(EngineRank.wt_checksum), error=m.error))
+    return out
 
 
 def _meta(metas: Mapping[str, Sequence[EngineRankMeta]], replica: str,

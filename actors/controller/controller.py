@@ -15,7 +15,7 @@
 
 Every update records metrics (:mod:`weight_transfer.observe.metrics`, backend
 ``config.metrics``); ``ctl.progress = hook`` is called ``hook(phase, done,
-total)`` while the controller waits on actors (see :mod:`actors.controller.telemetry`),
+total)`` while the controller waits on actors (see :mod:`actors.controller.audit`),
 also for the ``transfer`` phase right after every trainer got "go".
 
 ``engines`` is a list of replicas (each a list of its TP ranks' actors) or a
@@ -39,7 +39,8 @@ The controller holds its state in one :class:`~actors.controller.state.Controlle
 rank infos, the plan summary, the connector, the barrier store) and hands it
 to its parts, which receive everything they use explicitly: setup
 (:mod:`actors.controller.setup`), the update steps
-(:class:`~actors.controller.update.UpdateSteps`) and the replica operations
+(:class:`~actors.controller.update.UpdateSteps`, handed the strategy of
+``config.apply`` for each update, :mod:`actors.controller.strategies`) and the replica operations
 (:class:`~actors.controller.replicas.ReplicaOps`); waits on actors go through
 one :class:`~actors.controller.calls.ControlCalls`.
 
@@ -85,15 +86,14 @@ import ray
 
 from actors.config import TransferConfig
 from actors.connections import Connector
-from actors.controller.audit import NoAudit, open_audit, refused_counts
+from actors.controller.audit import NoAudit, ProgressHook, open_audit, refused_counts
 from actors.controller.calls import ControlCalls, ControlLedger
 from actors.controller.live_config import with_cluster
 from actors.controller.replicas import ReplicaOps, flat_actors
 from actors.controller.served import BackgroundCheck, ServedCheck, ServedWatch
 from actors.controller.setup import run_setup
-from actors.controller.shadow import rollback
 from actors.controller.state import ControllerState
-from actors.controller.telemetry import ProgressHook
+from actors.controller.strategies import rollback, strategy_for
 from actors.controller.update import UpdateOutcome, UpdateSteps, check_version
 from actors.messages import PlanSummary
 from actors.metrics_ray import actor_metrics
@@ -223,7 +223,9 @@ class WeightTransferController:
             self.state.attempted = self.state.in_flight = version
             started = time.time()
             try:
-                outcome = self._updates.run(version, trace=trace, pause=self.pause_during_update,
+                strategy = strategy_for(self.state, self.calls, self.config,
+                                        pause=self.pause_during_update)
+                outcome = self._updates.run(version, strategy, trace=trace,
                                             auto_resync=self.auto_resync,
                                             after_transfer=self.after_transfer)
             except Exception as err:  # ended before it had reports: still one audit line

@@ -127,6 +127,13 @@ def describe_faults(faults: Mapping[str, Sequence[RankFault]]) -> dict[str, str]
     return {name: "; ".join(f.describe() for f in fs) for name, fs in sorted(faults.items())}
 
 
+def merge_faults(into: dict[str, list[RankFault]], more: Mapping[str, Sequence[RankFault]]
+                 ) -> None:
+    """Add the faults of ``more`` to the table ``into``, replica by replica."""
+    for name, faults in more.items():
+        into.setdefault(name, []).extend(faults)
+
+
 def dead_replicas(faults: Mapping[str, Sequence[RankFault]]) -> list[str]:
     """Replicas with a rank whose actor died (they never come back: drop them)."""
     return sorted(name for name, fs in faults.items() if any(f.kind is FaultKind.DEAD for f in fs))

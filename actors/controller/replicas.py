@@ -34,7 +34,7 @@ import ray
 
 from actors.config import TransferConfig
 from actors.connections import copy_links, engine_endpoints
-from actors.controller.audit import AuditLog, NoAudit, ResyncAudit
+from actors.controller.audit import AuditLog, NoAudit, ResyncAudit, replica_versions
 from actors.controller.calls import ControlCalls
 from actors.controller.checks import IntegrityResult, verify_copy
 from actors.controller.engine_control import (
@@ -49,7 +49,6 @@ from actors.controller.engine_control import (
 from actors.controller.groups import fill_followers, torn_leaders
 from actors.controller.setup import group_replicas, replan, setup_shadow, shadow_bytes
 from actors.controller.state import ControllerState
-from actors.controller.telemetry import replica_versions
 from actors.inference import layout_key
 from actors.replica_groups import ReplicaGroups
 from weight_transfer.engines.rank import EngineRank, ShadowEngineRank, method_name

@@ -8,8 +8,9 @@ recorded at each update before the resume, and compares served memory with
 them::
 
     watch = ServedWatch(state, calls, config, metrics=m, audit=a, replicas=replica_ops)
-    refs = watch.reference(version, good_replicas, reports, timeout_s)  # update, paused
-    watch.commit(version, refs)                     # after the resume: replicas that serve it
+    rows = watch.reference_rows(replicas)           # update, paused: hashed with the check
+    sums = watch.reference(version, good_replicas, reports, hashed)
+    watch.commit(version, sums)                     # after the resume: replicas that serve it
     result = watch.check(mode="full", heal=True)    # ctl.check_integrity(...)
     result.bad, result.healed, result.check.message()
 
@@ -17,9 +18,9 @@ Where the checksums come from: integrity mode ``full`` hashes every WRITE at its
 sender, so the trainers' checksums of the source bytes are the reference, at no
 extra cost; in ``sample`` mode with the background check on
 (``integrity_watch_s`` > 0) every engine rank hashes its tensors in 4 MiB chunks
-while still paused, after the sampled check passed (one full hash of the
-replica per update, inside the pause); otherwise no reference is kept and a
-check names the replica ``unchecked``.
+while still paused, in the same request as the sampled check (one full hash of
+the replica per update, inside the pause; kept where the check passed);
+otherwise no reference is kept and a check names the replica ``unchecked``.
 
 A ``full`` check hashes every range of every serving replica (all ranks at
 once); a ``tick`` hashes the next ``integrity_watch_bytes`` of the rotation
@@ -53,11 +54,11 @@ import numpy as np
 from actors.config import TransferConfig
 from actors.controller.audit import AuditLog, CheckAudit, NoAudit
 from actors.controller.calls import ControlCalls
-from actors.controller.checks import IntegrityResult, answers, compare_rows
+from actors.controller.checks import Hashed, IntegrityResult, compare_and_hash, compare_rows
 from actors.controller.replicas import ReplicaOps, hold
 from actors.controller.state import ControllerState
 from weight_transfer.engines.rank import EngineRank, ShadowEngineRank, method_name
-from weight_transfer.integrity.checksums import ADDR, CHECKSUM, COLUMNS, merge_ranges
+from weight_transfer.integrity.checksums import COLUMNS, merge_ranges
 from weight_transfer.integrity.served import ServedSums, region_maps, remap, tensor_chunks
 from weight_transfer.observe.metrics import TransferMetrics
 
@@ -118,31 +119,42 @@ class ServedWatch:
         mode = self.config.integrity.mode
         return mode == "full" or (mode == "sample" and self.config.integrity_watch_s > 0)
 
+    def reference_rows(self, names: Sequence[str]) -> dict[tuple[str, int], np.ndarray]:
+        """The ranges every engine rank of ``names`` hashes for the reference, in the
+        update's one checksum request (:func:`~actors.controller.checks.compare_and_hash`):
+        its tensors in chunks where the engines' hashes are the reference, else none."""
+        if not self.keeps_reference or self.config.integrity.mode == "full":
+            return {}
+        st = self.state
+        return {(n, m.rank): tensor_chunks(m) for n in names for m in st.engine_metas[n]}
+
     def reference(self, version: int, names: Sequence[str], reports: Sequence[Any],
-                  timeout_s: float) -> dict[str, ServedSums]:
+                  hashed: Hashed | None = None, *, timeout_s: float = 0.0
+                  ) -> dict[str, ServedSums]:
         """Checksums of every byte ``names`` now hold (they are paused, their check
-        passed): the trainers' in full mode, else hashed by the engine ranks."""
+        passed): the trainers' in full mode, else the rows of :meth:`reference_rows` as the
+        engine ranks hashed them (``hashed``: their rows with checksums, or None and why;
+        None: asked of the ranks now, waiting ``timeout_s``, as ``wt bench served`` does)."""
         st = self.state
         if not names or not self.keeps_reference:
             return {}
+        if hashed is None and self.config.integrity.mode != "full":
+            hashed = compare_and_hash(
+                mode="reference", rows={}, also=self.reference_rows(names),
+                replicas=st.replicas, metas=st.engine_metas, call=self.calls.call,
+                get=self.calls.ledger.get, timeout_s=timeout_s)[1]
         if self.config.integrity.mode == "full":
             merged = merge_ranges([s for r in reports for s in r.transfer.checksums])
             empty = np.empty((0, len(COLUMNS)), dtype=np.uint64)
             out = {n: ServedSums(version=version, source="trainers", ranks=tuple(
                 merged.get((n, m.rank), empty) for m in st.engine_metas[n])) for n in names}
             return self._followers_from_leaders(out)
-        rows = {(n, m.rank): tensor_chunks(m) for n in names for m in st.engine_metas[n]}
-        keys = sorted(rows)
-        refs = [self.calls.call(st.replicas[n][r].wt_checksum, rows[(n, r)][:, ADDR:CHECKSUM])
-                for n, r in keys]
-        failed = set()
-        for (n, r), (got, why, _) in zip(keys, answers(refs, self.calls.ledger.get, timeout_s),
-                                         strict=True):
-            if got is None or len(got) != len(rows[(n, r)]):
-                log.warning("no served-memory checksums for %s/tp%d: %s", n, r, why)
-                failed.add(n)
-            else:
-                rows[(n, r)][:, CHECKSUM] = got
+        rows, failed = {}, set()
+        for key in ((n, m.rank) for n in names for m in st.engine_metas[n]):
+            rows[key], why = hashed.get(key, (None, "not hashed with the check"))
+            if rows[key] is None:
+                log.warning("no served-memory checksums for %s/tp%d: %s", *key, why)
+                failed.add(key[0])
         return {n: ServedSums(version=version, source="engine", ranks=tuple(
             rows[(n, m.rank)] for m in st.engine_metas[n])) for n in names if n not in failed}
 

@@ -16,7 +16,7 @@ import prometheus_client
 import pytest
 from test_executor import Setup
 
-from actors.controller.telemetry import failure_kinds, record_failure, record_success
+from actors.controller.audit import failure_kinds, record_failure, record_success
 from actors.reports import (
     RankReport,
     TrainerFault,

@@ -12,8 +12,9 @@ import pytest
 from actors.config import TransferConfig
 from actors.controller.engine_control import RankFault
 from actors.controller.setup import setup_shadow
-from actors.controller.shadow import apply_delta, none_flipped, rollback
 from actors.controller.state import ControllerState
+from actors.controller.strategies import none_flipped, rollback
+from actors.controller.update import apply_delta
 from scheduling.cluster.config import load_cluster_config
 from scheduling.flip import flip_seconds, shadow_need, sync_seconds
 from weight_transfer.engines.shadow.store import ShadowError

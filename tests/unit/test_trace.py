@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_executor import Setup
 
-from actors.controller.telemetry import UpdateClock, update_trace
+from actors.controller.audit import UpdateClock, update_trace
 from actors.messages import PlanSummary
 from actors.reports import rank_report_of
 from actors.tools.demo.run_config import ROOT
