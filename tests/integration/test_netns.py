@@ -9,10 +9,13 @@ namespace and no process of it is left. Drivers run in the head's namespace
 (``ip netns exec``), so every byte between trainers and engines crosses a veth:
 
 1. ``wt demo --transport tcp`` (our authenticated transport) across the sites,
-   every update verified, the weights counted on site0's link;
+   the update verified, the weights counted on site0's link;
 2. ``wt demo --transport mooncake`` is refused at setup (Mooncake TCP authenticates
    nothing), naming the option and the hosts; with ``allow_unauthenticated: true``
-   (set here on purpose) it runs across the sites, verified;
+   (set here on purpose) it runs across the sites, verified (the demos of 1 and 2 run
+   one update on the demo's smallest shape, ``configs/clusters/local_cpu_small.yaml``:
+   2 trainer ranks here, 1 replica x TP1 on site0; what crosses the hosts is their
+   subject, not the shape, which ``test_demo.py`` runs);
 3. replica groups behind links shaped with ``tc tbf``: the controllers' barrier
    store on the head's site address, every replica's bytes verified, a site's
    link carrying one copy per group instead of one per replica, the update
@@ -40,6 +43,7 @@ from actors.tools.testkit.netns import NetnsNetwork, Shaping, netns_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RATE = Shaping(rate_mbit=40)  # 5 MB/s: a 4 MB replica takes ~0.8 s over a site's link
+SMALL = str(ROOT / "configs" / "clusters" / "local_cpu_small.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,8 @@ def sites():
 
 def _demo(cluster, *args: str) -> dict:
     out = cluster.run_driver([sys.executable, "-m", "actors.tools.cli.main", "demo",
-                              "--updates", "2", "--json", "-", *args], timeout=900)
+                              "--updates", "1", "--cluster", SMALL, "--json", "-", *args],
+                             timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
 
@@ -80,7 +85,7 @@ def test_demo_over_tcp_across_namespaces_is_verified(sites):
     net, cluster = sites
     before = net.link_bytes("site0")["in"]
     doc = _demo(cluster, "--transport", "tcp")
-    assert len(doc["updates"]) == 2 and doc["verified"]
+    assert len(doc["updates"]) == 1 and doc["verified"]
     assert all(u["verified"] for u in doc["updates"])
     # The engines are on site0: every update's bytes came in over its link.
     assert net.link_bytes("site0")["in"] - before >= sum(u["bytes"] for u in doc["updates"])
@@ -89,7 +94,8 @@ def test_demo_over_tcp_across_namespaces_is_verified(sites):
 def test_demo_over_mooncake_tcp_is_refused_across_namespaces_by_default(sites):
     net, cluster = sites
     out = cluster.run_driver([sys.executable, "-m", "actors.tools.cli.main", "demo",
-                              "--updates", "1", "--transport", "mooncake"], timeout=900)
+                              "--updates", "1", "--cluster", SMALL, "--transport", "mooncake"],
+                             timeout=900)
     assert out.returncode != 0
     text = " ".join((out.stdout + out.stderr).split())  # rich wraps lines
     assert "allow_unauthenticated: true" in text and net.addr("trainers") in text, text[-3000:]
