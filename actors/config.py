@@ -17,11 +17,14 @@ may stay None: the model comes from the trainers' live model at ``setup()``
 and a simulated cluster from the actors (:mod:`actors.controller.live_config`)::
 
     ctl = WeightTransferController(trainers=trainers, engines=replicas,
-                                   config=TransferConfig()) Both are frozen,
-picklable and refuse unknown fields; a bad value is a ``ValueError`` naming
-the field (``TransferConfig.watermark_bytes: ...``), and in a run file the file
-and ``transfer``. Timeouts bound each phase the controller waits for; a phase
-that overruns raises naming the ranks that did not answer.
+                                   config=TransferConfig())
+
+Both are frozen, picklable and refuse unknown fields
+(:class:`~weight_transfer.config_files.StrictModel`); a bad value is a ``ValueError``
+naming the field (``TransferConfig.watermark_bytes: ...``, ``TransferConfig.retry.attempts:
+...``), and in a run file the file and the field's path (``transfer.watermark_bytes``).
+Timeouts bound each phase the controller waits for; a phase that overruns raises naming
+the ranks that did not answer.
 
 ``transport`` names the data plane every trainer and engine NIC uses
 (``simnic``, the default, within one host; ``mooncake``; ``rdma``) and
@@ -48,89 +51,22 @@ helpers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import pydantic
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    NonNegativeFloat,
-    PositiveFloat,
-    PositiveInt,
-    SerializeAsAny,
-    field_validator,
-    model_validator,
-)
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, SerializeAsAny, model_validator
 
 from actors.messages import RankOptions
 from scheduling.cluster.config import ClusterConfig, load_cluster_config
 from scheduling.flip import shadow_need
-from weight_transfer.integrity.checksums import IntegrityPolicy, parse_integrity
+from weight_transfer.config_files import FieldError, StrictModel
+from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.model.models import ModelConfig, load_model_config
-from weight_transfer.sender.retry import RetryPolicy, parse_retry
+from weight_transfer.sender.retry import RetryPolicy
 from weight_transfer.transport.options import TransportOptions, TransportSpec, parse_transport
 
-# Sample, not off: a NIC or driver that corrupts writes shows in the first update at a
-# tenth of full's hashing cost, and ten consecutive updates check every range once.
-DEFAULT_INTEGRITY = IntegrityPolicy(mode="sample", fraction=0.1)
-DEFAULT_RETRY = RetryPolicy()
 
-
-def _value_error(cls: type, exc: pydantic.ValidationError) -> ValueError:
-    """One ValueError naming ``cls`` and each bad field (a validator's message as it is)."""
-    parts = []
-    for e in exc.errors():
-        if e["type"] == "value_error":  # our validators' messages already name the field
-            parts.append(str(e["ctx"]["error"]))
-            continue
-        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.40})"
-        parts.append(f"{cls.__name__}.{'.'.join(map(str, e['loc']))}: {e['msg']}{got}")
-    return ValueError("; ".join(parts))
-
-
-# Set while a file's model validates these as one of its sections: pydantic then names the
-# path (``field transfer.watermark_bytes``) and our messages start with the section's name.
-_SECTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("section", default=None)
-
-
-@contextlib.contextmanager
-def as_section(name: str) -> Iterator[None]:
-    """Validate the settings inside as the section ``name`` of a file
-    (:mod:`actors.tools.demo.run_config`)."""
-    token = _SECTION.set(name)
-    try:
-        yield
-    finally:
-        _SECTION.reset(token)
-
-
-def _where(cls: type) -> str:
-    return _SECTION.get() or cls.__name__
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-
-    def __init__(self, **data: Any) -> None:
-        if _SECTION.get() is not None:  # the file's model reports the error with its path
-            super().__init__(**data)
-            return
-        try:
-            super().__init__(**data)
-        except pydantic.ValidationError as exc:
-            raise _value_error(type(self), exc) from None
-
-    def replace(self, **changes: Any) -> Any:
-        """A validated copy with ``changes`` applied (``model_copy`` would not check them)."""
-        return type(self)(**{**{k: getattr(self, k) for k in type(self).model_fields},
-                             **changes})
-
-
-class TransferSettings(_Frozen):
+class TransferSettings(StrictModel):
     """Every knob the library reads (a run file's ``transfer:`` section); see the module
     docstring."""
 
@@ -145,10 +81,10 @@ class TransferSettings(_Frozen):
     # Checked, then typed (never None); serialized as the backend's own model, not the base.
     transport_options: SerializeAsAny[TransportOptions] | None = None
     # Checksums of written ranges, compared after every update
-    # (weight_transfer.integrity.checksums).
-    integrity: IntegrityPolicy = DEFAULT_INTEGRITY
+    # (weight_transfer.integrity.checksums); a mode name or a mapping of the policy's fields.
+    integrity: IntegrityPolicy = IntegrityPolicy()
     # Transient WRITE errors (link down) retried under this policy (weight_transfer.sender.retry).
-    retry: RetryPolicy = DEFAULT_RETRY
+    retry: RetryPolicy = RetryPolicy()
     audit_path: Path | None = None  # one JSON line per update / re-sync (actors.controller.audit)
     # Background check of served memory against the last version's checksums, between
     # updates (actors.controller.served): seconds between ticks (0: off) and bytes hashed per tick.
@@ -177,52 +113,40 @@ class TransferSettings(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _typed_transport(cls, data: Any) -> Any:
+    def _typed_inputs(cls, data: Any) -> Any:
+        """The options typed by the chosen transport, the replica groups parsed (a
+        FieldError names ``transport``, ``transport_options.<name>`` or ``replica_groups``)."""
         if not isinstance(data, dict):
             return data
-        spec = parse_transport(data.get("transport", "simnic"), data.get("transport_options"),
-                               where=_where(cls))
-        return {**data, "transport_options": spec.options}
+        spec = parse_transport(data.get("transport", "simnic"), data.get("transport_options"))
+        data = {**data, "transport_options": spec.options}
+        if "replica_groups" in data:
+            from actors.replica_groups import ReplicaGroups
 
-    @field_validator("integrity", mode="before")
-    @classmethod
-    def _integrity(cls, value: Any) -> IntegrityPolicy:
-        return parse_integrity(value, where=f"{_where(cls)}.integrity")
-
-    @field_validator("replica_groups", mode="before")
-    @classmethod
-    def _replica_groups(cls, value: Any) -> tuple[tuple[str, ...], ...]:
-        from actors.replica_groups import ReplicaGroups
-
-        return ReplicaGroups.parse(value, where=f"{_where(cls)}.replica_groups").groups
-
-    @field_validator("retry", mode="before")
-    @classmethod
-    def _retry(cls, value: Any) -> RetryPolicy:
-        return parse_retry(value, where=f"{_where(cls)}.retry")
+            data["replica_groups"] = ReplicaGroups.parse(data["replica_groups"]).groups
+        return data
 
     @model_validator(mode="after")
     def _nic_cap(self) -> TransferSettings:
-        where = _where(type(self))
         if self.delta_arena_fraction > 1:
-            raise ValueError(f"{where}.delta_arena_fraction must be in (0, 1], not "
+            raise FieldError(f"delta_arena_fraction must be in (0, 1], not "
                              f"{self.delta_arena_fraction}")
         if self.nic_gbps is not None and self.transport != "simnic":
-            raise ValueError(
-                f"{where}.nic_gbps caps simulated NICs only; transport is "
+            raise FieldError(
+                f"nic_gbps caps simulated NICs only; transport is "
                 f"{self.transport!r} (every trainer and engine NIC): leave nic_gbps None")
         cap = getattr(self.transport_options, "bandwidth_gbps", None)
         if self.nic_gbps is not None and cap not in (None, self.nic_gbps):
-            raise ValueError(
-                f"{where}.nic_gbps={self.nic_gbps} and transport_options.bandwidth_gbps="
+            raise FieldError(
+                f"nic_gbps={self.nic_gbps} and transport_options.bandwidth_gbps="
                 f"{cap} disagree (the cap of every trainer and engine NIC); set one of them")
         return self
 
     @model_validator(mode="after")
     def _shadow_alone(self) -> TransferSettings:
         if self.apply == "shadow" and self.replica_groups:
-            raise ValueError(
-                f"{_where(type(self))}.apply='shadow' does not combine with replica_groups (a "
+            raise FieldError(
+                "apply='shadow' does not combine with replica_groups (a "
                 "group's followers are filled from their leader's live memory, which a shadow "
                 "update writes only at the flip): leave replica_groups empty or use in_place")
         return self
@@ -279,7 +203,7 @@ class TransferConfig(TransferSettings):
         need = shadow_need(self.model, self.cluster, fp8=self.engine_fp8)
         if not need.fits:
             src = f" ({self.cluster.source})" if self.cluster.source else ""
-            raise ValueError(f"{_where(type(self))}.apply='shadow': {need.message()}{src}; "
+            raise FieldError(f"apply='shadow': {need.message()}{src}; "
                              "use apply='in_place' or more GPUs per replica")
         return self
 
@@ -307,7 +231,7 @@ class TransferConfig(TransferSettings):
         return self.replace(cluster=self.cluster.model_copy(update={"inference": inference}))
 
 
-class DemoActorConfig(_Frozen):
+class DemoActorConfig(StrictModel):
     """The ready-made actors' own settings (not the library's): the weights seed and AdamW
     learning rate of ``TrainerActor``, and the logical CPUs of each actor ``launch_trainers``
     and ``launch_engines`` start (Ray only uses them to place actors)."""

@@ -69,14 +69,15 @@ def check_trainer_metas(metas: Sequence[object]) -> list[TrainerRankMeta]:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankOptions:
     """What a trainer rank's pipeline needs of the config, sent with its plan
-    (``TransferSettings.rank_options()``; the defaults are the settings' defaults)."""
+    (``TransferSettings.rank_options()``; the defaults are the settings' defaults, the
+    policies' those of their classes)."""
 
     barrier_timeout_s: float = 60.0
     watermark_bytes: int = 1 << 30
     transport: TransportSpec | None = None  # None: the NIC wt_endpoints opened, else simnic
     metrics: str = "auto"
-    integrity: IntegrityPolicy | None = None  # None: no checksums
-    retry: RetryPolicy | None = None  # None: RankTransfer's default policy
+    integrity: IntegrityPolicy = field(default_factory=IntegrityPolicy)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

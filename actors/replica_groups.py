@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weight_transfer.config_files import FieldError
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplicaGroups:
@@ -36,27 +38,28 @@ class ReplicaGroups:
 
     @classmethod
     def parse(cls, value: Any, *, where: str = "replica_groups") -> ReplicaGroups:
-        """From a list of lists of replica names; ValueError naming ``where`` and the entry."""
+        """From a list of lists of replica names; ValueError naming ``where`` and the entry
+        (a FieldError: inside a model's validator, the model's location goes in front)."""
         if isinstance(value, ReplicaGroups):
             return value
         if value is None:
             return cls()
         if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-            raise ValueError(f"{where}: a list of groups (lists of replica names), "
+            raise FieldError(f"{where}: a list of groups (lists of replica names), "
                              f"not {value!r:.60}")
         seen: dict[str, int] = {}
         groups = []
         for i, group in enumerate(value):
             if isinstance(group, str | bytes) or not isinstance(group, Iterable):
-                raise ValueError(f"{where}[{i}]: a list of replica names, not {group!r:.60}")
+                raise FieldError(f"{where}[{i}]: a list of replica names, not {group!r:.60}")
             names = tuple(group)
             if not names:
-                raise ValueError(f"{where}[{i}]: an empty group")
+                raise FieldError(f"{where}[{i}]: an empty group")
             for name in names:
                 if not isinstance(name, str) or not name:
-                    raise ValueError(f"{where}[{i}]: replica names are strings, not {name!r}")
+                    raise FieldError(f"{where}[{i}]: replica names are strings, not {name!r}")
                 if name in seen:
-                    raise ValueError(f"{where}: replica {name!r} is in groups {seen[name]} "
+                    raise FieldError(f"{where}: replica {name!r} is in groups {seen[name]} "
                                      f"and {i}; a replica belongs to one group")
                 seen[name] = i
             groups.append(names)

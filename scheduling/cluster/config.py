@@ -22,17 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from weight_transfer.config_files import load_yaml, validate_mapping
+from weight_transfer.config_files import StrictModel, load_yaml, validate_mapping
 from weight_transfer.types import MeshDesc, NicId, Placement, RankInfo, ShardSpec
 
 _SHARD0 = Placement(kind="shard", dim=0)
 _REPLICATE = Placement(kind="replicate")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _default_gpu_nic(gpus: int, nics: int) -> tuple[int, ...]:
@@ -50,7 +46,7 @@ def _check_gpu_nic(gpu_nic: tuple[int, ...] | None, gpus: int, nics: int) -> Non
         raise ValueError(f"gpu_nic names NICs {bad} outside [0, {nics})")
 
 
-class TrainerCluster(_Strict):
+class TrainerCluster(StrictModel):
     """Training side: ``nodes`` x ``gpus_per_node`` ranks, rank = node * gpus_per_node + gpu."""
 
     nodes: int = Field(ge=1)
@@ -89,7 +85,7 @@ class TrainerCluster(_Strict):
         return self
 
 
-class InferenceCluster(_Strict):
+class InferenceCluster(StrictModel):
     """Inference side: ``replicas`` engines of ``gpus_per_replica`` GPUs (TP x EP)."""
 
     replicas: int = Field(ge=1)
@@ -137,7 +133,7 @@ class InferenceCluster(_Strict):
         return self
 
 
-class SimConfig(_Strict):
+class SimConfig(StrictModel):
     """Knobs of the discrete-event model in :mod:`scheduling.sim.simulate`."""
 
     max_inflight: int = Field(default=8, ge=1, description="writes in flight per trainer rank")
@@ -175,7 +171,8 @@ class SimConfig(_Strict):
         default=0.0, ge=0, description="sender CPU time of one write, not overlapped with others")
     # The pipeline's items, as the executor cuts them (weight_transfer/sender/buckets.py).
     gather_mode: Literal["bucket", "param"] = Field(
-        default="bucket", description="executor gather mode: coalesced buckets or one per param")
+        default="bucket",
+        description="the executor's gather_unit: coalesced buckets or one per param")
     bucket_bytes: int = Field(
         default=64 << 20, ge=1,
         description="executor bucket_bytes (capped at a quarter of watermark_bytes, as there)")
@@ -188,7 +185,7 @@ class SimConfig(_Strict):
         description="sender CPU copy of written bytes, GB/s (simnic; None: the NIC reads memory)")
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictModel):
     """A whole cluster; see the module docstring. Build with :func:`load_cluster_config`."""
 
     name: str

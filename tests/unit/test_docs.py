@@ -35,6 +35,8 @@ CONFIG_MODELS = (
     "actors.config.TransferSettings",
     "actors.config.TransferConfig",
     "actors.config.DemoActorConfig",
+    "weight_transfer.integrity.checksums.IntegrityPolicy",
+    "weight_transfer.sender.retry.RetryPolicy",
 )
 
 

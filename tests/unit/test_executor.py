@@ -16,10 +16,12 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
+from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.model.models import load_model_config
 from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
 from weight_transfer.sender.pipeline import PipelineError
 from weight_transfer.sender.prepare import as_bytes
+from weight_transfer.sender.retry import RetryPolicy
 from weight_transfer.transport.base import RemoteAccessError
 from weight_transfer.transport.simnic.nic import SimNic
 
@@ -53,6 +55,9 @@ class Setup:
             self.writer.connect(target.peer_info("trainers"))
 
     def transfer(self, rank, **kw):
+        # These tests count bytes, writes and failures: no checksums, no retries unless given.
+        kw.setdefault("integrity", IntegrityPolicy(mode="off"))
+        kw.setdefault("retry", RetryPolicy(attempts=1))
         return RankTransfer(
             plan=self.plan.trainer_plan(rank),
             params=self.trainer_meta.params,

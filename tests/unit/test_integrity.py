@@ -2,6 +2,7 @@
 reported checksums equal the hashes of the engine memory the writes landed in."""
 
 import asyncio
+import inspect
 import math
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 import xxhash
 from test_executor import Setup
 
+from actors.config import TransferConfig, TransferSettings
+from actors.messages import RankOptions
 from weight_transfer.integrity.checksums import (
     ADDR,
     CHECKSUM,
@@ -21,8 +24,8 @@ from weight_transfer.integrity.checksums import (
     checksum,
     checksum_ranges,
     merge_ranges,
-    parse_integrity,
 )
+from weight_transfer.sender.executor import RankTransfer
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.3, 0.1, 0.01])
@@ -46,24 +49,41 @@ def test_off_selects_nothing_and_full_everything():
 
 
 @pytest.mark.parametrize("value,match", [
-    ({"mode": "sometimes"}, r"TransferConfig.integrity: integrity mode must be one of"),
-    ({"mode": "sample", "fraction": 0}, r"fraction must be a number in \(0, 1\], not 0"),
-    ({"mode": "sample", "fraction": 1.5}, r"not 1.5"),
-    ({"mode": "sample", "fraction": True}, r"not True"),
-    ({"mode": "full", "fraction": 0.5}, r"integrity.fraction applies to mode 'sample' only"),
-    ({"mode": "full", "every": 2}, r"unknown fields \['every'\]"),
-    (3, r"must be a mode name or a mapping"),
+    ({"mode": "sometimes"}, r"^TransferConfig.integrity.mode: Input should be 'off', 'sample' "
+                            r"or 'full' \(got 'sometimes'\)"),
+    ({"mode": "sample", "fraction": 0},
+     r"^TransferConfig.integrity.fraction: Input should be greater than 0 \(got 0\)"),
+    ({"mode": "sample", "fraction": 1.5},
+     r"integrity.fraction: .* less than or equal to 1 \(got 1.5\)"),
+    ({"mode": "sample", "fraction": True}, r"integrity.fraction: .*valid number \(got True\)"),
+    ({"mode": "full", "fraction": 0.5},
+     r"^TransferConfig.integrity.fraction applies to mode 'sample' only \(mode is 'full'\)"),
+    ({"mode": "full", "every": 2},
+     r"^TransferConfig.integrity.every: Extra inputs are not permitted"),
+    (3, r"^TransferConfig.integrity: Input should be a valid dictionary .* \(got 3\)"),
 ])
-def test_parse_is_strict_and_names_the_field(value, match):
+def test_a_bad_policy_is_refused_naming_the_field_and_the_value(value, match):
     with pytest.raises(ValueError, match=match):
-        parse_integrity(value, where="TransferConfig.integrity")
+        TransferConfig(integrity=value)
 
 
-def test_parse_accepts_a_mode_name_a_mapping_or_a_policy():
-    assert parse_integrity("full") == IntegrityPolicy(mode="full")
-    assert parse_integrity({"fraction": 0.25}) == IntegrityPolicy(mode="sample", fraction=0.25)
+def test_a_mode_name_a_mapping_or_a_policy_is_accepted():
+    assert TransferConfig(integrity="full").integrity == IntegrityPolicy(mode="full")
+    assert TransferConfig(integrity={"fraction": 0.25}).integrity == IntegrityPolicy(
+        mode="sample", fraction=0.25)
     p = IntegrityPolicy(mode="off")
-    assert parse_integrity(p) is p
+    assert TransferConfig(integrity=p).integrity is p
+    assert IntegrityPolicy.model_validate("full") == IntegrityPolicy(mode="full")
+    with pytest.raises(ValueError, match=r"^IntegrityPolicy.mode: Input should be"):
+        IntegrityPolicy(mode="sometimes")
+
+
+def test_one_set_of_defaults_the_policys_own():
+    default = IntegrityPolicy()
+    assert (default.mode, default.fraction) == ("sample", 0.1)
+    assert TransferSettings().integrity == RankOptions().integrity == default
+    assert TransferSettings().rank_options().integrity == default
+    assert inspect.signature(RankTransfer).parameters["integrity"].default == default
 
 
 def test_checksum_is_xxh3_of_the_bytes_for_every_source_kind():
@@ -114,7 +134,7 @@ def test_log_groups_rows_by_engine_rank_and_merges_senders():
 @pytest.mark.parametrize("mode", ["full", "sample"])
 def test_reported_checksums_match_the_engine_memory_they_landed_in(mode):
     s = Setup("tiny_llama", fp8=False)
-    policy = IntegrityPolicy(mode=mode, fraction=0.25)
+    policy = IntegrityPolicy(mode=mode, **({"fraction": 0.25} if mode == "sample" else {}))
     try:
         reports = [asyncio.run(s.transfer(r.rank, watermark_bytes=8 << 20, integrity=policy)
                                .run(version=3)) for r in s.trainer_meta.ranks]

@@ -3,14 +3,18 @@ a link that stays down reported naming NIC, peer and region, and permanent error
 never retried."""
 
 import asyncio
+import inspect
 
 import pytest
 import torch
 from test_executor import Setup
 
+from actors.config import TransferConfig, TransferSettings
+from actors.messages import RankOptions
 from weight_transfer.engines.reference.loader import load_engine_shard
+from weight_transfer.sender.executor import RankTransfer
 from weight_transfer.sender.prepare import as_bytes
-from weight_transfer.sender.retry import RetryingWriter, RetryPolicy, parse_retry
+from weight_transfer.sender.retry import RetryingWriter, RetryPolicy
 from weight_transfer.transport.base import (
     LinkDownError,
     RemoteAccessError,
@@ -28,17 +32,28 @@ def test_policy_delays_grow_and_are_capped():
 
 
 @pytest.mark.parametrize("value,match", [
-    ({"attempts": 0}, r"TransferConfig.retry: retry attempts must be an integer in \[1, 100\]"),
-    ({"attempts": 2.5}, r"not 2.5"),
-    ({"backoff_s": -1}, r"backoff_s must be a finite number >= 0"),
-    ({"backoff_factor": 0.5}, r"backoff_factor must be a finite number >= 1"),
-    ({"max_backoff_s": float("inf")}, r"max_backoff_s"),
-    ({"tries": 3}, r"unknown fields \['tries'\]"),
-    ("3", r"must be a mapping"),
+    ({"attempts": 0},
+     r"^TransferConfig.retry.attempts: Input should be greater than or equal to 1 \(got 0\)"),
+    ({"attempts": 101}, r"^TransferConfig.retry.attempts: .*less than or equal to 100"),
+    ({"attempts": 2.5}, r"retry.attempts: Input should be a valid integer \(got 2.5\)"),
+    ({"attempts": True}, r"retry.attempts: Input should be a valid integer \(got True\)"),
+    ({"backoff_s": -1}, r"retry.backoff_s: Input should be greater than or equal to 0"),
+    ({"backoff_factor": 0.5}, r"retry.backoff_factor: Input should be greater than or equal to 1"),
+    ({"max_backoff_s": float("inf")}, r"retry.max_backoff_s: Input should be a finite number"),
+    ({"tries": 3}, r"^TransferConfig.retry.tries: Extra inputs are not permitted \(got 3\)"),
+    ("3", r"^TransferConfig.retry: Input should be a valid dictionary .* \(got '3'\)"),
 ])
-def test_parse_is_strict(value, match):
+def test_a_bad_policy_is_refused_naming_the_field_and_the_value(value, match):
     with pytest.raises(ValueError, match=match):
-        parse_retry(value, where="TransferConfig.retry")
+        TransferConfig(retry=value)
+
+
+def test_one_set_of_defaults_the_policys_own():
+    default = RetryPolicy()
+    assert default.attempts == 4 and TransferConfig(retry={"attempts": 2}).retry.attempts == 2
+    assert TransferSettings().retry == RankOptions().retry == default
+    assert TransferSettings().rank_options().retry == default
+    assert inspect.signature(RankTransfer).parameters["retry"].default == default
 
 
 def test_link_down_is_transient_and_still_a_peer_unreachable_error():

@@ -112,16 +112,17 @@ def test_bad_transport_config_names_the_field(cfg, changes, field, words):
 @pytest.mark.parametrize(
     ("transfer", "field", "words"),
     [
-        ({"transport": "pigeon"}, "transfer",
+        ({"transport": "pigeon"}, "transfer.transport",
          "transfer.transport: unknown transport 'pigeon' (used by every trainer and "
          "engine NIC); known: ['mooncake', 'rdma', 'simnic', 'tcp']"),
-        ({"transport_options": {"bandwidth_gbps": "fast"}}, "transfer",
-         "transfer.transport_options.bandwidth_gbps: Input should be a valid number"),
-        ({"transport": "mooncake", "transport_options": {"bogus": 1}}, "transfer",
+        ({"transport_options": {"bandwidth_gbps": "fast"}},
+         "transfer.transport_options.bandwidth_gbps",
+         "Input should be a valid number (got 'fast')"),
+        ({"transport": "mooncake", "transport_options": {"bogus": 1}}, "transfer.transport_options",
          "transfer.transport_options: unknown option(s) ['bogus'] for transport "
          "'mooncake'"),
-        ({"transport": "rdma", "transport_options": {"port": 1.5}}, "transfer",
-         "transfer.transport_options.port: Input should be a valid integer"),
+        ({"transport": "rdma", "transport_options": {"port": 1.5}},
+         "transfer.transport_options.port", "Input should be a valid integer (got 1.5)"),
         ({"watermark_bytes": 0}, "transfer.watermark_bytes", "greater than 0"),
         ({"metric": "ray"}, "transfer.metric", "Extra inputs"),
         # The run file's names of earlier versions: an error naming the field that replaced it.
@@ -167,7 +168,7 @@ def test_the_run_yaml_chooses_the_transport_and_the_command_line_overrides_it():
     assert same.transfer.transport_spec == run.transfer.transport_spec
     sim = run.with_overrides(transport="simnic")  # another transport: its own defaults
     assert sim.transfer.transport_spec == DEFAULT_TRANSPORT
-    with pytest.raises(ValueError, match=r"<command line>.*field transfer:.*'carrier'"):
+    with pytest.raises(ValueError, match=r"<command line>.*field transfer\.transport:.*'carrier'"):
         run.with_overrides(transport="carrier")
 
 
@@ -178,7 +179,7 @@ def test_wt_demo_refuses_an_unknown_transport_before_starting_anything():
 
     result = CliRunner().invoke(app, ["demo", "--transport", "pigeon"])
     assert result.exit_code == 2
-    assert "field transfer: Value error, transfer.transport: unknown transport 'pigeon'" in (
+    assert "field transfer.transport: unknown transport 'pigeon'" in (
         " ".join(result.output.split()))
 
 

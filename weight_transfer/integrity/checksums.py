@@ -6,7 +6,7 @@ XXH3-64, :func:`checksum`); after the update each engine rank hashes the same
 ranges of its registered memory (:func:`checksum_ranges`) and the controller
 compares the two (``actors.controller.checks``)::
 
-    policy = IntegrityPolicy(mode="sample", fraction=0.1)   # or parse_integrity({...})
+    policy = IntegrityPolicy(mode="sample", fraction=0.1)   # or .model_validate("full")
     log = ChecksumLog()
     if policy.selects(task.task_id, turn):                 # sender, per WRITE (turn: run count)
         log.add(task, checksum(src_bytes))
@@ -14,7 +14,7 @@ compares the two (``actors.controller.checks``)::
     actual = checksum_ranges(buffers_by_addr, sums[0].rows[:, ADDR:CHECKSUM])  # engine side
 
 Modes: ``off`` (nothing hashed), ``full`` (every WRITE), ``sample`` (a
-``fraction`` of the WRITEs: task ``t`` is hashed in turn ``k`` when
+``fraction`` of the WRITEs, the default with 0.1: task ``t`` is hashed in turn ``k`` when
 ``(t + k) % n == 0`` with ``n = ceil(1 / fraction)``). The turn is the count
 of runs a sender made since it got its plan (0, 1, 2, ...), not the version
 number: versions 0, n, 2n, ... would revisit the same subset, while ``n``
@@ -31,36 +31,52 @@ report of 100 000 hashed WRITEs is 4 MB, not 100 000 Python objects.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import xxhash
+from pydantic import Field, model_validator
 
-MODES = ("off", "sample", "full")
+from weight_transfer.config_files import FieldError, StrictModel
+
+Mode = Literal["off", "sample", "full"]
+MODES: tuple[str, ...] = get_args(Mode)
 COLUMNS = ("task", "addr", "offset", "length", "checksum")
 TASK, ADDR, OFFSET, LENGTH, CHECKSUM = range(len(COLUMNS))
 ALGORITHM = "xxh3_64"
 NO_TASK = 2**64 - 1  # the task column of a row that is not one WRITE (an engine-side chunk)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IntegrityPolicy:
-    """Which WRITEs are hashed: ``mode`` off, sample (``fraction`` of them) or full."""
+class IntegrityPolicy(StrictModel):
+    """Which WRITEs are hashed: ``mode`` off, sample (``fraction`` of them) or full.
 
-    mode: str = "sample"
-    fraction: float = 0.1
+    These defaults are the library's (``TransferConfig.integrity``, a trainer rank's
+    ``RankOptions`` and ``RankTransfer`` take ``IntegrityPolicy()``). A mode name stands for
+    ``{mode: name}`` (``IntegrityPolicy.model_validate("full")``, ``integrity: full`` in a
+    run file); an error names the field (``TransferConfig.integrity.fraction: ...``)."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"integrity mode must be one of {list(MODES)}, not {self.mode!r}")
-        f = self.fraction
-        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
-            raise ValueError(f"integrity fraction must be a number in (0, 1], not {f!r}")
+    mode: Mode = "sample"
+    # strict: True is not a fraction, nor is "0.5"
+    fraction: float = Field(default=0.1, gt=0, le=1, strict=True)
 
-    @property
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_name(cls, value: Any) -> Any:
+        return {"mode": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fraction_for_sample(self) -> IntegrityPolicy:
+        if self.mode != "sample" and "fraction" in self.model_fields_set:
+            raise FieldError(f"fraction applies to mode 'sample' only (mode is {self.mode!r})")
+        return self
+
+    # Computed once per policy (the sender asks for every WRITE); not a field: equality,
+    # hashing and the YAML dump see mode and fraction only.
+    @functools.cached_property
     def period(self) -> int:
         """Updates over which sample mode hashes every range once (1 for full)."""
         return 1 if self.mode == "full" else math.ceil(1 / self.fraction - 1e-9)
@@ -72,36 +88,15 @@ class IntegrityPolicy:
     def selects(self, task_id: int, turn: int) -> bool:
         """Whether the WRITE of ``task_id`` is hashed in run ``turn`` (0, 1, 2, ...: the
         sender's count of runs since its plan; see the module docstring)."""
-        if self.mode == "off":
-            return False
-        return self.mode == "full" or (task_id + turn) % self.period == 0
+        mode = self.mode
+        if mode == "sample":
+            return (task_id + turn) % self.period == 0
+        return mode == "full"
 
     def describe(self) -> str:
         if self.mode == "sample":
             return f"sample {self.fraction:g} (every range once per {self.period} updates)"
         return self.mode
-
-
-def parse_integrity(value: Any, *, where: str = "integrity") -> IntegrityPolicy:
-    """An :class:`IntegrityPolicy` from a policy, a mode name or ``{mode, fraction}``;
-    ValueError naming ``where`` and the field for anything else."""
-    if isinstance(value, IntegrityPolicy):
-        return value
-    if isinstance(value, str):
-        value = {"mode": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be a mode name or a mapping with 'mode' and "
-                         f"'fraction', not {type(value).__name__}")
-    unknown = sorted(set(value) - {"mode", "fraction"})
-    if unknown:
-        raise ValueError(f"{where}: unknown fields {unknown}; known: ['fraction', 'mode']")
-    mode = value.get("mode", "sample")
-    if "fraction" in value and mode != "sample":
-        raise ValueError(f"{where}.fraction applies to mode 'sample' only (mode is {mode!r})")
-    try:
-        return IntegrityPolicy(**value)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
 
 
 def _as_buffer(data: Any) -> Any:

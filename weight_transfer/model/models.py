@@ -45,15 +45,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     PositiveInt,
     PrivateAttr,
     field_validator,
     model_validator,
 )
 
-from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.config_files import StrictModel, read_yaml, validate_mapping
 from weight_transfer.model.arch import Architecture, get_architecture
 from weight_transfer.model.arch.common import TrainerParamSpec
 from weight_transfer.model.hf_config import fields_from_hf, is_hf_config
@@ -63,7 +61,7 @@ ExpertNaming = Literal["per_expert", "stacked"]
 EXPERT_NAMINGS: tuple[str, ...] = ("per_expert", "stacked")
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(StrictModel):
     """An architecture and the ``config.json`` fields that fix names and shapes.
 
     Fields that do not change any tensor (rope, eps, routing constants) are
@@ -73,8 +71,6 @@ class ModelConfig(BaseModel):
     patterns of trainer or engine tensor names that the mapping may leave
     without a destination or a source.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     architecture: str  # a name registered in weight_transfer.model.arch
     name: str = ""

@@ -3,12 +3,14 @@
 The unit that flows through the pipeline is one *gather bucket*
 (:mod:`weight_transfer.sender.gather`), not one task, because gathering is a
 collective: every rank of a parameter's mesh must gather it, in the same
-order, whether or not it writes any of it. ``gather="bucket"`` (the default)
+order, whether or not it writes any of it. ``gather_unit="bucket"`` (the default)
 gathers runs of consecutive parameters with one mesh and one placement tuple
 of ``Shard``/``Replicate`` (FSDP2's ``(Shard(0),)``, HSDP, EP x FSDP stacked
 experts; at most ``bucket_bytes``) with one collective per sharded mesh dim,
-and every other parameter alone with ``full_tensor()``; ``gather="param"``
-gathers each parameter alone, as ``full_tensor()`` does. The
+and every other parameter alone with ``full_tensor()``; ``gather_unit="param"``
+gathers each parameter alone, as ``full_tensor()`` does. (``TransferConfig.gather``,
+``shard_direct`` or ``full``, is another choice: which parameters the plan gathers at
+all.) The
 rank's part of the plan (``weight_transfer.plan.types.TrainerPlan``: per mesh group, the
 parameters to gather in the mesh's order and the rank's write tasks) is
 replayed as it is, for each mesh group in order:
@@ -46,10 +48,11 @@ cast or quantized go through the arena. ``staging=False`` allocates every
 materialized piece afresh (the baseline of ``wt bench staging``).
 
 Every WRITE goes through a :class:`~weight_transfer.sender.retry.RetryingWriter`:
-with ``retry`` (a :class:`~weight_transfer.sender.retry.RetryPolicy`; default: no
-retry) a transient error (link down) is retried, counted in the report's
-``retries``. With ``integrity`` (an
-:class:`~weight_transfer.integrity.checksums.IntegrityPolicy`; default off) the exact
+under ``retry`` (a :class:`~weight_transfer.sender.retry.RetryPolicy`; default
+``RetryPolicy()``, 4 tries) a transient error (link down) is retried, counted in the report's
+``retries``. Under ``integrity`` (an
+:class:`~weight_transfer.integrity.checksums.IntegrityPolicy`; default ``IntegrityPolicy()``,
+a tenth of the WRITEs; ``IntegrityPolicy(mode="off")`` hashes none) the exact
 source bytes of every selected WRITE that landed are hashed; the report's
 ``checksums`` hold them per engine rank, for the controller to compare with
 what the engine holds. ``dest_bytes`` counts landed bytes per engine rank.
@@ -80,6 +83,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,22 +161,28 @@ class RankTransfer:
         on_write_error: WriteErrorHook | None = None,
         metrics: TransferMetrics | None = None,
         staging: bool = True,
-        gather: str = "bucket",
+        gather_unit: str = "bucket",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         record_collectives: bool = False,
-        integrity: IntegrityPolicy | None = None,
-        retry: RetryPolicy | None = None,
+        integrity: IntegrityPolicy = IntegrityPolicy(),
+        retry: RetryPolicy = RetryPolicy(),
+        gather: str | None = None,
     ) -> None:
+        if gather is not None:  # the 0.1.0 name (TransferConfig.gather means another thing)
+            warnings.warn("RankTransfer(gather=...) is deprecated: write "
+                          f"RankTransfer(gather_unit={gather!r})", DeprecationWarning,
+                          stacklevel=2)
+            gather_unit = gather
         self.rank = plan.rank
         self.groups = check_trainer_plan(plan, params)
         # Same on every rank of a mesh: a function of the plan and the metadata only.
         # A bucket's gather holds at most a quarter of the watermark, so that buckets
         # still overlap in the pipeline (both values are the same on every rank).
         self.bucket_bytes = max(1, min(bucket_bytes, watermark_bytes // 4))
-        self.layouts = [group_layouts(g, gather=gather, bucket_bytes=self.bucket_bytes)
+        self.layouts = [group_layouts(g, gather_unit=gather_unit, bucket_bytes=self.bucket_bytes)
                         for g in self.groups]
         self.bytes_planned = sum(lay.nbytes for group in self.layouts for lay in group)
-        self.gather = gather
+        self.gather_unit = gather_unit
         # Every collective this rank issued in the last run, in order (tests of the contract).
         self.collectives: list[tuple] | None = [] if record_collectives else None
         self.get_param = get_param
@@ -184,8 +194,8 @@ class RankTransfer:
         self.serial = serial
         self.on_write_error = on_write_error
         self.metrics = metrics
-        self.integrity = integrity or IntegrityPolicy(mode="off")
-        self.retry = retry or RetryPolicy(attempts=1)
+        self.integrity = integrity
+        self.retry = retry
         self._task_spans: list[Span] = []
         self._watermark_at = float("-inf")  # when the watermark gauge was last recorded
         self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))

@@ -9,7 +9,7 @@ staging slot of each distinct piece, its watermark reservation and its bytes.
 :func:`own_block` is the rank's block of a shard-direct parameter, placed in
 global coordinates (:func:`weight_transfer.layout.shard_blocks.local_rect`)::
 
-    layouts = group_layouts(group, gather="bucket", bucket_bytes=64 << 20)
+    layouts = group_layouts(group, gather_unit="bucket", bucket_bytes=64 << 20)
     tensor, rect = own_block(meta, dtensor, rank)   # dtensor.to_local(), its rectangle
 """
 
@@ -56,13 +56,14 @@ def bucket_layout(group: GroupWork, bucket: GatherBucket, *, local: bool = False
         nbytes=sum(t.nbytes for t in tasks), local=local)
 
 
-def group_layouts(group: GroupWork, *, gather: str, bucket_bytes: int) -> list[BucketLayout]:
+def group_layouts(group: GroupWork, *, gather_unit: str, bucket_bytes: int
+                  ) -> list[BucketLayout]:
     """A group's items in order: its shard-direct parameters one by one, then its gather
     buckets (the same on every rank of a mesh: a function of the plan and the metadata)."""
     local = [bucket_layout(group, GatherBucket(params=(m,), coalesced=False), local=True)
              for m in group.local]
-    return local + [bucket_layout(group, b)
-                    for b in plan_buckets(group.params, mode=gather, bucket_bytes=bucket_bytes)]
+    buckets = plan_buckets(group.params, mode=gather_unit, bucket_bytes=bucket_bytes)
+    return local + [bucket_layout(group, b) for b in buckets]
 
 
 def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[torch.Tensor, tuple]:

@@ -20,7 +20,7 @@ NIC ran out of tries, the rest of the run's writes into it fail at their first
 transient error (a peer that stays down costs one backoff sequence per run,
 not one per WRITE)::
 
-    policy = RetryPolicy(attempts=4, backoff_s=0.05)      # or parse_retry({...})
+    policy = RetryPolicy(attempts=4, backoff_s=0.05)      # or .model_validate({...})
     writer = RetryingWriter(nic, policy)                   # one per run
     await writer.write(src, region, offset)
     writer.retries                                         # retries this run made
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
+from pydantic import Field
+
+from weight_transfer.config_files import StrictModel
 from weight_transfer.transport.base import (
     RetriesExhaustedError,
     TransportError,
@@ -46,24 +46,19 @@ from weight_transfer.types import RegionDesc
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetryPolicy:
-    """How often and how far apart a WRITE that failed transiently is tried again."""
+class RetryPolicy(StrictModel):
+    """How often and how far apart a WRITE that failed transiently is tried again.
 
-    attempts: int = 4  # tries in all (1: never retry)
-    backoff_s: float = 0.05  # sleep before the second try
-    backoff_factor: float = 2.0  # each later sleep this much longer
-    max_backoff_s: float = 1.0  # cap of one sleep
+    These defaults are the library's (``TransferConfig.retry``, a trainer rank's
+    ``RankOptions`` and ``RankTransfer`` take ``RetryPolicy()``); an error names the field
+    (``TransferConfig.retry.attempts: ...``). Strict: ``2.5`` tries, ``True`` or ``"0.1"`` s
+    are refused, as is an infinite sleep."""
 
-    def __post_init__(self) -> None:
-        a = self.attempts
-        if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= 100:
-            raise ValueError(f"retry attempts must be an integer in [1, 100], not {a!r}")
-        for name, low in (("backoff_s", 0.0), ("backoff_factor", 1.0), ("max_backoff_s", 0.0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
-                    or v < low:
-                raise ValueError(f"retry {name} must be a finite number >= {low:g}, not {v!r}")
+    attempts: int = Field(default=4, ge=1, le=100, strict=True)  # tries in all (1: never retry)
+    backoff_s: float = Field(default=0.05, ge=0, allow_inf_nan=False, strict=True)  # 2nd try
+    # each later sleep this much longer
+    backoff_factor: float = Field(default=2.0, ge=1, allow_inf_nan=False, strict=True)
+    max_backoff_s: float = Field(default=1.0, ge=0, allow_inf_nan=False, strict=True)  # a sleep
 
     def delays(self) -> list[float]:
         """The sleeps before the 2nd, 3rd ... try."""
@@ -73,24 +68,6 @@ class RetryPolicy:
     def describe(self) -> str:
         return (f"{self.attempts} tries, backoff {self.backoff_s:g} s x{self.backoff_factor:g} "
                 f"(at most {self.max_backoff_s:g} s)")
-
-
-def parse_retry(value: Any, *, where: str = "retry") -> RetryPolicy:
-    """A :class:`RetryPolicy` from a policy or a mapping of its fields; ValueError naming
-    ``where`` and the field otherwise."""
-    if isinstance(value, RetryPolicy):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be a mapping of {[f.name for f in fields(RetryPolicy)]}, "
-                         f"not {type(value).__name__}")
-    known = {f.name for f in fields(RetryPolicy)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown fields {unknown}; known: {sorted(known)}")
-    try:
-        return RetryPolicy(**value)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
 
 
 class RetryingWriter:

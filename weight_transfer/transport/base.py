@@ -62,8 +62,9 @@ import threading
 import weakref
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from weight_transfer.config_files import StrictModel
 from weight_transfer.errors import WeightTransferError
 from weight_transfer.transport.buffers import SourceBuffer, source_buffer, target_buffer
 from weight_transfer.types import PeerInfo, RegionDesc
@@ -199,11 +200,13 @@ def check_write_range(dst: RegionDesc, dst_offset: int, nbytes: int) -> None:
 # --------------------------------------------------------------------------- the base class
 
 
-class TransportOptions(BaseModel):
-    """Base of every backend's options model: frozen, strict (``"2"`` is not a number,
-    ``1.5`` not an integer), unknown names refused."""
+class TransportOptions(StrictModel):
+    """Base of every backend's options model: frozen, unknown names refused
+    (:class:`~weight_transfer.config_files.StrictModel`), and strict about types too: an
+    option reaches a NIC's constructor as it is, so ``"2"`` is not a number and ``1.5`` not
+    an integer (YAML and Python both give typed values)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(strict=True)
 
 
 class TransportBase:

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import pydantic
 
-from weight_transfer.config_files import format_validation_error
+from weight_transfer.config_files import FieldError, format_validation_error
 from weight_transfer.transport.base import TransportOptions as BaseOptions
 from weight_transfer.transport.registry import (
     DEFAULT_TRANSPORT_NAME,
@@ -80,33 +80,39 @@ class TransportSpec:
         return make_transport(self.kind, owner=owner, nic=nic, **kwargs)
 
 
-def parse_transport(kind: Any, options: Any = None, *, where: str,
+def parse_transport(kind: Any, options: Any = None, *, where: str = "",
                     who: str = "every trainer and engine NIC") -> TransportSpec:
-    """Validate a transport name and its options; ValueError names ``where`` and the field."""
+    """Validate a transport name and its options; a ValueError (a
+    :class:`~weight_transfer.config_files.FieldError`) names ``where`` and the field
+    (``where`` "": the field alone, for a model validator that puts its location in front)."""
+
+    def at(field: str) -> str:
+        return f"{where}.{field}" if where else field
+
     if not isinstance(kind, str) or kind not in registered_transports():
-        raise ValueError(f"{where}.transport: unknown transport {kind!r} (used by {who}); "
+        raise FieldError(f"{at('transport')}: unknown transport {kind!r} (used by {who}); "
                          f"known: {list(registered_transports())}")
     model = options_model(kind)
     if isinstance(options, model):
         return TransportSpec(kind=kind, options=options)
     if isinstance(options, BaseOptions):
-        raise ValueError(f"{where}.transport_options: {type(options).__name__} given for "
+        raise FieldError(f"{at('transport_options')}: {type(options).__name__} given for "
                          f"transport {kind!r} (used by {who}); expected {model.__name__}")
     if options is None:
         options = {}
     if not isinstance(options, Mapping):
-        raise ValueError(f"{where}.transport_options: must be a mapping of option names to "
+        raise FieldError(f"{at('transport_options')}: must be a mapping of option names to "
                          f"values, not {type(options).__name__} (transport {kind!r}, used by "
                          f"{who})")
     unknown = sorted(set(map(str, options)) - set(model.model_fields))
     if unknown:
-        raise ValueError(f"{where}.transport_options: unknown option(s) {unknown} for transport "
+        raise FieldError(f"{at('transport_options')}: unknown option(s) {unknown} for transport "
                          f"{kind!r} (used by {who}); known: {sorted(model.model_fields)}")
     try:
         parsed = model.model_validate(dict(options))
     except pydantic.ValidationError as exc:
-        detail = format_validation_error(exc).replace("field ", f"{where}.transport_options.")
-        raise ValueError(f"{detail} (transport {kind!r}, used by {who}; got "
+        detail = format_validation_error(exc, prefix=f"{at('transport_options')}.")
+        raise FieldError(f"{detail} (transport {kind!r}, used by {who}; got "
                          f"{dict(options)})") from None
     return TransportSpec(kind=kind, options=parsed)
 

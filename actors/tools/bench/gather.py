@@ -40,6 +40,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.table import Table
 
+from actors.tools.bench.pipeline import NO_CHECKSUMS
 from actors.tools.cli.progress import command_console, emit_json
 from actors.tools.testkit.harness import RemoteTarget
 from scheduling import compute_plan, load_cluster_config
@@ -140,7 +141,8 @@ def _rank(rank: int, world: int, port: int, cfg_path: str, layout: str, cluster_
                 nic.connect(peer)
             transfers = {m: RankTransfer(plan=loads_trainer_plan(blob), params=metas,
                                          get_param=params.__getitem__, transport=nic,
-                                         barrier=barrier, gather=m) for m in MODES}
+                                         barrier=barrier, gather_unit=m, integrity=NO_CHECKSUMS)
+                         for m in MODES}
             while (job := conn.recv()) is not None:
                 version, mode = job
                 rep = asyncio.run(transfers[mode].run(version=version))

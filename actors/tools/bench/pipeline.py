@@ -60,6 +60,7 @@ from scheduling import compute_plan, load_cluster_config
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
+from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.model.models import load_model_config
 from weight_transfer.sender.executor import RankTransfer
 from weight_transfer.sender.gather import DEFAULT_BUCKET_BYTES
@@ -68,6 +69,10 @@ from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 from weight_transfer.transport.simnic.nic import SimNic
 
 ROOT = BASE_DIR
+
+# What the benches time is the transfer: no checksums (the library's default hashes a tenth
+# of the WRITEs; docs/performance.md measures that cost apart).
+NO_CHECKSUMS = IntegrityPolicy(mode="off")
 
 
 def expected_digests(cfg, state, engines, lengths, fp8: bool) -> list[str]:
@@ -98,7 +103,7 @@ async def run_ranks(plan, trainer_meta, state, targets, *, serial, gbps, waterma
             transfers.append(RankTransfer(
                 plan=plan.trainer_plan(r.rank), params=trainer_meta.params,
                 get_param=state.__getitem__, transport=nic, serial=serial,
-                watermark_bytes=watermark, bucket_bytes=bucket_bytes,
+                watermark_bytes=watermark, bucket_bytes=bucket_bytes, integrity=NO_CHECKSUMS,
                 barrier=StoreBarrier(store, rank=r.rank, ranks=world, key=key, timeout_s=300),
             ))
         start = time.perf_counter()

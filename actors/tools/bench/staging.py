@@ -37,7 +37,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from actors.tools.bench.pipeline import expected_digests
+from actors.tools.bench.pipeline import NO_CHECKSUMS, expected_digests
 from actors.tools.cli.sizes import parse_size
 from actors.tools.testkit.harness import start_engine_targets
 from scheduling import compute_plan, load_cluster_config
@@ -83,7 +83,7 @@ def run_mode(plan, meta, states, targets, *, staged: bool, gbps, watermark) -> t
             transfers.append(RankTransfer(
                 plan=plan.trainer_plan(r.rank), params=meta.params,
                 get_param=lambda name: current[name], transport=nic, staging=staged,
-                watermark_bytes=watermark,
+                watermark_bytes=watermark, integrity=NO_CHECKSUMS,
                 barrier=StoreBarrier(store, rank=r.rank, ranks=world, key=key, timeout_s=300)))
         setup = time.perf_counter() - start
         seconds = []

@@ -24,20 +24,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveFloat,
-    PositiveInt,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from actors.config import DemoActorConfig, TransferSettings, as_section
+from actors.config import DemoActorConfig, TransferSettings
 from actors.engine_registry import DEFAULT_ENGINE, engine_spec
 from configs import BASE_DIR
-from weight_transfer.config_files import read_yaml, validate_mapping
+from weight_transfer.config_files import StrictModel, read_yaml, validate_mapping
 
 ROOT = BASE_DIR
 
@@ -50,11 +42,7 @@ def resolve_path(path: str | Path, *, base: Path = ROOT) -> Path:
     return base / p
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TrainConfig(_Section):
+class TrainConfig(StrictModel):
     """One optimizer step on the trainers before each update (next-token loss on random tokens)."""
 
     lr: PositiveFloat = DemoActorConfig().lr
@@ -62,7 +50,7 @@ class TrainConfig(_Section):
     seq_len: PositiveInt = 32
 
 
-class VerifyConfig(_Section):
+class VerifyConfig(StrictModel):
     """How each update is checked.
 
     bf16 engines: every engine byte equals the reference layout of the trainer's
@@ -78,7 +66,7 @@ class VerifyConfig(_Section):
     fp8_logits_rel_tol: PositiveFloat = 0.1
 
 
-class RayConfig(_Section):
+class RayConfig(StrictModel):
     """Which Ray cluster: ``address`` (e.g. ``auto``) joins one; ``null`` joins
     ``RAY_ADDRESS`` when it is set and otherwise starts a local instance of ``num_cpus``."""
 
@@ -95,7 +83,7 @@ RENAMED_TRANSFER = {
 }
 
 
-class RlConfig(_Section):
+class RlConfig(StrictModel):
     """The RL loop example (scripts/rl_loop.py): REINFORCE towards a band of target tokens.
 
     The reward of a rollout is the fraction of its tokens in
@@ -126,7 +114,7 @@ class RlConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(StrictModel):
     """One launch: the model, the cluster, the engines' dtype and what to run."""
 
     name: str = "run"
@@ -144,12 +132,6 @@ class RunConfig(_Section):
     transfer: TransferSettings = TransferSettings()
     rl: RlConfig = RlConfig()
     json_path: Path | None = Field(default=None, alias="json")
-
-    @field_validator("transfer", mode="wrap")
-    @classmethod
-    def _section(cls, value: Any, handler: Any) -> TransferSettings:
-        with as_section("transfer"):  # errors name transfer.<field>
-            return handler(value)
 
     @field_validator("transfer", mode="before")
     @classmethod
