@@ -97,6 +97,7 @@ from actors.controller.strategies import rollback, strategy_for
 from actors.controller.update import UpdateOutcome, UpdateSteps, check_version
 from actors.messages import PlanSummary
 from actors.metrics_ray import actor_metrics
+from actors.ready.handles import check_engines
 from actors.reports import UpdateReport
 from weight_transfer.engines.rank import EngineRank
 from weight_transfer.errors import UpdateError
@@ -116,6 +117,7 @@ class WeightTransferController:
             raise ValueError("WeightTransferController needs at least one trainer actor")
         if not engines:
             raise ValueError("WeightTransferController needs at least one engine actor")
+        check_engines(engines)  # not the 0.1.0 unpacking of launch_vllm_engines
         config = with_cluster(config, trainers, engines)  # derived, or checked: both sides
         self.config = config
         self.pause_during_update = config.pause_during_update  # may change between updates

@@ -38,6 +38,7 @@ from actors.connections import this_host
 from actors.controller.live_config import check_actors
 from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.shadow import VllmShadow
+from actors.vllm.shm import engine_segments, remove_unmapped
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -241,12 +242,14 @@ class VllmEngineOwner:
 
     def shutdown(self) -> None:
         """Close our backend's NICs; stop vLLM's engine processes if we started them (a
-        user's engine or server keeps running)."""
+        user's engine or server keeps running), and remove the shared memory they leave."""
         try:
             self.link.close()
         finally:
             if self.owns_engine:
+                segments = engine_segments()  # while its processes still run
                 self.link.llm.llm_engine.engine_core.shutdown()
+                remove_unmapped(segments)
 
 
 class VllmRankFacade:
