@@ -277,7 +277,7 @@ def build_plan(
     copies = np.array([len(e) for e in shard_engines], dtype=np.int64)
     names, dtypes = Interner(), Interner()
     raw, tags, owner_sets, direct, fallback = direct_pieces(
-        [pieces_by_shard[s] for s in shards], tr.params, tr.param_index, gather)
+        [pieces_by_shard[s] for s in shards], tr.params, tr.param_index, gather, copies)
     pieces, pt, piece_shard, piece_owner = _split_all(
         tr, raw, tags, copies, names, dtypes,
         split or split_piece, (pieces_per_nic, min_piece_bytes, max_piece_bytes))

@@ -24,7 +24,10 @@ replica under HSDP). A *parameter* is shard-direct when all its pieces are
 covered: its ranks then write from their shards with no collective. If one
 piece is not covered, the parameter is gathered as today and all its pieces
 come from the full tensor (the collective is per parameter; cutting some of its
-pieces from the shard would save no collective and fix their sources)::
+pieces from the shard would save no collective and fix their sources). A parameter
+whose cut would have each owner make many small writes (a part per engine rank that
+holds it: a replicated router on every rank) is gathered too
+(:data:`MAX_OWNER_WRITES`, checked per parameter in :mod:`scheduling.build.direct_assign`)::
 
     cov = cover_piece(piece, meta)   # Cover(parts=((piece, owners), ...), reason="")
     cov.direct                       # False: cov.reason says why (gathered instead)
@@ -47,6 +50,14 @@ MAX_PARTS = 1024  # parts of one piece beyond which it is gathered instead (tiny
 # Below this mean size per part a cut piece is gathered instead: a write's fixed cost
 # (~2 us on RDMA, 100 KB at 50 GB/s) beats a bucketed gather's share (norms over 256 ranks).
 MIN_PART_BYTES = 16 << 10
+# A write's fixed cost in bytes (~2 us on RDMA at 50 GB/s). Writes are made once per
+# engine rank holding a part, a gather once per parameter: a parameter whose owners would
+# each make more than MAX_OWNER_WRITES writes of it averaging under WRITE_COST_BYTES
+# spend more on the writes' fixed costs than on its bytes, and is gathered instead.
+# (Kimi-K2's router, 384 x 7168 over 256 FSDP ranks: 2-row blocks of 28 KB, each written
+# to all 128 engine ranks, 128 writes per owner: 1.5 M tasks for 0.5% of the bytes.)
+WRITE_COST_BYTES = 100 << 10
+MAX_OWNER_WRITES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,22 +81,35 @@ def check_gather_mode(mode: str) -> str:
 
 def cover_piece(piece: Piece, meta: ParamMeta, *, min_part_bytes: int = MIN_PART_BYTES) -> Cover:
     """Whether (and in which parts) ranks' own blocks of ``meta`` cover ``piece``."""
-    kind = ownership(meta)
-    if kind == "replicated":
-        return Cover(((piece, tuple(meta.mesh.ranks)),))
-    if kind != "sharded":
-        return Cover((), kind)
-    got = _cover(piece.src_slice, piece.transform, piece.dst_dtype, meta.shape,
-                 meta.placements, meta.mesh, min_part_bytes)
+    got = cover_parts(piece, meta, min_part_bytes=min_part_bytes)
     if isinstance(got, str):
         return Cover((), got)
-    if len(got) == 1 and got[0][0] == piece.src_slice:
-        return Cover(((piece, got[0][3]),))
-    return Cover(tuple(
+    return Cover(cut_piece(piece, got))
+
+
+def cover_parts(piece: Piece, meta: ParamMeta, *, min_part_bytes: int = MIN_PART_BYTES):
+    """:func:`cover_piece` before any sub-piece is made: parts ``(source rect, offset in
+    the piece, bytes, owners)``, or why not. Pieces with the same source rectangle,
+    transform and parameter geometry get the same answer."""
+    kind = ownership(meta)
+    if kind == "replicated":
+        return ((piece.src_slice, 0, piece.nbytes, tuple(meta.mesh.ranks)),)
+    if kind != "sharded":
+        return kind
+    return _cover(piece.src_slice, piece.transform, piece.dst_dtype, meta.shape,
+                  meta.placements, meta.mesh, min_part_bytes)
+
+
+def cut_piece(piece: Piece, parts) -> tuple[tuple[Piece, tuple[int, ...]], ...]:
+    """``(sub-piece, owners)`` of each part from :func:`cover_parts` (the piece itself
+    when one part covers it all)."""
+    if len(parts) == 1 and parts[0][0] == piece.src_slice:
+        return ((piece, parts[0][3]),)
+    return tuple(
         (Piece(dst_tensor=piece.dst_tensor, dst_offset=piece.dst_offset + off, nbytes=n,
                dst_dtype=piece.dst_dtype, src_param=piece.src_param, src_slice=rect,
                transform=piece.transform), owners)
-        for rect, off, n, owners in got))
+        for rect, off, n, owners in parts)
 
 
 @functools.lru_cache(maxsize=1 << 16)

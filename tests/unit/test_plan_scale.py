@@ -36,3 +36,19 @@ def test_kimi_k2_plan_is_balanced_and_valid():
     assert plan.bytes_total == 8 * sum(t.nbytes for e in em[:16] for t in e.tensors)
     plan.validate()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 4 * 2**30
+
+
+@pytest.mark.slow
+def test_kimi_k2_fp8_plan_has_the_gathered_plans_tasks():
+    """FP8 shards are smaller than a 128-row block and the routers' 2-row blocks would go
+    to every engine rank in 28 KB writes: all gathered but the embedding and the output
+    head, whose parts add a few thousand tasks to the 1,278,848 of ``gather="full"``."""
+    cfg = load_model_config(ROOT / "configs/models/kimi_k2.yaml")
+    cl = load_cluster_config(ROOT / "configs/clusters/perplexity_kimi_k2.yaml")
+    plan = compute_plan(trainer_meta_from_config(cfg, cl), engine_metas_from_config(cfg, cl),
+                        cl, model=cfg)
+    assert {plan.params[i].name for i in plan.direct_params} == {
+        "model.embed_tokens.weight", "lm_head.weight"}
+    assert 1_278_848 < plan.num_tasks < 1_290_000
+    routers = [r for i, r in plan.fallback if plan.params[i].name.endswith("mlp.gate.weight")]
+    assert len(routers) == 60 and all("writes of" in r for r in routers)
