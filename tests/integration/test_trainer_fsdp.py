@@ -157,7 +157,7 @@ def test_plan_replayed_by_fsdp_ranks_lands_exactly(cluster_run, fp8, gather, pla
         for r, pipe in enumerate(pipes):
             # A small watermark: several buckets per group, and a peak to check.
             pipe.send((1, dumps_trainer_plan(plan.trainer_plan(r)), peers, {},
-                       {"gather": gather, "bucket_bytes": 256 << 10,
+                       {"gather_unit": gather, "bucket_bytes": 256 << 10,
                         "watermark_bytes": WATERMARK, "record_collectives": True}))
         reports, logs = zip(*(_recv(p) for p in pipes), strict=True)
     check_collectives(plan, trainer_meta, logs, gather)
