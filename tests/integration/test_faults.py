@@ -8,6 +8,9 @@ an engine rank killed before an update, one killed during an update (both replic
 come back through ``add_replica``), ``remove_replica``, an engine rank stopped with
 SIGSTOP during an update (then ``resync``), a revoked region (then ``setup()`` again)
 and a trainer rank killed mid-update (then new trainers, ``setup(trainers=...)``).
+Then ``wt soak`` and ``wt chaos`` run on the same actors, and last ``wt chaos --apply
+shadow`` (its faults, a stopped engine rank and a killed trainer rank, each judged as a
+transaction) through a second controller, in shadow mode, over the same actors.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.sender.prepare import as_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-UPDATE_TIMEOUT_S = 15.0
+# A stopped rank is found out when the update timeout passes: short, yet many times the
+# 0.2-0.5 s a healthy update's capped writes take.
+UPDATE_TIMEOUT_S = 10.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -309,3 +314,38 @@ def test_wt_chaos_json(env, fleet, tmp_path):
     assert code == 0
     assert chaos.run(config=CONFIGS / "runs" / "demo.yaml", faults="no-such-fault",
                      update_timeout_s=1, nic_gbps=0.01, json_path=None, fleet=fleet) == 2
+
+
+def test_wt_chaos_in_shadow_mode_tears_nothing_and_heals(env, fleet, tmp_path):
+    """``wt chaos --apply shadow``: no replica torn, every replica serving a complete
+    version it reports, a client on the spared replica never waiting longer than one flip,
+    and the next update heals (:mod:`actors.tools.demo.chaos_shadow`). The last test: it
+    replaces the trainers."""
+    from actors.tools.demo import chaos
+    from actors.tools.demo.fleet import Fleet
+
+    ctl = env["ctl"]
+    # the in-place chaos run counted its own versions; every replica holds its last one
+    env["version"] = max(v for v in ctl.weights_version().values() if v is not None)
+    ctl.shutdown()
+    cfg = env["cfg"].replace(apply="shadow")
+    shadow = WeightTransferController(trainers=list(ctl.trainers), config=cfg,
+                                      engines=[ctl.replicas[n] for n in sorted(ctl.replicas)])
+    try:
+        shadow.setup()
+        shadow.update(next_version(env))  # chaos goes on from the version the replicas hold
+        active = Fleet(run=fleet.run, config=cfg, trainers=list(shadow.trainers),
+                       replicas=dict(shadow.replicas), controller=shadow, setup_seconds=0.0)
+        out = tmp_path / "chaos.json"
+        rc = chaos.run(config=CONFIGS / "runs" / "demo.yaml",
+                       faults="engine-stopped-during,trainer-killed-during",
+                       update_timeout_s=UPDATE_TIMEOUT_S, nic_gbps=0.01, json_path=out,
+                       fleet=active, apply="shadow")
+    finally:
+        shadow.shutdown()
+    rows = json.loads(out.read_text())
+    assert [r["fault"] for r in rows] == ["engine-stopped-during", "trainer-killed-during"]
+    for r in rows:
+        assert r["ok"] and r["healed"] and r["torn"] == [], r
+        assert "longest wait" in r["outcome"] and "kept" in r["outcome"], r
+    assert rc == 0
