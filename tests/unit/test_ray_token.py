@@ -1,4 +1,5 @@
-"""Ray's token stays readable by its owner only: the launch helper and the README."""
+"""Ray's token stays readable by its owner only: the launch helper and docs/commands.md's
+Ray job lines."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_joining_a_cluster_makes_no_token(home):
 
 
 def _readme_token_lines() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "commands.md").read_text(), re.S)
     (block,) = [b for b in blocks if "ray job submit" in b]
     return [line for line in block.splitlines()
             if "auth_token" in line or line.startswith("export RAY_AUTH_MODE")]
