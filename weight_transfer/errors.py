@@ -119,11 +119,12 @@ class UpdateError(WeightTransferError, RuntimeError):
                  torn: Sequence[str], replicas: Mapping[str, str] | None = None,
                  lost: Sequence[str] = (), resynced: Sequence[str] = (),
                  rank_kinds: Mapping[int, FaultKind] | None = None,
-                 replica_kinds: Mapping[str, tuple[FaultKind, ...]] | None = None) -> None:
+                 replica_kinds: Mapping[str, tuple[FaultKind, ...]] | None = None,
+                 kept: Mapping[str, int | None] | None = None) -> None:
         super().__init__(message)
         self.version, self.ranks, self.torn = version, dict(ranks), list(torn)
         self.replicas = dict(replicas or {})
         self.lost, self.resynced = list(lost), list(resynced)
         self.rank_kinds = dict(rank_kinds or {})
         self.replica_kinds = dict(replica_kinds or {})
-        self.kept: dict[str, int | None] = {}
+        self.kept: dict[str, int | None] = dict(kept or {})

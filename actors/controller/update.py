@@ -390,8 +390,6 @@ def update_error(version: int, reports: Mapping[int, RankReport],
     replica_kinds = {n: tuple(f.kind for f in fs) for n, fs in sorted(faults.items())}
     for name in check.torn if check is not None else ():
         replica_kinds.setdefault(name, (FaultKind.INTEGRITY,))
-    err = UpdateError(msg, version=version, ranks=problems, torn=torn, replicas=replicas,
-                      lost=lost, resynced=resynced, rank_kinds=kinds,
-                      replica_kinds=replica_kinds)
-    err.kept = dict(kept)  # UpdateError takes no kept= yet (weight_transfer.errors)
-    return err
+    return UpdateError(msg, version=version, ranks=problems, torn=torn, replicas=replicas,
+                       lost=lost, resynced=resynced, rank_kinds=kinds,
+                       replica_kinds=replica_kinds, kept=kept)
