@@ -96,3 +96,13 @@ def test_wt_demo_and_launch_refuse_bad_input_before_starting_anything(tmp_path):
     launcher.command()(launch.main)
     result = runner.invoke(launcher, ["--config", str(bad)])
     assert result.exit_code == 2 and "field updates" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("integrity", ["off", "full", {"mode": "sample", "fraction": 0.5}])
+def test_a_run_with_any_integrity_mode_takes_command_line_overrides(integrity):
+    run = load_run_config(ROOT / "configs" / "runs" / "demo.yaml")
+    data = run.model_dump(by_alias=True)
+    data["transfer"]["integrity"] = integrity
+    run = parse_run_config(data, source="test")
+    again = run.with_overrides(updates=1)  # dumps and validates the whole run again
+    assert again.transfer.integrity == run.transfer.integrity and again.updates == 1

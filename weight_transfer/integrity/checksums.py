@@ -39,7 +39,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 import xxhash
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from weight_transfer.config_files import FieldError, StrictModel
 
@@ -73,6 +73,15 @@ class IntegrityPolicy(StrictModel):
         if self.mode != "sample" and "fraction" in self.model_fields_set:
             raise FieldError(f"fraction applies to mode 'sample' only (mode is {self.mode!r})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        """``fraction`` only where it applies: a dump validates again (a run file written
+        back, ``RunConfig.with_overrides``)."""
+        data = handler(self)
+        if isinstance(data, dict) and self.mode != "sample":
+            data.pop("fraction", None)
+        return data
 
     # Computed once per policy (the sender asks for every WRITE); not a field: equality,
     # hashing and the YAML dump see mode and fraction only.
