@@ -1,4 +1,5 @@
-"""``wt bench delta --quick`` end to end (tiny_llama, FP8 engines, one round per lr): every
+"""``wt bench delta --quick`` end to end (tiny_llama, FP8 engines, one round of one lr: a
+smoke run, the numbers belong to ``wt bench delta``): every
 mode's update verified (the integrity check of every range and the reference-layout
 byte check), the JSON ``runs`` as the issue names them, and deltas moving fewer bytes
 than dense. Speed is never asserted (two shared cores)."""
@@ -13,23 +14,24 @@ from actors.tools.bench.delta import run
 from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+LR = 1e-5  # the larger of the bench's default lrs: more elements change
 
 
 def test_quick_bench_runs_and_verifies_every_mode(tmp_path, ray_job):  # shared Ray
     out = tmp_path / "delta.json"
     rc = run(config=ROOT / "configs/runs/demo.yaml", model=None, nic_gbps=0.05, updates=1,
-             lrs="1e-6,1e-5", dtypes="fp8", quick=True, timeout_s=300.0, json_path=out)
+             lrs=str(LR), dtypes="fp8", quick=True, timeout_s=300.0, json_path=out)
     doc = json.loads(out.read_text())
     assert rc == 0, doc
     modes = {r["mode"] for r in doc["runs"]}
     assert modes == {"gather", "shard_direct", "delta"}
     for r in doc["runs"]:
         assert {"dtype", "lr", "mode", "bytes", "seconds", "verified"} <= set(r)
-        assert r["dtype"] == "fp8" and r["lr"] in (1e-6, 1e-5) and r["verified"] is True
+        assert r["dtype"] == "fp8" and r["lr"] == LR and r["verified"] is True
         assert r["bytes"] > 0 and r["seconds"] > 0
-    for lr in (1e-6, 1e-5):
-        by = {r["mode"]: r for r in doc["runs"] if r["lr"] == lr}
-        assert by["delta"]["bytes"] < by["shard_direct"]["bytes"] / 5
-        assert by["gather"]["bytes"] == pytest.approx(by["shard_direct"]["bytes"], rel=0.01)
-        assert 0 < by["delta"]["changed_fraction"] < 0.5
+    by = {r["mode"]: r for r in doc["runs"]}
+    assert len(by) == len(doc["runs"])  # one row per mode
+    assert by["delta"]["bytes"] < by["shard_direct"]["bytes"] / 5
+    assert by["gather"]["bytes"] == pytest.approx(by["shard_direct"]["bytes"], rel=0.01)
+    assert 0 < by["delta"]["changed_fraction"] < 0.5
     assert all(r["oracle"] for r in doc["rounds"])  # --oracle every (the default)

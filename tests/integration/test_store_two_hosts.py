@@ -99,8 +99,9 @@ def test_a_group_store_is_hosted_on_its_node_and_reached_from_the_other(two_host
 
 @pytest.mark.timeout(600)
 def test_the_controller_s_barrier_store_is_reached_from_trainers_on_the_other_host(two_hosts):
+    # The demo's smallest shape (2 trainer ranks, 1 replica x TP1): the store is the subject.
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml")
+                                    CONFIGS / "clusters" / "local_cpu_small.yaml")
     trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
     driver_node = ray.get_runtime_context().get_node_id()
     nodes = ray.get([t.node_id.remote() for t in trainers])
@@ -116,7 +117,7 @@ def test_the_controller_s_barrier_store_is_reached_from_trainers_on_the_other_ho
         assert report.bytes > 0
     assert ctl.state.store.num_keys() == base  # the barrier keys of 3 updates are gone
     state = ray.get([t.full_state_dict.remote() for t in trainers])[0]
-    for actor in replicas[1]:
+    for actor in replicas[0]:
         meta = ray.get(actor.wt_engine_meta.remote())
         got = ray.get(actor.engine_state_bytes.remote())
         want = load_engine_shard(cfg.model, state, meta.shard, fp8=False)
