@@ -294,18 +294,23 @@ def engine_fleet(run_cfg: RunConfig, **overrides: Any) -> Iterator[Fleet]:
             ray.shutdown()
 
 
-def run_config_for(config: Path | None, engine: str) -> RunConfig:
-    """``config`` (default: the engine's demo config), run with ``engine``."""
+def run_config_for(config: Path | None, engine: str, cluster: Path | None = None) -> RunConfig:
+    """``config`` (default: the engine's demo config), run with ``engine`` on ``cluster``
+    (default: the config's)."""
     path = Path(engine_spec(engine).demo_config) if config is None else config
     run_cfg = load_run_config(path)
-    return run_cfg if run_cfg.engine == engine else run_cfg.with_overrides(engine=engine)
+    if run_cfg.engine == engine and cluster is None:
+        return run_cfg
+    return run_cfg.with_overrides(engine=engine, cluster=cluster)
 
 
 def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
-        nic_gbps: float | None = None, json_out: Path | None = None) -> int:
+        nic_gbps: float | None = None, json_out: Path | None = None,
+        cluster: Path | None = None) -> int:
     """Both modes on one fleet; exit 1 unless every update verified. ``nic_gbps`` caps
     every NIC (GB/s) in both modes: a transfer as long, against the engine's steps, as on
-    a cluster whose NICs bind (uncapped, tiny Llama's transfer here is a few steps)."""
+    a cluster whose NICs bind (uncapped, tiny Llama's transfer here is a few steps).
+    ``cluster`` replaces the run config's cluster YAML (e.g. a vLLM replica at TP1)."""
     if nic_gbps is not None and nic_gbps <= 0:
         raise ValueError(f"--nic-gbps must be positive, not {nic_gbps}")
     if engine not in STALL_CLIENTS:
@@ -314,7 +319,7 @@ def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
     if updates < 1:
         raise ValueError(f"--updates must be at least 1, not {updates}")
     console = command_console(json_to_stdout(json_out))
-    run_cfg = run_config_for(config, engine)
+    run_cfg = run_config_for(config, engine, cluster)
     rows: list[ModeResult] = []
     caps = {} if nic_gbps is None else {"nic_gbps": nic_gbps}
     with engine_fleet(run_cfg, apply="in_place", **caps) as fleet:
