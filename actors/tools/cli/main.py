@@ -313,13 +313,16 @@ def bench_stall(
     nic_gbps: float | None = typer.Option(
         None, help="Cap every simulated NIC (GB/s), both modes: a transfer as long as on a "
         "cluster whose NICs bind [uncapped]."),
+    cluster: Path | None = typer.Option(
+        None, help="Cluster YAML [default: the run config's], e.g. "
+        "configs/clusters/vllm_cpu_tp1.yaml."),
     json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Engine stall per update, in place and in shadow mode, while a client generates."""
     from actors.tools.bench.stall.bench import run
 
     raise typer.Exit(run(config=config, engine=engine, updates=updates, nic_gbps=nic_gbps,
-                         json_out=json_path))
+                         json_out=json_path, cluster=cluster))
 
 
 @app.command("selftest")
