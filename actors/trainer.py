@@ -97,6 +97,14 @@ def run_kept(coro: Any) -> Any:
     return out[0]
 
 
+def hf_class_name(model: torch.nn.Module) -> str:
+    """The Hugging Face model class of ``model``, under any wrapper class (FSDP2's)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(model).__name__
+
+
 class TrainerMixin(TrainerDeltaMixin):
     """Weight-transfer methods for a trainer actor; see the module docstring."""
 
@@ -150,6 +158,10 @@ class TrainerMixin(TrainerDeltaMixin):
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
+        if not getattr(config, "architectures", None):
+            # What model.save_pretrained records and vLLM picks its model class by; FSDP2
+            # wraps the class (FSDPLlamaForCausalLM), so name the Hugging Face class under it.
+            config.architectures = [hf_class_name(model)]
         config.save_pretrained(out)
         # safetensors refuses tensors that share memory (tied embeddings): one copy each.
         save_file({k: v.contiguous().clone() for k, v in full.items()},

@@ -36,6 +36,7 @@ def test_a_users_trainer_saves_a_checkpoint_hugging_face_reads_back(tmp_path):
     assert all(torch.equal(saved[k], want[k]) for k in want)
     config = AutoConfig.from_pretrained(tmp_path / "ckpt")
     assert config.model_type == "llama" and config.num_hidden_layers == 2
+    assert config.architectures == ["LlamaForCausalLM"]  # what vLLM picks its class by
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt")
     assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight,
                        model.model.layers[0].mlp.up_proj.weight)
@@ -55,3 +56,11 @@ def test_a_model_without_a_hugging_face_config_is_refused_by_name(tmp_path):
 def test_before_attach_it_says_to_attach(tmp_path):
     with pytest.raises(RuntimeError, match="call wt_attach"):
         TrainerMixin().wt_save_checkpoint(str(tmp_path))
+
+
+def test_a_wrapped_model_saves_the_hugging_face_class_under_the_wrapper(tmp_path):
+    model = tiny_llama()
+    # FSDP2's fully_shard swaps the class for a subclass named FSDP<class>
+    model.__class__ = type("FSDPLlamaForCausalLM", (LlamaForCausalLM,), {})
+    assert MyTrainer(model).wt_save_checkpoint(str(tmp_path)) is True
+    assert AutoConfig.from_pretrained(tmp_path).architectures == ["LlamaForCausalLM"]
