@@ -33,6 +33,7 @@ The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,7 @@ CLUSTER_CPUS = 16  # the most any module asked its local instance for
 OBJECT_STORE_BYTES = 4 << 30  # ray.cluster_utils defaults to 150 MiB; local Ray to ~30% RAM
 IDLE_TIMEOUT_S = 60.0
 SHARED = "ray_job"  # the fixture that marks a test as running on the shared cluster
+START_ATTEMPTS = 3
 
 
 class SharedCluster:
@@ -58,9 +60,19 @@ class SharedCluster:
         if self._cluster is None:
             from ray.cluster_utils import Cluster
 
-            self._cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": CLUSTER_CPUS, "node_ip_address": LOCAL_NODE_IP,
-                "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES})
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._cluster = Cluster(initialize_head=True, head_node_args={
+                        "num_cpus": CLUSTER_CPUS, "node_ip_address": LOCAL_NODE_IP,
+                        "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES})
+                    break
+                except Exception as exc:
+                    # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py);
+                    # on the loaded 2-core machines the first start of a worker can miss it.
+                    if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+                        raise
+                    warnings.warn(f"shared Ray cluster: start {attempt} of {START_ATTEMPTS} "
+                                  f"timed out ({exc}); starting it again", stacklevel=2)
         return self._cluster.address
 
     def stop(self) -> None:

@@ -38,6 +38,7 @@ from actors.tools.testkit.vllm_oracle import (
     registered_tensors,
     save_checkpoint,
 )
+from actors.vllm.shm import SHM_DIR
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LLAMA = CONFIGS / "models" / "tiny_llama.yaml"
@@ -72,6 +73,7 @@ def vllm_fleet(cfg: Any, root: Path) -> Iterator[VllmFleet]:
     from actors.vllm.engine import launch_vllm_engines
 
     start_model, start = save_checkpoint(LLAMA, seed=START_SEED, root=root)
+    segments: list[str] = []
     with (launch_trainers(cfg) as trainers,
           launch_vllm_engines(cfg, str(start), env=ORACLE_ENV) as replicas):
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
@@ -80,6 +82,20 @@ def vllm_fleet(cfg: Any, root: Path) -> Iterator[VllmFleet]:
                             start_model=start_model)
         finally:
             ctl.shutdown()
+            segments = engine_shm(replicas)
+    # No leaked shared memory: what the engines' processes mapped (at TP2, vLLM's broadcast
+    # queue) is gone once the handle closed them. Only this fleet's segments are looked at:
+    # other modules' engines run beside it.
+    left = [name for name in segments if (SHM_DIR / name).exists()]
+    assert not left, f"closed vLLM engines left /dev/shm segments {left} of {segments}"
+
+
+def engine_shm(replicas: Any) -> list[str]:
+    """The /dev/shm segments the processes of each replica's engine map now."""
+    from actors.vllm.shm import engine_segments
+
+    return sorted({name for owner in replicas.owners for name in ray.get(
+        owner.__ray_call__.remote(lambda self: sorted(engine_segments())), timeout=60)})
 
 
 def train_step(trainers: Any, seed: int) -> None:
