@@ -20,6 +20,7 @@ import torch
 
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.vllm_oracle import save_checkpoint
+from actors.vllm.shm import SHM_DIR, descendants, mapped_segments
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -47,6 +48,11 @@ def served(tmp_path_factory, ray_job):
             start, key=key, log_path=root / "server.log",
             engine_args={"dtype": "float32", "worker_extension_cls": EXTENSION}) as server:
         yield cfg, trainers, server, key, root
+        pids = [server.proc.pid, *descendants(server.proc.pid)]
+        segments = mapped_segments(pids)  # the server's own, while it runs
+    # No leaked shared memory: nothing the server's processes mapped outlives its close().
+    left = sorted(name for name in segments if (SHM_DIR / name).exists())
+    assert not left, f"the closed vLLM server left /dev/shm segments {left} of {segments}"
 
 
 def _train(trainers, seed):
