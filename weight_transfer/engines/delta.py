@@ -95,6 +95,11 @@ class DeltaArena:
     def fits(self, slots: Mapping[int, tuple[int, int]]) -> bool:
         return dict(slots) == self.slots
 
+    def registered_on(self, nic: Any) -> bool:
+        """Whether the arena's region lives on ``nic`` (a rank that registered its memory
+        again, e.g. the shadow in place of live memory, has new NICs)."""
+        return self.region is not None and self._nic is nic
+
     def register(self, nic: Any) -> RegionDesc:
         if self.region is None:
             self.region, self._nic = nic.register(self.buffer), nic

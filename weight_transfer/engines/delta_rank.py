@@ -53,13 +53,15 @@ class DeltaRankMixin:
         mem = self._wt_mem
         if mem.meta is None or not mem.nics:
             raise RuntimeError(f"{owner}: wt_delta_arena before the engine registered memory")
-        arena = self._wt_delta
-        if arena is not None and arena.fits(slots) and arena.region is not None:
+        arena, nic = self._wt_delta, mem.nics[mem.meta.nic]
+        if arena is not None and arena.fits(slots) and arena.registered_on(nic):
             return arena.region
-        if arena is not None:
+        if arena is not None and arena.registered_on(nic):
             arena.deregister()
+        # An arena on another NIC died with it: the memory was registered again since
+        # (wt_shadow_setup closes the in-place registration and its NICs).
         arena = self._wt_delta = DeltaArena(slots, owner=owner)
-        region = arena.register(mem.nics[mem.meta.nic])
+        region = arena.register(nic)
         log.info("%s: delta arena of %d B for %d trainer ranks", owner, arena.nbytes,
                  len(slots))
         return region
