@@ -1,12 +1,12 @@
-"""Ray actors for a real vLLM engine: one owner per replica, one facade per TP rank.
+"""vLLM engines under Ray: one owner actor per replica, a plain rank handle per TP rank.
 
 ``VllmEngine`` owns a vLLM ``LLM`` (with our weight-transfer backend) and its
 :class:`~weight_transfer.engines.vllm.driver.VllmLink`; vLLM runs the TP
-workers itself. :class:`WeightTransferController` addresses one actor per
-(replica, TP rank), so each rank gets a ``VllmRank`` facade that forwards the
-controller's calls (``wt_engine_meta``, ``wt_endpoints``, ``wt_connect_peers``,
-``wt_pause``, ``wt_resume``, ``wt_set_version``, ``wt_checksum``, ``wt_copy_to`` ...) to the
-owner, naming its rank. The controller is used unchanged::
+workers itself. :class:`WeightTransferController` addresses one engine rank per
+(replica, TP rank): a :class:`VllmRank`, a plain object over the owner whose
+methods are the owner's protocol methods (``wt_engine_meta``, ``wt_endpoints``,
+``wt_pause``, ``wt_resume``, ``wt_checksum`` ...) called with its rank, one Ray call
+each and no actor in between. The controller is used unchanged::
 
     replicas = launch_vllm_engines(cfg, model_path)    # [[VllmRank, ...] per replica]
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
@@ -19,10 +19,9 @@ prefix-cache reset - when its last rank has called ``wt_resume``. Commands are
 fenced by the controller's epochs with the reference engine's fence
 (:class:`weight_transfer.engines.fence.CommandFence`): a stale one is ignored, a resume
 past its deadline refused (the replica stays paused); one fence per replica.
-The facade is an :class:`~weight_transfer.engines.rank.EngineRank` and a
+A rank is an :class:`~weight_transfer.engines.rank.EngineRank` and a
 :class:`~weight_transfer.engines.rank.ShadowEngineRank` (shadow mode: :mod:`actors.vllm.shadow`).
 """
-
 from __future__ import annotations
 
 import os
@@ -94,7 +93,7 @@ class VllmEngineOwner:
                   **{**SMALL_ENGINE, **(engine_kw or {})})
         return VllmLink(llm)
 
-    def engine_meta(self, rank: int, transport: Any = None, apply: str | None = None):
+    def _meta(self, rank: int, transport: Any = None, apply: str | None = None):
         """Rank ``rank``'s registered memory (registered once for the replica; ``apply``
         "shadow": the shadow is registered, replacing an in-place registration, and the
         reverse for "in_place"; None: the registration there is, else the config's mode)."""
@@ -129,61 +128,45 @@ class VllmEngineOwner:
                               f"(VllmLink); this replica is driven through "
                               f"{type(self.link).__name__}: use apply='in_place'")
 
-    # ------------------------------------------------------------------ shadow mode
-
-    def shadow_setup(self, rank: int, transport: Any = None):
-        self.engine_meta(rank, transport, apply="shadow")
-        return self.shadow.info(rank)
-
-    def shadow_info(self, rank: int):
-        if getattr(self.link, "apply", "in_place") != "shadow":
-            from weight_transfer.engines.shadow.store import ShadowError
-
-            raise ShadowError(f"{self.replica}: shadow mode is not set up on this vLLM engine "
-                              "(wt_shadow_setup() first)")
-        return self.shadow.info(rank)
-
-    def stage(self, version: Any, epoch: int | None = None) -> bool:
-        return self.shadow.stage(version, epoch)
-
-    def flip(self, version: Any, epoch: int | None = None, deadline: float | None = None
-             ) -> bool:
-        return self.shadow.flip(version, epoch, deadline)
-
-    def rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
-        return self.shadow.rollback(epoch, deadline)
-
-    def discard_shadow(self, epoch: int | None = None) -> bool:
-        return self.shadow.discard(epoch)
-
-    def step_times(self, since: float = 0.0) -> list[float]:
-        """Wall-clock times (``time.time()``) of vLLM's engine steps that produced tokens
-        since ``since`` (vLLM stamps them with the host-wide monotonic clock)."""
-        clock = getattr(self.link, "clock", None)
-        if clock is None:
-            raise ValueError(f"{self.replica}: {type(self.link).__name__} does not time vLLM's "
-                             "engine steps (VllmLink does)")
-        offset = time.time() - time.monotonic()
-        return [t + offset for t in clock.times() if t + offset >= since]
-
-    def call(self, op: str, request: Any, rank: int) -> Any:
-        self.engine_meta(rank)
+    def _in_worker(self, rank: int, op: str, request: Any = None) -> Any:
+        """Our backend's ``op`` in the worker of TP rank ``rank`` (after its registration)."""
+        self._meta(rank)
         return self.link.call(op, request, rank=rank)[0]
 
-    def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
-        """Stop at a step boundary (once per replica); a fenced pause makes the version held
-        None until a resume names one. False: a stale command, ignored."""
+    # ------------------------------------------------------------------ the engine-rank
+    # protocol (weight_transfer.engines.rank), each method for TP rank ``rank``: what the
+    # :class:`VllmRank` handles call, with their rank first.
+
+    def wt_engine_meta(self, rank: int, transport: Any = None):
+        return self._meta(rank, transport)
+
+    def wt_host(self, rank: int):
+        return this_host()
+
+    def wt_node_id(self, rank: int) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def wt_endpoints(self, rank: int, requests: list) -> tuple:
+        return self._in_worker(rank, "endpoints", list(requests))
+
+    def wt_connect_peers(self, rank: int, conns: list) -> int:
+        return self._in_worker(rank, "connect", list(conns))
+
+    def wt_pause(self, rank: int, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
+        """Stop at a step boundary (once per replica: the first rank to ask stops it); a
+        fenced pause makes the version held None until a resume names one. False: a stale
+        command, ignored."""
 
         def stop() -> None:
             self._resumed.clear()
-            if not self.link.gate.paused:  # the replica's first rank to ask stops it
+            if not self.link.gate.paused:
                 self.link.pause(timeout_s)
                 self.fence.record("pause")
 
         return self.fence.pause(epoch, stop)
 
-    def resume(self, rank: int, version: Any = KEEP, epoch: int | None = None,
-               deadline: float | None = None) -> bool:
+    def wt_resume(self, rank: int, version: Any = KEEP, epoch: int | None = None,
+                  deadline: float | None = None) -> bool:
         """Rank ``rank`` is done; the replica resumes (vLLM's finish_weight_update, a prefix
         cache reset) when all its ranks are. False (stays paused): stale, or past
         ``deadline``. ``KEEP``: no version given (the one held stays)."""
@@ -196,24 +179,102 @@ class VllmEngineOwner:
 
         return self.fence.resume(version, epoch, deadline, go)
 
-    def set_version(self, version: Any, epoch: int | None = None) -> bool:
+    def wt_set_version(self, rank: int, version: Any, epoch: int | None = None) -> bool:
         return self.fence.set_version(version, epoch, apply=self.link.set_version)
 
-    def version(self) -> Any:
+    def wt_version(self, rank: int) -> Any:
         return self.fence.version
+
+    def wt_paused(self, rank: int) -> bool:
+        return self.link.gate.paused
+
+    def wt_events(self, rank: int) -> list:
+        return self.fence.events()
+
+    def wt_checksum(self, rank: int, ranges: Any) -> Any:
+        """Hashes of (region address, offset, length) rows of this rank's registered memory."""
+        return self._in_worker(rank, "checksum", ranges)
+
+    def wt_copy_to(self, rank: int, dst: Any) -> int:
+        return self._in_worker(rank, "copy_to", dst)
+
+    def wt_nic_stats(self, rank: int) -> dict:
+        return self._in_worker(rank, "stats")
+
+    def wt_transport(self, rank: int) -> str:
+        return self._meta(rank).tensors[0].region.transport
+
+    def wt_close(self, rank: int) -> None:
+        self._in_worker(rank, "close")
+
+    # ---- shadow mode (ShadowEngineRank; actors.vllm.shadow): one shadow per replica
+
+    def wt_shadow_setup(self, rank: int, transport: Any = None):
+        self._meta(rank, transport, apply="shadow")
+        return self.shadow.info(rank)
+
+    def wt_shadow_info(self, rank: int):
+        if getattr(self.link, "apply", "in_place") != "shadow":
+            from weight_transfer.engines.shadow.store import ShadowError
+
+            raise ShadowError(f"{self.replica}: shadow mode is not set up on this vLLM engine "
+                              "(wt_shadow_setup() first)")
+        return self.shadow.info(rank)
+
+    def wt_stage(self, rank: int, version: Any, epoch: int | None = None,
+                 base: bool = False) -> bool:
+        """``base`` (a delta update) needs no copy here: vLLM's registered memory already
+        holds the version served (a flip reprocesses from it; a rollback swaps it with
+        the standby; a discard restores it), and the standby is saved at every stage."""
+        return self.shadow.stage(version, epoch)
+
+    def wt_flip(self, rank: int, version: Any, epoch: int | None = None,
+                deadline: float | None = None) -> bool:
+        return self.shadow.flip(version, epoch, deadline)
+
+    def wt_rollback(self, rank: int, epoch: int | None = None,
+                    deadline: float | None = None) -> bool:
+        return self.shadow.rollback(epoch, deadline)
+
+    def wt_discard_shadow(self, rank: int, epoch: int | None = None) -> bool:
+        return self.shadow.discard(epoch)
+
+    def wt_live_checksum(self, rank: int, ranges: Any) -> Any:
+        """Hashes of the same rows in the version served (vllm shadow: see the backend)."""
+        return self._in_worker(rank, "live_checksum", ranges)
+
+    # ---- sparse deltas
+
+    def wt_delta_arena(self, rank: int, slots: dict) -> Any:
+        """This rank's delta arena, registered once in its worker."""
+        return self._in_worker(rank, "delta_arena", slots)
+
+    def wt_delta_apply(self, rank: int, version: int) -> Any:
+        """Apply ``version``'s records in the worker, in place, before the resume's
+        finish_weight_update reprocesses repacked layers."""
+        from weight_transfer.engines.delta_rank import held_version
+
+        held = held_version(self.fence.events(), self.fence.version)
+        return self._in_worker(rank, "delta_apply", (version, held))
+
+    # ------------------------------------------------------------------ the replica
+
+    def step_times(self, since: float = 0.0) -> list[float]:
+        """Wall-clock times (``time.time()``) of vLLM's engine steps that produced tokens
+        since ``since`` (vLLM stamps them with the host-wide monotonic clock)."""
+        clock = getattr(self.link, "clock", None)
+        if clock is None:
+            raise ValueError(f"{self.replica}: {type(self.link).__name__} does not time vLLM's "
+                             "engine steps (VllmLink does)")
+        offset = time.time() - time.monotonic()
+        return [t + offset for t in clock.times() if t + offset >= since]
 
     def vllm_version(self) -> str:
         return self.link.version()
 
-    def paused(self) -> bool:
-        return self.link.gate.paused
-
-    def events(self) -> list:
-        return self.fence.events()
-
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
-        with self._generating:  # the TP ranks' facades may ask at once
+        with self._generating:  # the TP ranks' handles may ask at once
             return self.link.generate(prompts, max_new_tokens, temperature=temperature,
                                       seed=seed)
 
@@ -252,119 +313,86 @@ class VllmEngineOwner:
                 remove_unmapped(segments)
 
 
-class VllmRankFacade:
-    """The controller's engine-rank interface for TP rank ``rank`` of an owner."""
+class _Ranked:
+    """An owner's method called for one rank: ``.remote(*args)`` is
+    ``owner.<method>.remote(rank, *args)``."""
+
+    __slots__ = ("method", "rank")
+
+    def __init__(self, method: Any, rank: int) -> None:
+        self.method, self.rank = method, rank
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method.remote(self.rank, *args, **kwargs)
+
+
+class OwnerMethod:
+    """A :class:`VllmRank` attribute: the owner's method of the same name, given the rank
+    (``ranked``) or not (a replica-wide call such as ``generate``)."""
+
+    def __init__(self, ranked: bool = True) -> None:
+        self.ranked, self.name = ranked, ""
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rank: Any, cls: type | None = None) -> Any:
+        if rank is None:
+            return self
+        method = getattr(rank.owner, self.name)
+        return _Ranked(method, rank.rank) if self.ranked else method
+
+
+class VllmRank:
+    """TP rank ``rank`` of a vLLM replica as the controller's engine rank: a plain
+    (picklable) object over the replica's owner actor, no actor of its own. Each method is
+    the owner's, called with the rank: ``rank.wt_pause.remote(60.0, epoch=3)`` is
+    ``owner.wt_pause.remote(rank.rank, 60.0, epoch=3)``, one Ray call. It implements
+    :class:`~weight_transfer.engines.rank.EngineRank` and
+    :class:`~weight_transfer.engines.rank.ShadowEngineRank` (the owner's ``wt_*`` methods).
+    ``generate``/``generate_tagged`` are the replica's (tests, the tools)."""
+
+    __slots__ = ("owner", "rank")
 
     def __init__(self, owner: Any, rank: int) -> None:
         self.owner, self.rank = owner, rank
 
-    def _get(self, ref: Any) -> Any:
-        return ray.get(ref)
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.owner, self.rank))
 
-    def wt_engine_meta(self, transport: Any = None):
-        return self._get(self.owner.engine_meta.remote(self.rank, transport))
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank})"
 
-    def wt_host(self):
-        return this_host()
-
-    def wt_node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def wt_endpoints(self, requests: list) -> tuple:
-        return self._get(self.owner.call.remote("endpoints", list(requests), self.rank))
-
-    def wt_connect_peers(self, conns: list) -> int:
-        return self._get(self.owner.call.remote("connect", list(conns), self.rank))
-
-    def wt_copy_to(self, dst: Any) -> int:
-        return self._get(self.owner.call.remote("copy_to", dst, self.rank))
-
-    def wt_pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> bool:
-        return self._get(self.owner.pause.remote(timeout_s, epoch))
-
-    def wt_resume(self, version: Any = KEEP, epoch: int | None = None,
-                  deadline: float | None = None) -> bool:
-        return self._get(self.owner.resume.remote(self.rank, version, epoch, deadline))
-
-    def wt_set_version(self, version: Any, epoch: int | None = None) -> bool:
-        return self._get(self.owner.set_version.remote(version, epoch))
-
-    def wt_version(self) -> Any:
-        return self._get(self.owner.version.remote())
-
-    def wt_paused(self) -> bool:
-        return self._get(self.owner.paused.remote())
-
-    def wt_events(self) -> list:
-        return self._get(self.owner.events.remote())
-
-    def wt_checksum(self, ranges: Any) -> Any:
-        """Hashes of (region address, offset, length) rows of this rank's registered memory."""
-        return self._get(self.owner.call.remote("checksum", ranges, self.rank))
-
-    # ---- shadow mode (ShadowEngineRank; actors.vllm.shadow)
-    def wt_shadow_setup(self, transport: Any = None):
-        return self._get(self.owner.shadow_setup.remote(self.rank, transport))
-
-    def wt_shadow_info(self):
-        return self._get(self.owner.shadow_info.remote(self.rank))
-
-    def wt_stage(self, version: Any, epoch: int | None = None, base: bool = False) -> bool:
-        """``base`` (a delta update) needs no copy here: vLLM's registered memory already
-        holds the version served (a flip reprocesses from it; a rollback swaps it with
-        the standby; a discard restores it), and the standby is saved at every stage."""
-        return self._get(self.owner.stage.remote(version, epoch))
-
-    def wt_flip(self, version: Any, epoch: int | None = None,
-                deadline: float | None = None) -> bool:
-        return self._get(self.owner.flip.remote(version, epoch, deadline))
-
-    def wt_rollback(self, epoch: int | None = None, deadline: float | None = None) -> bool:
-        return self._get(self.owner.rollback.remote(epoch, deadline))
-
-    def wt_discard_shadow(self, epoch: int | None = None) -> bool:
-        return self._get(self.owner.discard_shadow.remote(epoch))
-
-    def wt_live_checksum(self, ranges: Any) -> Any:
-        """Hashes of the same rows in the version served (vllm shadow: see the backend)."""
-        return self._get(self.owner.call.remote("live_checksum", ranges, self.rank))
-
-    def wt_nic_stats(self) -> dict:
-        return self._get(self.owner.call.remote("stats", None, self.rank))
-
-    def wt_transport(self) -> str:
-        return self.wt_engine_meta().tensors[0].region.transport
-
-    def wt_close(self) -> None:
-        self._get(self.owner.call.remote("close", None, self.rank))
-
-    def wt_delta_arena(self, slots: dict) -> Any:
-        """Sparse deltas: this rank's delta arena, registered once in its worker."""
-        return self._get(self.owner.call.remote("delta_arena", slots, self.rank))
-
-    def wt_delta_apply(self, version: int) -> Any:
-        """Sparse deltas: apply ``version``'s records in the worker, in place, before the
-        resume's finish_weight_update reprocesses repacked layers."""
-        from weight_transfer.engines.delta_rank import held_version
-
-        held = held_version(self._get(self.owner.events.remote()),
-                            self._get(self.owner.version.remote()))
-        return self._get(self.owner.call.remote("delta_apply", (version, held), self.rank))
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
-        """Greedy (or, with ``temperature`` > 0, vLLM-sampled) continuations."""
-        return self._get(self.owner.generate.remote(prompts, max_new_tokens, temperature, seed))
-
-    def generate_tagged(self, prompts: list[list[int]], max_new_tokens: int,
-                        temperature: float = 0.0, seed: int | None = None) -> list:
-        """:meth:`generate` with the weight versions that produced each sequence's tokens."""
-        return self._get(self.owner.generate_tagged.remote(prompts, max_new_tokens,
-                                                           temperature, seed))
+    wt_engine_meta = OwnerMethod()
+    wt_host = OwnerMethod()
+    wt_node_id = OwnerMethod()
+    wt_endpoints = OwnerMethod()
+    wt_connect_peers = OwnerMethod()
+    wt_pause = OwnerMethod()
+    wt_resume = OwnerMethod()
+    wt_set_version = OwnerMethod()
+    wt_version = OwnerMethod()
+    wt_paused = OwnerMethod()
+    wt_events = OwnerMethod()
+    wt_checksum = OwnerMethod()
+    wt_copy_to = OwnerMethod()
+    wt_nic_stats = OwnerMethod()
+    wt_transport = OwnerMethod()
+    wt_close = OwnerMethod()
+    wt_shadow_setup = OwnerMethod()
+    wt_shadow_info = OwnerMethod()
+    wt_stage = OwnerMethod()
+    wt_flip = OwnerMethod()
+    wt_rollback = OwnerMethod()
+    wt_discard_shadow = OwnerMethod()
+    wt_live_checksum = OwnerMethod()
+    wt_delta_arena = OwnerMethod()
+    wt_delta_apply = OwnerMethod()
+    generate = OwnerMethod(ranked=False)
+    generate_tagged = OwnerMethod(ranked=False)
 
 
 VllmEngine = ray.remote(max_concurrency=8)(VllmEngineOwner)
-VllmRank = ray.remote(max_concurrency=8)(VllmRankFacade)
 
 
 def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str = "float32",
@@ -372,8 +400,8 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
                         rank_cls: Any = None, trainers: Any = None,
                         engine_args: dict[str, Any] | None = None) -> Launched:
     """One vLLM engine per replica of the cluster: a handle that is the list of replicas
-    (each its TP ranks' facades) and owns the facades and the engines (``.owners``, shut down
-    first by ``close()``; all closed when an engine fails to start). ``trainers``: the
+    (each its TP ranks' :class:`VllmRank` handles) and owns the engines (``.owners``, shut down
+    by ``close()``; all closed when an engine fails to start). ``trainers``: the
     trainer actors, if started: their count is checked against the cluster before any vLLM
     starts (ClusterMismatchError naming both). ``engine_args``: vLLM engine arguments
     (``max_model_len``, ``gpu_memory_utilization``, a tokenizer ...) over the small defaults
@@ -393,9 +421,8 @@ def launch_vllm_engines(config: TransferConfig, model_path: str, *, dtype: str =
         raise
     tp = config.cluster.inference.gpus_per_replica
     rank_cls = rank_cls or VllmRank  # tests: actors.tools.testkit.hooks.FaultyVllmRank
-    facades = [ReplicaRanks(rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp))
-               for o in owners]
-    return Launched(facades, owners=owners, what="vLLM engines")
+    ranks = [ReplicaRanks(rank_cls(o, r) for r in range(tp)) for o in owners]
+    return Launched(ranks, actors=[], owners=owners, what="vLLM engines")
 
 
 def save_trainer_checkpoint(trainers: list[Any], path: Path) -> Path:

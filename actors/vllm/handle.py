@@ -19,7 +19,7 @@ config value, and add one mixin and one line; your generation code is yours
             return self.llm.generate(prompts, params)
 
     actors = [LLMRayActor.remote(path, i, max_model_len=1024) for i in range(2)]
-    replicas = vllm_replicas(actors)       # a Launched handle: one facade per TP rank
+    replicas = vllm_replicas(actors)       # a Launched handle: a VllmRank per TP rank
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
 
 An ``AsyncLLM`` in an async actor takes :class:`AsyncVllmWeightsMixin` and
@@ -31,8 +31,8 @@ version sampled which tokens.
 
 The mixin's one remote method ``wt_vllm(method, *args)`` runs the vLLM owner's
 calls (:class:`actors.vllm.engine.VllmEngineOwner` over your engine): the
-facades of :func:`vllm_replicas` forward the controller's ``wt_*`` calls to
-it. ``config``: a :class:`~actors.config.TransferConfig` whose cluster places
+``VllmRank`` handles of :func:`vllm_replicas` send the controller's ``wt_*`` calls
+there, by name. ``config``: a :class:`~actors.config.TransferConfig` whose cluster places
 your replicas' NICs (the same as the controller's); without one, each rank's
 NIC is the simulated cluster's (one per engine rank), which is what a
 controller without a cluster derives. With an offline ``LLM`` in a plain
@@ -50,12 +50,10 @@ from actors.config import TransferConfig
 from actors.ready.handles import Launched
 from actors.vllm.engine import VllmEngineOwner, VllmRank
 
-# What the facades call on an owner (plus "tp": the engine's TP size).
-OWNER_METHODS = frozenset({"engine_meta", "call", "pause", "resume", "set_version", "version",
-                           "vllm_version", "paused", "events", "generate", "startup_seconds",
-                           "shutdown", "tp", "generate_tagged", "sample", "shadow_setup",
-                           "shadow_info", "stage", "flip", "rollback", "discard_shadow",
-                           "step_times"})
+# What ``wt_vllm`` runs: the owner's public methods (the rank handles' wt_* calls, the
+# replica's own), plus "tp": the engine's TP size.
+OWNER_METHODS = frozenset({name for name in vars(VllmEngineOwner) if not name.startswith("_")}
+                          | {"tp"})
 
 
 def attached_owner(link: Any, replica: int, config: TransferConfig | None) -> VllmEngineOwner:
@@ -135,7 +133,7 @@ class _Method:
 
 class AttachedOwner:
     """A user's actor seen as an owner actor: ``owner.pause.remote(...)`` is
-    ``actor.wt_vllm.remote("pause", ...)`` (what the ``VllmRank`` facades call)."""
+    ``actor.wt_vllm.remote("pause", ...)`` (what the ``VllmRank`` handles call)."""
 
     __slots__ = ("actor",)
 
@@ -153,11 +151,10 @@ class AttachedOwner:
 
 def vllm_replicas(actors: list[Any], *, rank_cls: Any = None) -> Launched:
     """One replica per actor of yours (each with the mixin, attached): a handle of the
-    replicas' ``VllmRank`` facades (one per TP rank, asked of each actor) that owns the
-    facades; your actors and engines stay yours."""
+    replicas' ``VllmRank`` handles (one per TP rank, asked of each actor); your actors and
+    engines stay yours."""
     owners = [AttachedOwner(a) for a in actors]
     tps = ray.get([a.wt_vllm.remote("tp") for a in actors])
     rank_cls = rank_cls or VllmRank
-    facades = [[rank_cls.options(num_cpus=0).remote(o, r) for r in range(tp)]
-               for o, tp in zip(owners, tps, strict=True)]
-    return Launched(facades, what="vLLM replicas (your actors)")
+    ranks = [[rank_cls(o, r) for r in range(tp)] for o, tp in zip(owners, tps, strict=True)]
+    return Launched(ranks, actors=[], what="vLLM replicas (your actors)")

@@ -14,7 +14,7 @@ each with our backend and the key the controller holds::
 
 Each server gets one owner actor (:class:`VllmServedOwner`, the vLLM owner over an
 :class:`~weight_transfer.engines.vllm.http_link.HttpLink`) and one ``VllmRank``
-facade per TP rank, as :func:`actors.vllm.engine.launch_vllm_engines` gives:
+handle per TP rank, as :func:`actors.vllm.engine.launch_vllm_engines` gives:
 the controller is unchanged. The backend's replies come back on an
 authenticated channel the owner listens on (:mod:`weight_transfer.engines.vllm.channel`),
 at ``reply_host``: the address the servers reach the owner's node at (default:
@@ -77,7 +77,7 @@ def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: st
                          pause_mode: str = "keep", reply_host: str | None = None,
                          recompute: bool = True, trainers: Any = None) -> Launched:
     """One replica per server URL (replica ``i`` is ``urls[i]``): a handle of the replicas'
-    facades that owns them and the owner actors; see the module docstring. ``pause_mode``:
+    ``VllmRank`` handles that owns the owner actors; see the module docstring. ``pause_mode``:
     vLLM's ``abort``, ``wait`` or ``keep``. With no cluster in ``config``, each replica's TP is
     the server's own and the controller derives the cluster from the actors at setup; with
     one, the servers are checked against it."""
@@ -103,6 +103,6 @@ def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: st
         Launched([], owners=owners, what="vLLM servers").close()
         raise
     tps = ray.get([o.__ray_call__.remote(lambda self: self.tp) for o in owners])
-    facades = [ReplicaRanks(VllmRank.options(num_cpus=0).remote(o, r) for r in range(tp))
-               for o, tp in zip(owners, tps, strict=True)]
-    return Launched(facades, owners=owners, what="vLLM servers")
+    ranks = [ReplicaRanks(VllmRank(o, r) for r in range(tp))
+             for o, tp in zip(owners, tps, strict=True)]
+    return Launched(ranks, actors=[], owners=owners, what="vLLM servers")

@@ -1,7 +1,7 @@
 """Shadow mode of a vLLM replica, for its owner actor (:class:`actors.vllm.engine.VllmEngineOwner`).
 
 The controller sends every shadow command (``wt_stage``, ``wt_flip``,
-``wt_rollback``, ``wt_discard_shadow``) to each TP rank's facade; the replica
+``wt_rollback``, ``wt_discard_shadow``) to each TP rank (its owner's methods); the replica
 acts once per command: the first rank's call runs it on the whole replica
 (vLLM's workers act together), the other ranks' calls of the same epoch find it
 done. What the shadow holds is the reference engine's state machine

@@ -85,7 +85,7 @@ def test_controller_updates_a_vllm_replica(env):
     assert summary.gather == "shard_direct" and summary.direct_bytes > summary.bytes_total / 2
     shapes = {n: tuple(p.shape) for n, p in build_hf_model(cfg.model, seed=0).named_parameters()}
     for rank in range(2):  # the layout recorded from vLLM is the one our tables give
-        meta = ray.get(owners[0].engine_meta.remote(rank))
+        meta = ray.get(owners[0].wt_engine_meta.remote(rank))
         assert meta.shard.tp_rank == rank and meta.shard.tp_size == 2
         assert engine_table_differences(cfg.model, meta, shapes, expert_naming="stacked") == []
     for version in (1, 2):
@@ -163,7 +163,7 @@ def test_a_failed_check_leaves_vllm_serving_the_version_it_had(shadow_env):
     assert err.value.torn == [] and err.value.kept == {"engine0": BASE + 1}
     assert ctl.weights_version() == {"engine0": BASE + 1}
     assert ray.get(owner.vllm_version.remote()) == str(BASE + 1)
-    assert not ray.get(owner.paused.remote())
+    assert not ray.get(owner.wt_paused.remote(0))
     assert [list(g.tokens) for g in _generate(replicas[0])] == _greedy(model1)
     ctl.update(BASE + 3)  # the next update heals
     model, path = trainer_checkpoint(cfg, trainers, root, BASE + 3)

@@ -18,7 +18,7 @@ from actors.engine_registry import (
 from actors.inference import InferenceMixin
 from actors.ready.handles import Launched
 from actors.tools.testkit.hooks import EngineFaultHooks, FaultyInferenceWorker, TrainerFaultHooks
-from actors.vllm.engine import VllmRankFacade
+from actors.vllm.engine import OwnerMethod, VllmEngineOwner, VllmRank
 from weight_transfer.engines.fence import KEEP, CommandFence
 from weight_transfer.engines.rank import ENGINE_RANK_METHODS, EngineRank, method_name
 
@@ -32,24 +32,52 @@ def test_the_protocol_lists_every_method_the_controller_calls():
     assert CONTROLLER_CALLS <= ENGINE_RANK_METHODS
 
 
-@pytest.mark.parametrize("cls", [InferenceMixin, VllmRankFacade])
-def test_both_engines_implement_the_protocol_with_its_parameters(cls):
-    for name in ENGINE_RANK_METHODS:
-        want = list(inspect.signature(getattr(EngineRank, name)).parameters)
-        got = [p for p in inspect.signature(getattr(cls, name)).parameters
-               if p != "_ray_trace_ctx"]  # added by ray.remote's tracing wrapper
-        assert got == want, (cls.__name__, name, got, want)
+def _params(fn):
+    return [p for p in inspect.signature(fn).parameters
+            if p != "_ray_trace_ctx"]  # added by ray.remote's tracing wrapper
 
 
-@pytest.mark.parametrize("cls", [InferenceMixin, VllmRankFacade])
-def test_both_engines_implement_shadow_mode_with_its_parameters(cls):
-    from weight_transfer.engines.rank import SHADOW_RANK_METHODS, ShadowEngineRank
+@pytest.mark.parametrize("protocol", ["EngineRank", "ShadowEngineRank"])
+def test_both_engines_implement_the_protocol_with_its_parameters(protocol):
+    from weight_transfer.engines import rank as contract
 
-    for name in SHADOW_RANK_METHODS:
-        want = list(inspect.signature(getattr(ShadowEngineRank, name)).parameters)
-        got = [p for p in inspect.signature(getattr(cls, name)).parameters
-               if p != "_ray_trace_ctx"]
-        assert got == want, (cls.__name__, name, got, want)
+    methods = {"EngineRank": ENGINE_RANK_METHODS,
+               "ShadowEngineRank": contract.SHADOW_RANK_METHODS}[protocol]
+    for name in methods:
+        want = _params(getattr(getattr(contract, protocol), name))
+        assert _params(getattr(InferenceMixin, name)) == want, ("InferenceMixin", name)
+        # vLLM: the replica's owner implements it for a rank given first; the rank
+        # handle carries every method, with nothing of its own in between
+        assert _params(getattr(VllmEngineOwner, name)) == ["self", "rank", *want[1:]], name
+        assert isinstance(vars(VllmRank)[name], OwnerMethod), name
+
+
+def test_a_vllm_rank_is_one_ray_call_into_its_owner_naming_its_rank():
+    sent = []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args, **kwargs):
+            sent.append((self.name, args, kwargs))
+            return f"ref-{self.name}"
+
+    class Owner:
+        def __getattr__(self, name):
+            return Method(name)
+
+    owner = Owner()
+    rank = VllmRank(owner, 1)
+    assert rank.wt_pause.remote(5.0, epoch=3) == "ref-wt_pause"
+    assert rank.wt_checksum.remote("rows") == "ref-wt_checksum"
+    assert rank.generate.remote([[1]], 2) == "ref-generate"  # the replica's, no rank
+    assert sent == [("wt_pause", (1, 5.0), {"epoch": 3}), ("wt_checksum", (1, "rows"), {}),
+                    ("generate", ([[1]], 2), {})]
+    with pytest.raises(AttributeError):
+        rank.wt_paus  # noqa: B018 - not a method of the protocol
+    back = pickle.loads(pickle.dumps(VllmRank("owner", 2)))
+    assert (back.owner, back.rank) == ("owner", 2)
 
 
 def test_production_actors_carry_no_fault_hooks():
@@ -57,7 +85,7 @@ def test_production_actors_carry_no_fault_hooks():
              if n.startswith("wt_")}
     from actors.trainer import TrainerMixin
 
-    for cls in (InferenceMixin, VllmRankFacade, TrainerMixin):
+    for cls in (InferenceMixin, VllmEngineOwner, VllmRank, TrainerMixin):
         assert not hooks & set(dir(cls)), cls
     assert {"wt_flip_byte", "wt_deregister"} <= set(dir(FaultyInferenceWorker))
 

@@ -1,10 +1,11 @@
 """The engine-rank contract: every method the controller (and the tools) call on an engine
 rank's actor, whatever the engine.
 
-An engine rank is one (replica, TP rank) actor. The reference engine's
-(:class:`actors.inference.InferenceMixin`) and vLLM's facade
-(:class:`actors.vllm.engine.VllmRankFacade`) implement :class:`EngineRank`
-with one shared implementation underneath: :class:`~.fence.CommandFence` (epochs,
+An engine rank is one (replica, TP rank). The reference engine's actors
+(:class:`actors.inference.InferenceMixin`) implement :class:`EngineRank`; for vLLM
+the replica's owner actor (:class:`actors.vllm.engine.VllmEngineOwner`) does, for
+the rank its plain :class:`~actors.vllm.engine.VllmRank` handle names first; with one
+shared implementation underneath: :class:`~.fence.CommandFence` (epochs,
 version held, events) and :class:`~.registered.RegisteredMemory` (NICs, regions,
 connection set-up, peer copy, checksums, statistics).
 

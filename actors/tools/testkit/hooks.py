@@ -25,7 +25,7 @@ import ray
 
 from actors.ready.inference import InferenceWorker
 from actors.ready.trainer import TrainerWorker
-from actors.vllm.engine import VllmRankFacade
+from actors.vllm.engine import VllmRank
 from weight_transfer.delta.codec import SLOT_HEADER
 from weight_transfer.transport.base import fault_injection
 
@@ -92,13 +92,31 @@ class FaultyInferenceWorker(EngineFaultHooks, InferenceWorker):
     pass
 
 
-class FaultyVllmRankFacade(VllmRankFacade):
-    """A vLLM rank facade that can revoke its worker's registered memory."""
+def _deregister(owner: Any, rank: int) -> int:
+    return owner._in_worker(rank, "deregister")
 
-    def wt_deregister(self) -> None:
-        self._get(self.owner.call.remote("deregister", None, self.rank))
+
+class _Deregister:
+    __slots__ = ("owner", "rank")
+
+    def __init__(self, owner: Any, rank: int) -> None:
+        self.owner, self.rank = owner, rank
+
+    def remote(self) -> Any:
+        return self.owner.__ray_call__.remote(_deregister, self.rank)
+
+
+class FaultyVllmRank(VllmRank):
+    """A vLLM rank that can revoke its worker's registered memory
+    (``launch_vllm_engines(..., rank_cls=FaultyVllmRank)``): ``wt_deregister`` runs in the
+    owner actor, which carries no fault hook of its own."""
+
+    __slots__ = ()
+
+    @property
+    def wt_deregister(self) -> _Deregister:
+        return _Deregister(self.owner, self.rank)
 
 
 FaultyTrainerActor = ray.remote(FaultyTrainerWorker)
 FaultyInferenceActor = ray.remote(max_concurrency=4)(FaultyInferenceWorker)
-FaultyVllmRank = ray.remote(max_concurrency=8)(FaultyVllmRankFacade)
