@@ -37,7 +37,7 @@ from actors.connections import this_host
 from actors.controller.live_config import check_actors
 from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.shadow import VllmShadow
-from actors.vllm.shm import engine_segments, remove_unmapped
+from actors.vllm.shm import engine_segments, remove_unmapped, unlink_at_exit
 from weight_transfer.engines.fence import KEEP, CommandFence
 
 
@@ -59,6 +59,9 @@ class VllmEngineOwner:
         t0 = time.perf_counter()
         self.link = link if link is not None else self._start(model_path, dtype, engine_kw, env)
         self.start_seconds = time.perf_counter() - t0
+        # What the engine's processes (ours, or a user's under this actor) map in /dev/shm:
+        # removed after this process ends, however it ends (a user's ray.kill included).
+        unlink_at_exit(engine_segments())
         if self.link.tp_size != self.tp:
             from scheduling.cluster.defaults import ClusterMismatchError
 

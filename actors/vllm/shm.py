@@ -7,14 +7,24 @@ engine start at TP>1 left 160 MiB of RAM behind. Whoever started the engine owns
 (:class:`~actors.vllm.engine.VllmEngineOwner`)::
 
     segments = engine_segments()          # while the engine runs: what its processes map
+    unlink_at_exit(segments)              # after this process ends, however (ray.kill too)
     ...                                   # stop the engine
     removed = remove_unmapped(segments)   # those no live process maps any more
+
+A user's own engine in a Ray actor (:mod:`actors.vllm.handle`) is usually stopped by
+``ray.kill`` of the actor: nothing runs in it then, so :func:`unlink_at_exit` leaves the
+work to a watcher process outside the actor's tree, which removes the segments once the
+actor's process is gone and the engine's processes have let go of them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
+import subprocess
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,3 +96,49 @@ def remove_unmapped(segments: Iterable[str]) -> list[str]:
         log.info("removed %d shared-memory segments the stopped engine left: %s",
                  len(removed), removed)
     return removed
+
+
+
+WATCH_LIMIT_S = 120.0  # how long the watcher waits for the engine's processes to let go
+
+
+def unlink_at_exit(segments: Iterable[str], pid: int | None = None) -> None:
+    """Remove each of ``segments`` once process ``pid`` (this one) has ended, however it
+    ends (``ray.kill`` and SIGKILL included) and no live process maps it any more.
+
+    A watcher process does it, started outside this process's tree: Ray kills a dead
+    actor's child processes with it, and Python's own resource tracker is one. The
+    watcher runs this file as a script (the standard library only) and ends when its
+    work is done."""
+    segments = sorted(segments)
+    if not segments:
+        return
+    pid = os.getpid() if pid is None else pid
+    # `sh -c "... &"` in a new session: the shell exits at once and the watcher, its child,
+    # is adopted by init, outside this process's tree and process group.
+    subprocess.run(["sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable,
+                    str(Path(__file__).resolve()), str(pid), *segments],
+                   check=True, start_new_session=True)
+
+
+def watch(pid: int, segments: list[str], limit_s: float = WATCH_LIMIT_S) -> list[str]:
+    """Wait for ``pid`` to end, then remove ``segments`` as their last users let go (within
+    ``limit_s``); the names removed."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pass  # gone already
+    else:
+        select.select([fd], [], [])
+        os.close(fd)
+    removed: list[str] = []
+    deadline = time.monotonic() + limit_s
+    while True:
+        removed += remove_unmapped(segments)
+        if not [s for s in segments if (SHM_DIR / s).exists()] or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":  # the watcher of unlink_at_exit: PID SEGMENT...
+    watch(int(sys.argv[1]), sys.argv[2:])

@@ -17,9 +17,9 @@ MODEL = ROOT / "configs/models/tiny_deepseek_v3.yaml"
 CLUSTER = ROOT / "configs/clusters/local_cpu.yaml"
 
 
-def wt(*args):
+def wt(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "actors.tools.cli.main", *map(str, args)],
-                          cwd=ROOT,
+                          cwd=cwd,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
 
@@ -54,6 +54,26 @@ def test_simulate_reports_prediction_beside_bound(tmp_path):
     stages = {"h2d", "gather", "prepare", "write"}
     assert set(s["stages"]) == stages and s["binding"] in stages | {"cpu"}
     assert len(s["group_binding"]) == s["groups"] and set(s["group_binding"]) <= stages | {"cpu"}
+
+
+def test_simulate_calibrate_measures_and_writes_the_constants_from_any_directory(tmp_path):
+    """``wt simulate --calibrate --write-sim`` run outside the repository (the configs it
+    measures with ship with the package): the constants measured, written into a copy of
+    the cluster file that still loads, and the simulation run on it."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER.read_text())
+    out = tmp_path / "sim.json"
+    r = wt("simulate", "--calibrate", "--model", ROOT / "configs/models/tiny_llama.yaml",
+           "--cluster", cluster, "--write-sim", cluster, "--json", out, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    constants = json.loads(out.read_text())["calibration"]["constants"]
+    assert set(constants) == {"copy_gbps", "fp8_quant_gbps", "intra_node_gbps",
+                              "gather_latency_us", "write_overhead_us", "cpu_cores",
+                              "param_overhead_us"}
+    assert all(v > 0 for v in constants.values()), constants
+    sim = load_cluster_config(cluster).sim
+    assert sim.copy_gbps == constants["copy_gbps"]
+    assert sim.param_overhead_us == constants["param_overhead_us"]
 
 
 def test_bad_cluster_file_is_named_with_its_field(tmp_path):

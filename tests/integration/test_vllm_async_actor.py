@@ -6,6 +6,9 @@ token; a request after the update is sampled by the new version alone. After the
 the registered bytes hash as the controller's integrity check expects, greedy generations
 equal the trainers' model, and vLLM reports the version.
 
+When the user kills the actor, every process its engine started is gone and nothing they
+mapped in /dev/shm is left.
+
 One engine start for the module (inside the user's actor).
 """
 
@@ -16,7 +19,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from vllm_fleet import LLAMA, START_SEED, train_step  # tests/integration is on sys.path
+from vllm_fleet import (  # tests/integration is on sys.path
+    LLAMA,
+    START_SEED,
+    assert_engine_gone,
+    engine_processes,
+    train_step,
+)
 
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.vllm_oracle import save_checkpoint
@@ -53,6 +62,8 @@ def test_doc_snippet_updates_your_own_asyncllm_while_requests_run(vllm_trainers,
         got = ray.get(ns["replicas"][0][0].generate.remote(PROMPTS, 8))
         assert got == want
         assert ctl.weights_version() == {"engine0": 1}
+        pids, segments = engine_processes(actor)
+        assert pids, "the user's AsyncLLM runs its engine core in a process of its own"
     finally:
         if "ctl" in ns:
             ns["ctl"].shutdown()
@@ -60,3 +71,4 @@ def test_doc_snippet_updates_your_own_asyncllm_while_requests_run(vllm_trainers,
             ns["replicas"].close()
         if "actor" in ns:
             ray.kill(ns["actor"])
+    assert_engine_gone(pids, segments)

@@ -5,6 +5,9 @@ byte our backend registered equals vLLM's own load_weights of the trainers' weig
 worker, by a worker extension reached by name), the actor's own ``generate`` with its own
 ``SamplingParams`` equals the trainers' greedy tokens, and vLLM reports the version.
 
+When the user kills the actor, every process its engine started is gone and nothing they
+mapped in /dev/shm is left.
+
 One engine start for the module (inside the user's actor).
 """
 
@@ -14,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from vllm_fleet import LLAMA, START_SEED, train_step  # tests/integration is on sys.path
+from vllm_fleet import (  # tests/integration is on sys.path
+    LLAMA,
+    START_SEED,
+    assert_engine_gone,
+    engine_processes,
+    train_step,
+)
 
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.vllm_oracle import save_checkpoint
@@ -60,6 +69,8 @@ def test_doc_snippet_updates_your_own_llm_actor(vllm_trainers, tmp_path):
                 for c in choices] == [(8, 8, [("1", 0, 8)])] * 2
         with pytest.raises(ValueError, match="unknown method 'shutdown_now'"):
             ray.get(actor.wt_vllm.remote("shutdown_now"))
+        pids, segments = engine_processes(actor)
+        assert pids, "the user's LLM runs its engine core in a process of its own"
     finally:
         if "ctl" in ns:
             ns["ctl"].shutdown()
@@ -67,3 +78,4 @@ def test_doc_snippet_updates_your_own_llm_actor(vllm_trainers, tmp_path):
             ns["replicas"].close()
         for a in ns.get("llm_actors", ()):
             ray.kill(a)
+    assert_engine_gone(pids, segments)

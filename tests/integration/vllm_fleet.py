@@ -23,6 +23,7 @@ the controller's mode (in place, shadow, delta), which an engine is set up for o
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,3 +142,33 @@ def nudge(trainer: Any) -> int:
 
 # The actors cannot import this module (tests/ is not installed): pickled by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def engine_processes(actor: Any) -> tuple[list[int], list[str]]:
+    """(pids, /dev/shm segments) of the processes under a user's actor: its engine's."""
+    from actors.vllm.shm import descendants, mapped_segments
+
+    def look(self):
+        import os
+
+        pids = descendants(os.getpid())
+        return pids, sorted(mapped_segments(pids))
+
+    return ray.get(actor.__ray_call__.remote(look), timeout=60)
+
+
+def assert_engine_gone(pids: list[int], segments: list[str], timeout_s: float = 120.0) -> None:
+    """A killed user's actor: its engine's processes exit (vLLM's watch their parent) and
+    none of their segments is left (actors.vllm.shm.unlink_at_exit); polled: a process
+    takes a moment to see its parent die."""
+    from actors.vllm.shm import live_pids
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sorted(set(pids) & set(live_pids()))
+        left = [name for name in segments if (SHM_DIR / name).exists()]
+        if (not alive and not left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not alive, f"the user's engine processes {alive} outlived its actor"
+    assert not left, f"the user's engine left /dev/shm segments {left}"

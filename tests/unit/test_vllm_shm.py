@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.vllm.shm import SHM_DIR, descendants, engine_segments, remove_unmapped
+from actors.vllm.shm import SHM_DIR, descendants, engine_segments, live_pids, remove_unmapped
 
 CHILD = """
 import sys, time
@@ -59,3 +59,64 @@ def test_an_unreadable_or_finished_process_maps_nothing():
     proc.wait()
     assert mapped_segments([proc.pid]) == set()
     assert not Path(f"/proc/{proc.pid}").exists() or mapped_segments([proc.pid]) == set()
+
+
+OWNER = """
+import importlib.util, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("shm", sys.argv[1])
+shm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(shm)
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.PIPE, text=True)
+name = engine.stdout.readline().strip()
+shm.unlink_at_exit(shm.engine_segments())
+print(name, engine.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def test_a_killed_owners_segments_are_removed_by_a_watcher_outside_its_tree():
+    """As ``ray.kill`` of a user's vLLM actor: the owner process and its children are killed
+    with SIGKILL, nothing runs in them; the watcher that unlink_at_exit started is not
+    among them and removes the segment the owner's engine mapped."""
+    import actors.vllm.shm as shm
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, shm.__file__, CHILD],
+                             stdout=subprocess.PIPE, text=True)
+    name, engine = owner.stdout.readline().split()
+    try:
+        assert (SHM_DIR / name).exists()
+        watchers, until = [], time.monotonic() + 60  # its exec may still be under way
+        while not watchers and time.monotonic() < until:
+            watchers = [pid for pid in live_pids()
+                        if _argv(pid)[1:3] == [shm.__file__, str(owner.pid)]]
+        assert len(watchers) == 1 and watchers[0] not in descendants(owner.pid)
+    finally:
+        for pid in (owner.pid, int(engine)):
+            os.kill(pid, 9)
+        owner.wait()
+    deadline = time.monotonic() + 120  # generous: the machine may be loaded
+    while (SHM_DIR / name).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (SHM_DIR / name).exists(), f"{name} outlived its killed owner"
+
+
+def test_a_segment_another_live_process_maps_is_left_alone_by_the_watcher():
+    proc, name = _child()
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        import actors.vllm.shm as shm
+
+        assert shm.watch(gone.pid, [name], limit_s=1.0) == []  # its user still runs
+        assert (SHM_DIR / name).exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert remove_unmapped([name]) == [name]
