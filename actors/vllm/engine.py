@@ -37,8 +37,8 @@ from actors.connections import this_host
 from actors.controller.live_config import check_actors
 from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.shadow import VllmShadow
-from actors.vllm.shm import engine_segments, remove_unmapped, unlink_at_exit
 from weight_transfer.engines.fence import KEEP, CommandFence
+from weight_transfer.engines.vllm.shm import engine_segments, remove_unmapped, unlink_at_exit
 
 
 class VllmEngineOwner:

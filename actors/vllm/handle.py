@@ -132,8 +132,8 @@ class _Method:
 
 
 class AttachedOwner:
-    """A user's actor seen as an owner actor: ``owner.pause.remote(...)`` is
-    ``actor.wt_vllm.remote("pause", ...)`` (what the ``VllmRank`` handles call)."""
+    """A user's actor seen as an owner actor: ``owner.wt_pause.remote(rank, ...)`` is
+    ``actor.wt_vllm.remote("wt_pause", rank, ...)`` (what the ``VllmRank`` handles call)."""
 
     __slots__ = ("actor",)
 

@@ -39,7 +39,7 @@ from actors.tools.testkit.vllm_oracle import (
     registered_tensors,
     save_checkpoint,
 )
-from actors.vllm.shm import SHM_DIR
+from weight_transfer.engines.vllm.shm import SHM_DIR
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LLAMA = CONFIGS / "models" / "tiny_llama.yaml"
@@ -93,7 +93,7 @@ def vllm_fleet(cfg: Any, root: Path) -> Iterator[VllmFleet]:
 
 def engine_shm(replicas: Any) -> list[str]:
     """The /dev/shm segments the processes of each replica's engine map now."""
-    from actors.vllm.shm import engine_segments
+    from weight_transfer.engines.vllm.shm import engine_segments
 
     return sorted({name for owner in replicas.owners for name in ray.get(
         owner.__ray_call__.remote(lambda self: sorted(engine_segments())), timeout=60)})
@@ -146,7 +146,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def engine_processes(actor: Any) -> tuple[list[int], list[str]]:
     """(pids, /dev/shm segments) of the processes under a user's actor: its engine's."""
-    from actors.vllm.shm import descendants, mapped_segments
+    from weight_transfer.engines.vllm.shm import descendants, mapped_segments
 
     def look(self):
         import os
@@ -159,9 +159,9 @@ def engine_processes(actor: Any) -> tuple[list[int], list[str]]:
 
 def assert_engine_gone(pids: list[int], segments: list[str], timeout_s: float = 120.0) -> None:
     """A killed user's actor: its engine's processes exit (vLLM's watch their parent) and
-    none of their segments is left (actors.vllm.shm.unlink_at_exit); polled: a process
-    takes a moment to see its parent die."""
-    from actors.vllm.shm import live_pids
+    none of their segments is left (weight_transfer.engines.vllm.shm.unlink_at_exit);
+    polled: a process takes a moment to see its parent die."""
+    from weight_transfer.engines.vllm.shm import live_pids
 
     deadline = time.monotonic() + timeout_s
     while True:

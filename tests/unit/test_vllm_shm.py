@@ -1,7 +1,7 @@
 """The shared memory an engine's processes left is found while they run and removed after
-them (actors.vllm.shm): a segment still mapped by a live process is left alone. Real
-segments in /dev/shm, made by child processes that skip Python's own clean-up (as a
-stopped vLLM engine core does)."""
+them (weight_transfer.engines.vllm.shm): a segment still mapped by a live process is left
+alone. Real segments in /dev/shm, made by child processes that skip Python's own clean-up
+(as a stopped vLLM engine core does)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from actors.vllm.shm import SHM_DIR, descendants, engine_segments, live_pids, remove_unmapped
+from weight_transfer.engines.vllm.shm import (
+    SHM_DIR,
+    descendants,
+    engine_segments,
+    live_pids,
+    remove_unmapped,
+)
 
 CHILD = """
 import sys, time
@@ -53,7 +59,7 @@ def test_segments_already_gone_are_skipped():
 
 
 def test_an_unreadable_or_finished_process_maps_nothing():
-    from actors.vllm.shm import mapped_segments
+    from weight_transfer.engines.vllm.shm import mapped_segments
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -85,7 +91,7 @@ def test_a_killed_owners_segments_are_removed_by_a_watcher_outside_its_tree():
     """As ``ray.kill`` of a user's vLLM actor: the owner process and its children are killed
     with SIGKILL, nothing runs in them; the watcher that unlink_at_exit started is not
     among them and removes the segment the owner's engine mapped."""
-    import actors.vllm.shm as shm
+    import weight_transfer.engines.vllm.shm as shm
 
     owner = subprocess.Popen([sys.executable, "-c", OWNER, shm.__file__, CHILD],
                              stdout=subprocess.PIPE, text=True)
@@ -112,7 +118,7 @@ def test_a_segment_another_live_process_maps_is_left_alone_by_the_watcher():
     try:
         gone = subprocess.Popen([sys.executable, "-c", "pass"])
         gone.wait()
-        import actors.vllm.shm as shm
+        import weight_transfer.engines.vllm.shm as shm
 
         assert shm.watch(gone.pid, [name], limit_s=1.0) == []  # its user still runs
         assert (SHM_DIR / name).exists()
@@ -120,3 +126,26 @@ def test_a_segment_another_live_process_maps_is_left_alone_by_the_watcher():
         proc.kill()
         proc.wait()
     assert remove_unmapped([name]) == [name]
+
+
+def test_a_servers_process_group_is_found_until_its_last_process_exits():
+    """VllmServer.close waits for every process of the server's group (an engine process
+    outliving the API server too), then removes what they mapped."""
+    from weight_transfer.engines.vllm.shm import group_pids
+
+    leader = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"],
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_pids(leader.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        members = group_pids(leader.pid)
+        assert leader.pid in members and len(members) == 3
+        assert os.getpid() not in members
+    finally:
+        os.killpg(leader.pid, 9)
+        leader.wait()
+    deadline = time.monotonic() + 10
+    while group_pids(leader.pid) and time.monotonic() < deadline:  # init reaps the sleeps
+        time.sleep(0.05)
+    assert group_pids(leader.pid) == []

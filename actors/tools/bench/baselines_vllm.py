@@ -226,7 +226,7 @@ def owner_update_weight(owner: Any, name: str, tensor: torch.Tensor) -> None:
 
 def owner_begin(owner: Any) -> None:
     """Steps 1-2: open vLLM's update session, loading format in every worker."""
-    owner.pause()
+    owner.wt_pause(0)
     owner.collective_rpc(worker_enter)
 
 
@@ -234,4 +234,4 @@ def owner_finish(owner: Any, version: str) -> None:
     """Steps 4-5: kernel tensors back, close the session (our backend reprocesses)."""
     owner.collective_rpc(worker_leave)
     for rank in range(owner.tp):
-        owner.resume(rank, version)
+        owner.wt_resume(rank, version)

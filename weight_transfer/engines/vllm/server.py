@@ -21,6 +21,7 @@ address (``127.0.0.1`` by default), never a wildcard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from typing import Any
 
 from weight_transfer.engines.vllm import BACKEND_NAME
 from weight_transfer.engines.vllm.channel import KEY_ENV
+from weight_transfer.engines.vllm.shm import group_pids, mapped_segments, remove_unmapped
 from weight_transfer.sync.listen import check_listen_address
 
 log = logging.getLogger(__name__)
@@ -125,17 +127,33 @@ class VllmServer:
         raise TimeoutError(f"vLLM server at {self.url}: no /health within {timeout_s:g} s")
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the server's process group (the API server and its engine processes)."""
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout_s)
-        except ProcessLookupError:
-            pass
+        """Stop the server's process group (the API server and its engine processes), wait
+        until every process of it has exited (SIGKILL after ``timeout_s``), then remove the
+        ``/dev/shm`` segments they mapped that nothing else maps: a worker killed or slow
+        to exit does not unlink what vLLM created."""
+        pgid = self.proc.pid
+        segments = mapped_segments(group_pids(pgid))
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+        if not self._wait_group(pgid, timeout_s):
+            log.warning("vLLM server %s: processes %s still up %g s after SIGTERM; killing",
+                        self.url, group_pids(pgid), timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            self._wait_group(pgid, timeout_s)
+        remove_unmapped(segments)
+
+    def _wait_group(self, pgid: int, timeout_s: float) -> bool:
+        """True once the server process is reaped and no process of its group is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(0.2)
+            if self.proc.returncode is not None and not group_pids(pgid):
+                return True
+            if time.monotonic() > deadline:
+                return False
 
     def __enter__(self) -> VllmServer:
         return self

@@ -52,16 +52,32 @@ def live_pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the name (state, ppid, pgrp, ...); None once it exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()  # the name may hold spaces
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (zombies left out)."""
+    out = []
+    for pid in live_pids():
+        fields = _stat_fields(pid)
+        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(pid)
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """The processes under ``pid`` (children, theirs, ...), read from ``/proc``."""
     parents: dict[int, list[int]] = {}
     for child in live_pids():
-        try:
-            stat = Path(f"/proc/{child}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces
-        parents.setdefault(ppid, []).append(child)
+        fields = _stat_fields(child)
+        if fields:
+            parents.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), ()):
