@@ -114,6 +114,12 @@ class PlanSummary:
     shadow_bytes: dict[str, int] = field(default_factory=dict, hash=False)
 
     @property
+    def gathered_bytes(self) -> int:
+        """Bytes written from gathered parameters (``bytes_total - direct_bytes``): every
+        byte in ``gather="full"``; in shard-direct mode those of ``gathered_params``."""
+        return self.bytes_total - self.direct_bytes
+
+    @property
     def send_imbalance(self) -> float:
         """Max / mean bytes over the sending NICs (1.0: perfectly balanced)."""
         return _imbalance(list(self.send_nic_bytes.values()))

@@ -118,18 +118,24 @@ class PeerInfo:
 
 # --------------------------------------------------------------------------- trainer side
 
+PLACEMENT_KINDS = ("shard", "replicate", "partial", "flat")
+
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
-    """A DTensor placement on one mesh dimension: ``shard`` (with ``dim``) or ``replicate``."""
+    """A placement on one mesh dimension: a DTensor's ``shard`` (with ``dim``),
+    ``replicate`` or ``partial``, or ``flat``: the parameter flattened and cut into one
+    contiguous range of ``ceil(numel / n)`` elements per rank of the dim, the last ones
+    shorter or empty (DeepSpeed ZeRO-3's partitions, :mod:`weight_transfer.layout.flat_blocks`)."""
 
     kind: str
     dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("shard", "replicate", "partial"):
+        if self.kind not in PLACEMENT_KINDS:
             raise ValueError(
-                f"placement kind must be shard, replicate or partial, not {self.kind!r}"
+                f"placement kind must be one of {', '.join(PLACEMENT_KINDS)}, not {self.kind!r}"
             )
         if (self.kind == "shard") != (self.dim is not None):
             raise ValueError(

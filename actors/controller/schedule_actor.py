@@ -154,11 +154,12 @@ class Scheduler:
         summary = summarize(plan, plan_id=self.plans_computed, seconds=seconds,
                             expert_naming=naming)
         log.info("plan %d: %d tasks, %d B, %d mesh groups, %d replicas in %.3f s; gather=%s, "
-                 "%.1f%% of bytes shard-direct, send NICs max/mean %.3f",
+                 "%d B shard-direct (%.1f%%), %d B gathered (%d parameters), send NICs "
+                 "max/mean %.3f",
                  summary.plan_id, summary.num_tasks, summary.bytes_total, summary.num_groups,
-                 len(summary.replicas), seconds, summary.gather,
+                 len(summary.replicas), seconds, summary.gather, summary.direct_bytes,
                  100 * summary.direct_bytes / max(summary.bytes_total, 1),
-                 summary.send_imbalance)
+                 summary.gathered_bytes, summary.gathered_params, summary.send_imbalance)
         return PlanResult(blobs=blobs, summary=summary)
 
     def plan_blob(self) -> bytes:

@@ -17,7 +17,9 @@ meet, as long as every part stays one contiguous destination range:
   :data:`MAX_PARTS` parts;
 * FP8: a cut must fall on a 128-row block boundary of the piece (or between
   experts), so each part quantizes exactly the blocks the whole piece would;
-  never in the columns.
+  never in the columns;
+* a flat-partitioned parameter (ZeRO-3) is cut where the ranks' flat ranges meet:
+  whole rows and partial rows at the edges (:mod:`scheduling.build.direct_flat`).
 
 Each part's sources are the ranks that hold its block (one under FSDP; every
 replica under HSDP). A *parameter* is shard-direct when all its pieces are
@@ -40,7 +42,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from weight_transfer.layout.engine_layout import piece_nbytes
+from scheduling.build.direct_flat import cover_flat
+from weight_transfer.layout.engine_layout import part_bytes
 from weight_transfer.layout.fp8_geometry import FP8_BLOCK
 from weight_transfer.layout.shard_blocks import dim_cuts, owners_at, ownership
 from weight_transfer.types import ParamMeta, Piece, Transform
@@ -94,6 +97,9 @@ def cover_parts(piece: Piece, meta: ParamMeta, *, min_part_bytes: int = MIN_PART
     kind = ownership(meta)
     if kind == "replicated":
         return ((piece.src_slice, 0, piece.nbytes, tuple(meta.mesh.ranks)),)
+    if kind == "flat":
+        return cover_flat(piece.src_slice, piece.transform, piece.dst_dtype, meta.shape,
+                          meta.mesh, min_part_bytes, MAX_PARTS)
     if kind != "sharded":
         return kind
     return _cover(piece.src_slice, piece.transform, piece.dst_dtype, meta.shape,
@@ -129,7 +135,7 @@ def _cover(src, transform, dst_dtype, shape, placements, mesh, min_part_bytes):
             if dim is not None:
                 rect[dim] = (a, b)
             rect = tuple(rect)
-            off, n = _part_bytes(src, rect, transform, dst_dtype)
+            off, n = part_bytes(src, rect, transform, dst_dtype)
             parts.append((rect, off, n, owners_at(meta, [lo for lo, _ in rect])))
     # measured in source bytes (bf16): an FP8 scale part is tiny, its weight part is not
     total = math.prod(b - a for a, b in src) * 2
@@ -167,13 +173,3 @@ def _split_plan(src: tuple[tuple[int, int], ...], transform: Transform,
     edges = (a0, *inside[dim], b0)
     return unit_dims, dim, tuple(itertools.pairwise(edges))
 
-
-def _part_bytes(src, rect, transform: Transform, dst_dtype: str) -> tuple[int, int]:
-    """(byte offset in the piece, bytes) of the part of source ``src`` whose source is
-    ``rect`` (a contiguous destination range: leading dims of extent 1, one dim cut)."""
-    full = tuple(b - a for a, b in src)
-    offset = 0
-    for d, ((a, _), (a0, _)) in enumerate(zip(rect, src, strict=True)):
-        if a > a0:
-            offset += piece_nbytes((1,) * d + (a - a0,) + full[d + 1:], transform, dst_dtype)
-    return offset, piece_nbytes(tuple(b - a for a, b in rect), transform, dst_dtype)

@@ -14,9 +14,9 @@ rank, tensor and byte range (or the piece and parameter):
 * coverage: per engine tensor, the written ranges tile [0, nbytes) exactly -
   no gap, no overlap; tensors of one region do not overlap each other;
 * shard-direct parameters (``plan.direct_params``): every task of one reads
-  a rectangle inside the block its source rank holds
-  (:func:`weight_transfer.layout.shard_blocks.local_rect`), since it is written from
-  that block with no gather.
+  a rectangle inside the block (or ZeRO-3 flat range) its source rank holds
+  (:func:`weight_transfer.layout.shard_blocks.holds`), since it is written from
+  what the rank holds with no gather.
 
 Per-task checks are vectorized; per-piece checks loop over distinct pieces.
 """
@@ -29,7 +29,7 @@ import numpy as np
 
 from scheduling.build.tables import engine_table, grow_lookup, piece_table
 from weight_transfer.layout.fp8_geometry import FP8_DTYPE, SCALE_DTYPE
-from weight_transfer.layout.shard_blocks import local_rect
+from weight_transfer.layout.shard_blocks import held, holds
 from weight_transfer.plan.check import expected_piece_nbytes
 from weight_transfer.plan.wire import Interner
 from weight_transfer.types import Piece, Transform
@@ -186,12 +186,10 @@ def _direct_problems(plan: PlanData, pt) -> list[str]:
     for key in pairs.tolist():
         piece, rank = plan.pieces[key // len(plan.trainer_ranks)], key % len(plan.trainer_ranks)
         meta = plan.params[int(pt.param[key // len(plan.trainer_ranks)])]
-        block = local_rect(meta, rank)
-        if block is None or any(not (a0 <= a and b <= b0) for (a, b), (a0, b0)
-                                in zip(piece.src_slice, block, strict=True)):
+        if not holds(meta, rank, piece.src_slice):
             out.append(f"shard-direct piece {piece.src_param}{list(piece.src_slice)} -> "
                        f"{piece.dst_tensor}@{piece.dst_offset}: source rank {rank} holds "
-                       f"{'no block' if block is None else list(block)} of it")
+                       f"{held(meta, rank)} of it")
             if len(out) >= MAX_SHOWN:
                 break
     return out

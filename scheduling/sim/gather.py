@@ -28,6 +28,10 @@ import numpy as np
 
 from weight_transfer.types import MeshDesc, Placement
 
+# Placements a gather un-shards with one ring over the mesh dim (ZeRO-3's flat
+# partitions gather like a Shard: each rank holds 1/n of the tensor).
+_SHARDED = ("shard", "flat")
+
 if TYPE_CHECKING:
     from scheduling.cluster.config import ClusterConfig
     from scheduling.plan import Plan
@@ -45,7 +49,7 @@ def sharded_fraction(mesh: MeshDesc, placements: tuple[Placement, ...]) -> float
     """The fraction of the tensor one rank holds (1 / product of the Shard dims' sizes)."""
     n = 1
     for size, pl in zip(mesh.shape, placements, strict=False):
-        if pl.kind == "shard":
+        if pl.kind in _SHARDED:
             n *= size
     return 1.0 / n
 
@@ -59,7 +63,7 @@ def gather_rings(mesh: MeshDesc, placements: tuple[Placement, ...],
     grid = np.asarray(mesh.ranks, dtype=np.int64).reshape(mesh.shape)
     rings = []
     for d in reversed(range(len(placements))):
-        if placements[d].kind != "shard" or mesh.shape[d] <= 1:
+        if placements[d].kind not in _SHARDED or mesh.shape[d] <= 1:
             continue
         groups = np.moveaxis(grid, d, -1).reshape(-1, mesh.shape[d])
         one_node = all(len({node_of[int(r)] for r in g}) == 1 for g in groups)

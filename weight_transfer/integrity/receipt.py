@@ -27,6 +27,7 @@ from typing import Any
 
 from weight_transfer.types import (
     DTYPE_SIZES,
+    PLACEMENT_KINDS,
     EngineRankMeta,
     EngineTensorMeta,
     MeshDesc,
@@ -139,8 +140,9 @@ def check_param_meta(p: Any, where: str) -> ParamMeta:
 
 
 def _check_placement(pl: Any, ndim: int, where: str) -> None:
-    if not isinstance(pl, Placement) or pl.kind not in ("shard", "replicate", "partial"):
-        raise ValueError(f"{where} must be shard, replicate or partial, not {_short(pl)}")
+    if not isinstance(pl, Placement) or pl.kind not in PLACEMENT_KINDS:
+        raise ValueError(f"{where} must be one of {', '.join(PLACEMENT_KINDS)}, "
+                         f"not {_short(pl)}")
     if pl.kind == "shard":
         check_int(pl.dim, f"{where}: shard dim", hi=max(ndim - 1, 0))
     elif pl.dim is not None:

@@ -67,6 +67,19 @@ def piece_nbytes(src_shape: tuple[int, ...], transform: Transform, dst_dtype: st
     return math.prod(src_shape) * dtype_size(dst_dtype)
 
 
+def part_bytes(src: tuple[tuple[int, int], ...], rect: tuple[tuple[int, int], ...],
+               transform: Transform, dst_dtype: str) -> tuple[int, int]:
+    """(byte offset in the piece, bytes) of the part of a piece with source ``src`` whose
+    source is ``rect``: leading dims of extent 1, one dim cut, trailing dims whole, so
+    its destination is one contiguous range of the piece's."""
+    full = tuple(b - a for a, b in src)
+    offset = 0
+    for d, ((a, _), (a0, _)) in enumerate(zip(rect, src, strict=True)):
+        if a > a0:
+            offset += piece_nbytes((1,) * d + (a - a0,) + full[d + 1:], transform, dst_dtype)
+    return offset, piece_nbytes(tuple(b - a for a, b in rect), transform, dst_dtype)
+
+
 def _check_blocks(lay: TensorLayout, shapes: dict, shard: ShardSpec, memo: dict | None = None):
     """ValueError if a quantized tensor's shard cuts an FP8 block. Each (cuts, source
     shapes) once: ``memo`` remembers those found whole (every MoE layer repeats one)."""

@@ -16,7 +16,13 @@ from it without a gather::
 
 A parameter whose placements are all ``Replicate()`` (or a plain tensor, which
 the metadata describes so) is held whole by every rank of its mesh; one with a
-``Partial()`` placement is held by no rank alone (:func:`ownership` says why).
+``Partial()`` placement is held by no rank alone (:func:`ownership` says why). A
+flat-partitioned one (ZeRO-3, ``Flat()``) holds no rectangle but a range of its
+flattened elements (:mod:`weight_transfer.layout.flat_blocks`); :func:`holds` and
+:func:`held` answer for every kind::
+
+    holds(meta, rank, rect)       # whether the rank can cut rect from what it holds
+    held(meta, rank)              # what it holds, in words (for error messages)
 """
 
 from __future__ import annotations
@@ -27,21 +33,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from weight_transfer.layout.flat_blocks import flat_range, holds_flat, is_flat
 from weight_transfer.types import MeshDesc, ParamMeta, Piece, Placement
 
 Rect = tuple[tuple[int, int], ...]
 
-__all__ = ["Rect", "dim_cuts", "local_rect", "mesh_coord", "owners_at", "ownership", "shifted"]
+__all__ = ["Rect", "dim_cuts", "held", "holds", "local_rect", "mesh_coord", "owners_at",
+           "ownership", "shifted"]
 
 
 def ownership(meta: ParamMeta) -> str:
     """``"sharded"`` (Shard/Replicate, one Shard at least), ``"replicated"`` (every rank
-    holds it whole) or a sentence saying why no rank holds a block of its own."""
+    holds it whole), ``"flat"`` (ZeRO-3's flat partitions) or a sentence saying why no
+    rank holds a block of its own."""
     pl = meta.placements
     if not pl or all(p.kind == "replicate" for p in pl):
         return "replicated"
+    if is_flat(meta):
+        return "flat"
     if len(pl) != len(meta.mesh.shape):
         return f"{len(pl)} placements for a mesh of {len(meta.mesh.shape)} dims"
+    if any(p.kind == "flat" for p in pl):
+        return "a Flat() placement is known only alone on a 1-D mesh"
     bad = [str(p) for p in pl if p.kind not in ("shard", "replicate")]
     if bad:
         return f"placement {bad[0]} leaves no rank a block of its own"
@@ -158,3 +171,21 @@ def shifted(piece: Piece, rect: Rect) -> Piece:
         raise ValueError(f"piece {piece.src_param}{list(piece.src_slice)} -> {piece.dst_tensor}"
                          f"@{piece.dst_offset} is not inside the local block {list(rect)}")
     return dataclasses.replace(piece, src_slice=sl)
+
+
+def holds(meta: ParamMeta, rank: int, rect: Rect) -> bool:
+    """Whether trainer ``rank`` holds every element of ``rect`` (global coordinates)."""
+    if ownership(meta) == "flat":
+        return holds_flat(meta, rank, rect)
+    block = local_rect(meta, rank)
+    return block is not None and all(a0 <= a and b <= b0
+                                     for (a, b), (a0, b0) in zip(rect, block, strict=True))
+
+
+def held(meta: ParamMeta, rank: int) -> str:
+    """What trainer ``rank`` holds of ``meta``, in words (for error messages)."""
+    if ownership(meta) == "flat":
+        got = flat_range(meta, rank)
+        return "no range" if got is None else f"flat elements [{got[0]}, {got[1]})"
+    block = local_rect(meta, rank)
+    return "no block" if block is None else f"block {list(block)}"

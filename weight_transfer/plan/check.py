@@ -5,8 +5,8 @@
 fields): every parameter it gathers or writes from its own shard (``local``)
 is one of the rank's, every task belongs to the rank and the group it sits
 in, reads a parameter of that group, and its source rectangle lies inside
-that parameter, and for a local parameter inside the block this rank holds
-(:func:`weight_transfer.layout.shard_blocks.local_rect`). It returns the tasks grouped
+that parameter, and for a local parameter inside the block (or the flat range) this
+rank holds (:func:`weight_transfer.layout.shard_blocks.holds`). It returns the tasks grouped
 by mesh group and parameter, as :class:`~weight_transfer.sender.executor.RankTransfer`
 replays them::
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from weight_transfer.layout.fp8_geometry import scale_shape
-from weight_transfer.layout.shard_blocks import local_rect
+from weight_transfer.layout.shard_blocks import held, holds
 from weight_transfer.plan.types import TrainerPlan
 from weight_transfer.types import ParamMeta, Piece, Transform, WriteTask, dtype_size
 
@@ -73,15 +73,14 @@ def check_trainer_plan(plan: TrainerPlan, params: Sequence[ParamMeta]) -> list[G
 
 
 def _check_local(tasks: list[WriteTask], meta: ParamMeta, rank: int) -> None:
-    """Each task of a shard-direct parameter reads inside the block this rank holds."""
-    block = local_rect(meta, rank)
+    """Each task of a shard-direct parameter reads inside the block (or flat range) this
+    rank holds."""
     for t in tasks:
         sl = t.piece.src_slice
-        if block is None or any(not a0 <= a < b <= b0
-                                for (a, b), (a0, b0) in zip(sl, block, strict=True)):
+        if any(a >= b for a, b in sl) or not holds(meta, rank, sl):
             raise ValueError(
                 f"rank {rank} task {t.task_id}: source slice {sl} of {meta.name!r} is not "
-                f"inside the block the rank holds ({'none' if block is None else block}); "
+                f"inside the block the rank holds ({held(meta, rank)}); "
                 "it cannot be written without a gather")
 
 

@@ -7,7 +7,8 @@ a shard-direct parameter (the group's ``local``, :mod:`scheduling.build.direct`)
 item of its own with no collective: :func:`local_fulls` takes the rank's own block
 of it (``DTensor.to_local()``, which :func:`weight_transfer.layout.shard_blocks.local_rect`
 places in global coordinates) and the pieces are cut with their sources shifted
-into that block, so the same bytes land as from the gathered tensor. The pieces
+into that block, so the same bytes land as from the gathered tensor (a ZeRO-3 flat
+partition: each piece from a strided view of the partition, :func:`piece_sources`). The pieces
 are written into the bucket's staging lease when it has one
 (:func:`weight_transfer.sender.prepare.prepare_pieces_into`, or ``prepare`` in its place:
 a delta run's :meth:`~weight_transfer.sender.delta.write.DeltaStage.prepare_into`, which
@@ -30,11 +31,12 @@ from typing import Any
 import torch
 
 from weight_transfer.layout.shard_blocks import shifted
+from weight_transfer.sender.flat_shard import FlatShard, flat_view
 from weight_transfer.sender.gather import GatherBucket, gather_bucket
 from weight_transfer.sender.prepare import prepare_pieces, prepare_pieces_into
 from weight_transfer.sender.rank_items import BucketLayout, own_block
 from weight_transfer.sender.staging import Lease
-from weight_transfer.types import ParamMeta, WriteTask
+from weight_transfer.types import ParamMeta, Piece, WriteTask
 
 
 @dataclass(slots=True)
@@ -86,29 +88,43 @@ def prepare_bucket(work: BucketWork, *, rank: int, write_from_views: bool,
     rank writes, into the bucket's lease when it has one; drops the local shards."""
     fulls = local_fulls(work, rank) if work.layout.local else gathered_fulls(work, record)
     slot = work.layout.slots  # each distinct piece's own range of the bucket's lease
-    on_cuda = False
+    cuda = None
     for p, (full, block) in zip(work.params, fulls, strict=True):
         p.local = None
         mine = list(dict.fromkeys(t.piece for t in p.tasks))
-        if not mine:
-            continue
-        # a local block: the same pieces with sources relative to it
-        src = mine if block is None else [shifted(q, block) for q in mine]
-        if work.lease is not None:
-            outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in mine]
-            views = write_from_views and not full.is_cuda
-            if prepare is not None and not full.is_cuda:  # (pieces and their sources)
-                got = prepare(full, mine, src, outs, views=views)
+        ready: dict = {}
+        for source, qs, src in piece_sources(full, block, mine):
+            if work.lease is not None:
+                outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in qs]
+                views = write_from_views and not source.is_cuda
+                if prepare is not None and not source.is_cuda:  # (pieces and their sources)
+                    got = prepare(source, qs, src, outs, views=views)
+                else:
+                    got = prepare_pieces_into(source, src, outs, views=views)
             else:
-                got = prepare_pieces_into(full, src, outs, views=views)
-            ready = dict(zip(mine, got, strict=True))
-        else:
-            ready = dict(zip(mine, prepare_pieces(full, src), strict=True))
+                got = prepare_pieces(source, src)
+            ready.update(zip(qs, got, strict=True))
+            cuda = source.device if source.is_cuda else cuda
         p.prepared = [ready[t.piece] for t in p.tasks]
-        on_cuda = on_cuda or full.is_cuda
-    if on_cuda:
-        torch.cuda.current_stream(fulls[0][0].device).synchronize()
+    if cuda is not None:
+        torch.cuda.current_stream(cuda).synchronize()
     return work
+
+
+def piece_sources(full: Any, block: tuple | None, pieces: list[Piece]):
+    """``(tensor, pieces, their sources relative to it)`` to prepare ``pieces`` from: the
+    gathered tensor, a local block (sources shifted into it), or per distinct source
+    rectangle a strided view of a flat partition (ZeRO-3: the rectangles the plan gave
+    this rank lie inside its range)."""
+    if not pieces:
+        return []
+    if isinstance(full, FlatShard):
+        by_rect: dict[tuple, list[Piece]] = {}
+        for q in pieces:  # an FP8 weight piece and its scale piece share one view
+            by_rect.setdefault(q.src_slice, []).append(q)
+        return [(flat_view(full, rect), qs, [shifted(q, rect) for q in qs])
+                for rect, qs in by_rect.items()]
+    return [(full, pieces, pieces if block is None else [shifted(q, block) for q in pieces])]
 
 
 def to_device(local: Any, device: torch.device) -> Any:

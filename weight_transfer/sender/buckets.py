@@ -12,7 +12,7 @@ A bucket is a run of consecutive parameters (in the plan's gather order) with
 the SAME mesh and the SAME placements, each placement ``Shard(d)`` (any tensor
 dim) or ``Replicate()`` with at least one shard (:func:`coalescible`: FSDP2's
 ``(Shard(0),)``, HSDP's ``(Replicate(), Shard(0))``, EP x FSDP stacked
-experts' ``(Shard(0), Shard(1))``), whose gather holds at most
+experts' ``(Shard(0), Shard(1))``; ZeRO-3's ``(Flat(),)``), whose gather holds at most
 ``bucket_bytes`` of temporary memory; any other parameter (``Partial``, all
 ``Replicate``) is a bucket of its own (``full_tensor()``). Every rank of a mesh
 cuts the same buckets.
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weight_transfer.layout.flat_blocks import is_flat, partition_numel
 from weight_transfer.types import ParamMeta, dtype_size, numel
 
 GATHER_MODES = ("param", "bucket")
@@ -62,8 +63,11 @@ class GatherBucket:
 
 def coalescible(meta: ParamMeta) -> bool:
     """Whether one coalesced gather takes ``meta``: a tensor whose placements, one per
-    mesh dim, are each ``shard`` or ``replicate``, at least one of them ``shard``."""
+    mesh dim, are each ``shard`` or ``replicate``, at least one of them ``shard``; or a
+    flat-partitioned one (ZeRO-3: :func:`weight_transfer.sender.flat_shard.gather_flat`)."""
     pl = meta.placements
+    if is_flat(meta):
+        return len(meta.shape) >= 1
     return (len(meta.shape) >= 1 and len(pl) == len(meta.mesh.shape)
             and all(p.kind in _GATHERABLE for p in pl) and any(p.kind == "shard" for p in pl))
 
@@ -84,7 +88,11 @@ def shard_levels(meta: ParamMeta) -> tuple[tuple[int, int, int], ...]:
 
 def padded_blocks(meta: ParamMeta) -> list[int]:
     """Bytes of the padded block each sharded level sends, outermost first: the tensor
-    chunked ``ceil(n / m)`` along the sharded dim at every level down to that one."""
+    chunked ``ceil(n / m)`` along the sharded dim at every level down to that one (flat:
+    one level, ``ceil(numel / m)`` elements)."""
+    if is_flat(meta):
+        return [partition_numel(numel(meta.shape), len(meta.mesh.ranks))
+                * dtype_size(meta.dtype)]
     shape = list(meta.shape)
     out = []
     for _, m, d in shard_levels(meta):
@@ -152,5 +160,7 @@ def _sizes(meta: ParamMeta) -> list[int]:
 def _peak(first: ParamMeta, totals: Sequence[int], count: int) -> int:
     """The largest over levels of ``(m_j + 1) * P_j + B_{j-1}`` (the module docstring),
     from the bucket's summed :func:`_sizes` and its ``count`` parameters (each aligned)."""
+    sizes = ([len(first.mesh.ranks)] if is_flat(first)
+             else [m for _, m, _ in shard_levels(first)])
     return max((m + 1) * (totals[j + 1] + count * _ALIGN) + totals[j]
-               for j, (_, m, _) in enumerate(shard_levels(first)))
+               for j, m in enumerate(sizes))

@@ -28,7 +28,10 @@ bucket at once:
    chunks, in rank order. Every other coalescible layout goes through
    :func:`weight_transfer.sender.gather_nd.gather_nd`: the same, once per sharded mesh
    dim, innermost first, over that dim's group, along the sharded tensor dim.
-   Either way the result equals ``full_tensor()`` bit for bit.
+   Either way the result equals ``full_tensor()`` bit for bit. ZeRO-3's flat
+   partitions (``(Flat(),)``, :class:`~weight_transfer.sender.flat_shard.FlatShard`)
+   go through :func:`weight_transfer.sender.flat_shard.gather_flat`: one ``all_gather``
+   of the padded partitions over their group.
 
 Memory: :func:`reserve_bytes` is what a bucket holds at its peak, for the
 watermark: the padded local input, the ``world x`` padded gather buffer and the
@@ -47,6 +50,7 @@ from typing import Any
 
 import torch
 
+from weight_transfer.layout.flat_blocks import is_flat
 from weight_transfer.sender.buckets import (  # the pure planning half, re-exported
     _ALIGN,
     DEFAULT_BUCKET_BYTES,
@@ -57,6 +61,7 @@ from weight_transfer.sender.buckets import (  # the pure planning half, re-expor
     reserve_bytes,
     shard_rows,
 )
+from weight_transfer.sender.flat_shard import FlatShard, gather_flat
 from weight_transfer.sender.gather_nd import gather_nd
 from weight_transfer.types import ParamMeta, Placement
 
@@ -119,11 +124,19 @@ def _coalesced(bucket: GatherBucket, locals_: Sequence[Any],
     """
     if not bucket.coalesced:
         return [], _all_gather
+    if is_flat(bucket.params[0]):  # ZeRO-3 partitions: one all_gather over their group
+        fast = [i for i in live if isinstance(locals_[i], FlatShard)]
+        return fast, _flat
     if _is_shard0_1d(bucket.params[0]):
         fast = [i for i in live if _is_dtensor(locals_[i]) and _live_shard0(locals_[i])]
         return (fast if len(fast) > 1 else []), _all_gather
     fast = [i for i in live if _is_dtensor(locals_[i]) and locals_[i].numel() > 0]
     return fast, gather_nd
+
+
+def _flat(shards: Sequence[FlatShard], metas: Sequence[ParamMeta],
+          record: Recorder | None) -> list[torch.Tensor]:
+    return gather_flat(shards, [m.name for m in metas], record)
 
 
 def _is_shard0_1d(meta: ParamMeta) -> bool:

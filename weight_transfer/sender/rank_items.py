@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from weight_transfer.layout.flat_blocks import flat_range, is_flat
 from weight_transfer.layout.shard_blocks import local_rect
 from weight_transfer.plan.check import GroupWork
+from weight_transfer.sender.flat_shard import FlatShard
 from weight_transfer.sender.gather import GatherBucket, plan_buckets, reserve_bytes
 from weight_transfer.sender.staging import piece_slots
 from weight_transfer.types import ParamMeta, Piece, WriteTask
@@ -66,11 +66,14 @@ def group_layouts(group: GroupWork, *, gather_unit: str, bucket_bytes: int
     return local + [bucket_layout(group, b) for b in buckets]
 
 
-def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[torch.Tensor, tuple]:
+def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[Any, tuple | None]:
     """(the rank's own block of a parameter, where it sits in the global tensor): a
     DTensor's local tensor, or the block's rectangle of a plain tensor of the global
-    shape. ValueError naming the parameter and the rank if its shape is not what the
-    metadata's placements give."""
+    shape; a flat partition (:class:`~weight_transfer.sender.flat_shard.FlatShard`) as it
+    is, with no rectangle. ValueError naming the parameter and the rank if its shape (or
+    range) is not what the metadata's placements give."""
+    if isinstance(local, FlatShard) or is_flat(meta):
+        return _own_range(meta, local, rank), None
     block = local_rect(meta, rank)
     tensor = local.to_local() if hasattr(local, "to_local") else local
     want = None if block is None else tuple(b - a for a, b in block)
@@ -82,3 +85,15 @@ def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[torch.Tensor, tup
                          f"{tuple(tensor.shape)}, its placements {meta.placements} on mesh "
                          f"{meta.mesh.ranks} give {want}; it cannot be written shard-direct")
     return tensor, block
+
+
+def _own_range(meta: ParamMeta, local: Any, rank: int) -> FlatShard:
+    want = flat_range(meta, rank) if is_flat(meta) else None
+    got = ((local.start, local.start + local.valid) if isinstance(local, FlatShard)
+           else type(local).__name__)
+    if want is None or got != want or tuple(local.shape) != meta.shape:
+        raise ValueError(f"rank {rank}: parameter {meta.name!r} holds {got} of shape "
+                         f"{tuple(getattr(local, 'shape', ()))}, its placements "
+                         f"{meta.placements} on mesh {meta.mesh.ranks} give flat elements "
+                         f"{want} of {meta.shape}; it cannot be written shard-direct")
+    return local
