@@ -3,13 +3,15 @@
 
 An existing trainer actor (OpenRLHF, veRL style) gains the methods by
 inheriting :class:`TrainerMixin` and calling :meth:`TrainerMixin.wt_attach`
-once its model is sharded::
+once its model is sharded (FSDP2) or its DeepSpeed engine is built (ZeRO 0-3:
+the ZeRO-3 partitions are written from ``ds_tensor``; the source is recognised,
+or named with ``source=``, :mod:`weight_transfer.sources.registry`)::
 
     @ray.remote
     class MyTrainer(TrainerMixin):
         def __init__(self, ...):
             ...                                   # init_process_group, fully_shard(model)
-            self.wt_attach(model=model, rank=rank, world=world)
+            self.wt_attach(model=model, rank=rank, world=world)   # or model=ds_engine
 
 The controller then calls, in order: ``wt_param_metas()`` (setup, gathered),
 ``wt_endpoints(requests, rank_info=, transport=)`` (setup: opens this rank's
@@ -48,16 +50,15 @@ from actors.connections import this_host, trainer_owner
 from actors.groups import connect_store
 from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
-from actors.ready.trainer_model import gather_full_state
 from actors.reports import RankReport, rank_report_of
 from actors.trainer_delta import TrainerDeltaMixin
 from actors.write_guard import WriteGuard
-from weight_transfer.model.live_metadata import expert_naming_of, param_metas_from_module
+from weight_transfer.model.live_metadata import expert_naming_of
 from weight_transfer.model.models import ModelConfig, model_config_from_hf
-from weight_transfer.model.naming import canonical_trainer_name
 from weight_transfer.observe.trace import rank_trace_of
 from weight_transfer.plan.wire import loads_trainer_plan
 from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
+from weight_transfer.sources.registry import TrainerSource, open_source
 from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 from weight_transfer.transport.handshake import (
     Connection,
@@ -109,17 +110,31 @@ class TrainerMixin(TrainerDeltaMixin):
     """Weight-transfer methods for a trainer actor; see the module docstring."""
 
     _wt_model: torch.nn.Module | None = None
+    _wt_source: TrainerSource | None = None
     _wt_link: _Link | None = None
     _wt_rank: int = -1
     _wt_nic: Any = None
     _wt_nic_key: tuple[str, TransportSpec] | None = None
 
-    def wt_attach(self, *, model: torch.nn.Module, rank: int, world: int) -> None:
-        """Declare the (FSDP2-sharded) model this rank trains; call once before setup."""
+    def wt_attach(self, *, model: Any, rank: int, world: int, source: str | None = None
+                  ) -> None:
+        """Declare the model this rank trains; call once before setup.
+
+        ``model``: an FSDP2-sharded module, a ``DeepSpeedEngine`` (ZeRO 0-3) or a model
+        ZeRO-3 partitioned; ``source`` names how to read it (``"fsdp2"``, ``"deepspeed"``;
+        None: recognised, :mod:`weight_transfer.sources.registry`). A model the source
+        cannot describe is refused here (ValueError naming the parameter and the rank)."""
         if not 0 <= rank < world:
             raise ValueError(f"trainer rank {rank} outside [0, {world})")
-        self._wt_model, self._wt_rank, self._wt_world = model, rank, world
+        found = open_source(model, rank=rank, world=world, source=source)
+        found.check()
+        self._wt_source = found
+        self._wt_model, self._wt_rank, self._wt_world = found.module, rank, world
         self._wt_link = None
+
+    def _wt_require_source(self) -> TrainerSource:
+        self._wt_require_model()
+        return self._wt_source
 
     def _wt_require_model(self) -> torch.nn.Module:
         if self._wt_model is None:
@@ -136,7 +151,7 @@ class TrainerMixin(TrainerDeltaMixin):
             world=self._wt_world,
             node=ray.get_runtime_context().get_node_id(),
             expert_naming=expert_naming_of(model),
-            params=tuple(param_metas_from_module(model)),
+            params=tuple(self._wt_source.param_metas()),
             host=self.wt_host(),
         )
 
@@ -151,7 +166,7 @@ class TrainerMixin(TrainerDeltaMixin):
             raise ValueError(
                 f"trainer rank {self._wt_rank}: the attached {type(model).__name__} has no "
                 "Hugging Face .config to save beside its weights")
-        full = gather_full_state(model)
+        full = self._wt_require_source().full_state()
         if self._wt_rank != 0:
             return False
         from safetensors.torch import save_file  # a dependency of transformers, on use
@@ -237,14 +252,14 @@ class TrainerMixin(TrainerDeltaMixin):
 
         The plan is decoded and checked against this rank's parameters first: a
         corrupt or foreign plan is a ValueError, and the rank keeps its previous plan."""
-        model = self._wt_require_model()
+        source = self._wt_require_source()
         plan = loads_trainer_plan(plan_blob)
         if plan.rank != self._wt_rank or rank_info.rank != self._wt_rank:
             raise ValueError(
                 f"trainer rank {self._wt_rank} was sent the plan of rank {plan.rank} "
                 f"(rank info of {rank_info.rank})"
             )
-        metas = param_metas_from_module(model)
+        metas = source.param_metas()
         check_trainer_plan(plan, metas)  # before anything of the previous plan is dropped
         if self._wt_link is not None:
             self._wt_link.transfer.close()
@@ -277,9 +292,7 @@ class TrainerMixin(TrainerDeltaMixin):
         link = self._wt_link
         if link is None:
             raise RuntimeError(f"trainer rank {self._wt_rank}: wt_update before wt_connect")
-        model = self._wt_require_model()
-        self._wt_params = {canonical_trainer_name(k): v
-                           for k, v in model.state_dict(keep_vars=True).items()}
+        self._wt_params = self._wt_require_source().tensors()
         started, offset = time.time(), time.time() - time.perf_counter()
         link.guard.reset()
         try:

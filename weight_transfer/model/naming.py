@@ -46,6 +46,7 @@ __all__ = [
     "name_problems",
     "rule_sources",
     "scale_name",
+    "unmapped_trainer_names",
 ]
 
 # Wrapper prefixes that FSDP, activation checkpointing and torch.compile add to names.
@@ -143,6 +144,20 @@ def scale_name(engine: str) -> str:
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatchcase(name, p) for p in patterns)
+
+
+def unmapped_trainer_names(cfg: ModelConfig, expert_naming: str,
+                           trainer_names: Iterable[str]) -> list[str]:
+    """The trainer names (canonical) that no rule of ``cfg``'s architecture reads, in the
+    order given; tied aliases and ``cfg.ignore_params`` are exempt."""
+    used = {s for rule in bound_rules(cfg) for s in all_sources(cfg, rule, expert_naming)}
+    aliases = TIED_ALIASES if cfg.tie_word_embeddings else ()
+    out = []
+    for n in trainer_names:
+        c = canonical_trainer_name(n)
+        if c not in used and c not in aliases and not matches(c, tuple(cfg.ignore_params)):
+            out.append(c)
+    return out
 
 
 def name_problems(

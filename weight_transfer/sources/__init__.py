@@ -1,0 +1,5 @@
+"""Trainer sources: how a trainer rank's live model describes and hands out its parameters.
+
+One module per training framework, found by name through :mod:`.registry`:
+``fsdp2`` (DTensors, :mod:`.fsdp`) and ``deepspeed`` (ZeRO stages 0-3, :mod:`.deepspeed`).
+"""
