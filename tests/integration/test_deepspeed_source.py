@@ -1,0 +1,142 @@
+"""A real DeepSpeed ZeRO-3 trainer as the source: 2 gloo ranks on CPU -> reference engines.
+
+The trainer actor is docs/embedding.md's ``deepspeed-trainer`` snippet as written (a
+transformers LlamaForCausalLM of tiny_llama's shape built under ``deepspeed.zero.Init``,
+bf16, AdamW), with a train step and the oracle added by subclassing. After a real
+optimizer step and an update, every byte of the TP=1 engine and of the TP=2 engine
+equals the reference loader's layout of the weights DeepSpeed itself consolidates
+(``deepspeed.zero.GatheredParameters`` in the trainer, not the plan). The plan writes
+every rank's partition of each matrix straight from ``ds_tensor`` and gathers only the
+norms, whose bytes it reports apart.
+
+One fleet for the module: the two trainer actors, one TP=1 replica and one TP=2
+replica, each with its own controller over the same trainers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors import TransferConfig, WeightTransferController, launch_engines
+from actors.tools.testkit.doc_snippets import run_snippet
+from actors.tools.testkit.engine_bytes import engine_mismatches
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "embedding.md"
+CONFIGS = ROOT / "configs"
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.timeout(600),
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                       reason="deepspeed is not installed (scripts/setup.sh installs it)"),
+]
+
+# tiny_llama.yaml as transformers' config (the engines plan with the yaml itself)
+LLAMA = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=128, intermediate_size=512, vocab_size=1000, tie_word_embeddings=False,
+             rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=2048)
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+NORM_BYTES = 5 * 256 * 2  # two RMSNorms per layer and the final one, bf16
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors take our classes
+
+
+def make_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**LLAMA, dtype="bfloat16"))
+
+
+def trainer_class():
+    """The snippet's actor class, with what the test needs of it."""
+    os.environ.update(ENV)  # the snippet imports deepspeed in this driver too
+    snippet = run_snippet(DOC, "deepspeed-trainer", {})["DeepSpeedTrainer"]
+
+    class TestTrainer(snippet.__ray_metadata__.modified_class):
+        def __init__(self, rank, world, port):
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            # before zero.Init: under it, torch._dynamo's first import (by transformers'
+            # modeling code) fails on the tensor constructor zero.Init patches
+            from transformers import LlamaForCausalLM  # noqa: F401
+
+            super().__init__(rank, world, make_model, DS_CONFIG, backend="gloo")
+
+        def train_step(self, seed: int) -> float:
+            tokens = torch.randint(0, LLAMA["vocab_size"], (1, 24),
+                                   generator=torch.Generator().manual_seed(seed))
+            loss = self.engine(input_ids=tokens, labels=tokens).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            return float(loss.detach())
+
+        def full_state_dict(self):
+            """The oracle: DeepSpeed's own consolidation of the current weights (every rank
+            calls; rank 0 answers)."""
+            import deepspeed
+
+            params = dict(self.engine.module.named_parameters())
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                full = {n: p.data.detach().clone() for n, p in params.items()}
+            return full if self.engine.global_rank == 0 else None
+
+    return ray.remote(TestTrainer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_job):
+    cls = trainer_class()
+    port = free_port()
+    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(r, 2, port)
+                for r in range(2)]
+    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
+    configs = {tp: TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
+                                             CONFIGS / "clusters" / name,
+                                             update_timeout_s=120, barrier_timeout_s=60)
+               for tp, name in ((1, "local_cpu_small.yaml"), (2, "vllm_cpu.yaml"))}
+    engines = {tp: launch_engines(cfg) for tp, cfg in configs.items()}
+    try:
+        yield configs, trainers, engines
+    finally:
+        for handle in engines.values():
+            handle.close()
+        for t in trainers:
+            ray.kill(t)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engines_hold_the_weights_deepspeed_consolidates(fleet, tp):
+    configs, trainers, engines = fleet
+    cfg, replicas = configs[tp], engines[tp]
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    summary = ctl.setup()
+    # the partitions go direct; only the norms (2 x 256 B per rank) are gathered
+    assert summary.gathered_bytes == NORM_BYTES * tp and summary.gathered_params == 5
+    assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
+    assert all(n > 0 for n in summary.bytes_by_rank.values())  # both ranks write
+    before = ray.get([t.full_state_dict.remote() for t in trainers])[0]
+    losses = ray.get([t.train_step.remote(tp) for t in trainers])
+    assert len(set(losses)) == 1 and losses[0] > 0
+    report = ctl.update(version=tp)
+    assert report.bytes == summary.bytes_total
+    assert ctl.weights_version() == {"engine0": tp}
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
+    after = ray.get([t.full_state_dict.remote() for t in trainers])[0]
+    assert any(not torch.equal(before[n], after[n]) for n in after)  # the step moved them
