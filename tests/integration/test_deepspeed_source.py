@@ -9,8 +9,13 @@ equals the reference loader's layout of the weights DeepSpeed itself consolidate
 every rank's partition of each matrix straight from ``ds_tensor`` and gathers only the
 norms, whose bytes it reports apart.
 
-One fleet for the module: the two trainer actors, one TP=1 replica and one TP=2
-replica, each with its own controller over the same trainers.
+The checkpoint the mixin writes (``wt_save_checkpoint``, from the partitions) is that
+consolidation too; a ZeRO-2 engine (full parameters on every rank) is a replicated
+source whose writes both ranks share.
+
+One fleet for the module: the two ZeRO-3 trainer actors, one TP=1 replica and one TP=2
+replica, each with its own controller over the same trainers (the ZeRO-2 pair starts in
+its test).
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ def trainer_class():
             self.engine.step()
             return float(loss.detach())
 
+        def zero_stage(self) -> int:
+            return self.engine.zero_optimization_stage()
+
         def full_state_dict(self):
             """The oracle: DeepSpeed's own consolidation of the current weights (every rank
             calls; rank 0 answers)."""
@@ -91,7 +99,26 @@ def trainer_class():
                 full = {n: p.data.detach().clone() for n, p in params.items()}
             return full if self.engine.global_rank == 0 else None
 
-    return ray.remote(TestTrainer)
+    class Zero2Trainer(TestTrainer):
+        """ZeRO-2 (full bf16 parameters on every rank): a replicated source."""
+
+        def __init__(self, rank, world, port):
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            import deepspeed
+
+            deepspeed.init_distributed("gloo")
+            config = {**DS_CONFIG, "zero_optimization": {"stage": 2}}
+            model = make_model()
+            self.engine, *_ = deepspeed.initialize(model=model, config=config,
+                                                   model_parameters=model.parameters())
+            self.wt_attach(model=self.engine, rank=rank, world=world)
+
+        def full_state_dict(self):
+            return ({n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
+                    if self.engine.global_rank == 0 else None)
+
+    return ray.remote(TestTrainer), ray.remote(Zero2Trainer)
 
 
 def free_port() -> int:
@@ -102,18 +129,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fleet(ray_job):
-    cls = trainer_class()
-    port = free_port()
-    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(r, 2, port)
-                for r in range(2)]
-    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
+    zero3, zero2 = trainer_class()
+    trainers = start(zero3)
     configs = {tp: TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
                                              CONFIGS / "clusters" / name,
                                              update_timeout_s=120, barrier_timeout_s=60)
                for tp, name in ((1, "local_cpu_small.yaml"), (2, "vllm_cpu.yaml"))}
     engines = {tp: launch_engines(cfg) for tp, cfg in configs.items()}
     try:
-        yield configs, trainers, engines
+        yield configs, trainers, engines, zero2
     finally:
         for handle in engines.values():
             handle.close()
@@ -121,9 +145,17 @@ def fleet(ray_job):
             ray.kill(t)
 
 
+def start(cls):
+    port = free_port()
+    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(r, 2, port)
+                for r in range(2)]
+    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
+    return trainers
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engines_hold_the_weights_deepspeed_consolidates(fleet, tp):
-    configs, trainers, engines = fleet
+    configs, trainers, engines, _ = fleet
     cfg, replicas = configs[tp], engines[tp]
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     summary = ctl.setup()
@@ -140,3 +172,34 @@ def test_engines_hold_the_weights_deepspeed_consolidates(fleet, tp):
     assert engine_mismatches(cfg.model, trainers, replicas) == []
     after = ray.get([t.full_state_dict.remote() for t in trainers])[0]
     assert any(not torch.equal(before[n], after[n]) for n in after)  # the step moved them
+
+
+def test_checkpoint_holds_the_weights_deepspeed_consolidates(fleet, tmp_path):
+    _, trainers, _, _ = fleet
+    from safetensors.torch import load_file
+
+    assert ray.get([t.wt_save_checkpoint.remote(str(tmp_path)) for t in trainers]) == [True,
+                                                                                        False]
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    want = ray.get([t.full_state_dict.remote() for t in trainers])[0]
+    assert saved.keys() == want.keys()
+    assert all(torch.equal(saved[n], want[n]) for n in want)
+
+
+def test_zero2_engine_is_a_replicated_source(fleet):
+    configs, _, engines, zero2 = fleet
+    cfg, replicas = configs[1], engines[1]
+    trainers = start(zero2)
+    try:
+        assert ray.get(trainers[0].zero_stage.remote()) == 2
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        summary = ctl.setup()
+        assert summary.gathered_bytes == 0 and summary.direct_bytes == summary.bytes_total
+        sent = list(summary.bytes_by_rank.values())
+        assert min(sent) > 0.8 * max(sent)  # the writes spread over both ranks
+        ray.get([t.train_step.remote(7) for t in trainers])
+        ctl.update(version=10)
+        assert engine_mismatches(cfg.model, trainers, replicas) == []
+    finally:
+        for t in trainers:
+            ray.kill(t)
