@@ -49,7 +49,7 @@ RUN_BY = {
                        "tested in tests/integration/test_integrity_faults.py",
     "bench served": "not run: a fleet and timed idle windows; the served checks it times are "
                     "tested in tests/integration/test_served_integrity.py",
-    "bench stall": "tests/integration/test_bench_stall_vllm.py",
+    "bench stall": "tests/integration/test_bench_vllm.py",
     "selftest": "tests/unit/test_rdma_selftest.py",
     "topology": "tests/unit/test_topology.py",
     "plan": "tests/integration/test_plan_cli.py",

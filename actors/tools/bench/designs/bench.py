@@ -54,12 +54,22 @@ reference engine's in that module, real vLLM's in
 vLLM's own ``load_weights`` in its workers, checked against vLLM's
 ``load_weights`` of the trainers' weights). The table and the chart are in
 :mod:`actors.tools.bench.designs.report`.
+
+``run(..., fleet=fleet)`` runs on a fleet the caller started (the tests share one vLLM
+fleet with ``wt bench stall``) and leaves it usable: the versions of ours go on above the
+fleet controller's (:mod:`actors.tools.bench.caller_fleet`), a second controller of ours
+is shut down after and the fleet's own set up again if the other replaced its plan. The
+NIC caps of the last pass stay, and the engines hold what the last design wrote (each
+design's last update is verified to leave every engine byte equal to the trainers'
+weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +77,8 @@ import ray
 import torch
 
 from actors.engine_registry import engine_names, engine_spec
-from actors.tools.bench.designs.fleet import P2P_MODES, DesignBench
+from actors.tools.bench.caller_fleet import check_fleet, next_version
+from actors.tools.bench.designs.fleet import P2P_MODES, DesignBench, mode_of
 from actors.tools.bench.designs.report import draw_png, p2p_binding, table_of
 from actors.tools.cli.progress import command_console, emit_json
 from actors.tools.cli.sizes import parse_size
@@ -179,7 +190,9 @@ def lower_bound_bytes(fleet: Any) -> int:
                -(-s.bytes_total // max(1, len(s.send_nic_bytes))))
 
 
-def _run_config(config: Path, model: Path | None, cap: float | None, engine: str) -> Any:
+def bench_run_config(config: Path, model: Path | None, cap: float | None, engine: str) -> Any:
+    """The run config the bench starts its fleet with: ``config`` with ``model`` (when
+    given) and ``engine``, over simnic capped at ``cap`` GB/s."""
     data = load_run_config(config).model_dump(by_alias=True)
     if model is not None:
         data["model"] = str(model)
@@ -253,29 +266,65 @@ def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float
     return doc
 
 
+@contextlib.contextmanager
+def bench_fleet(start_fleet: Callable[[Any], Any], run_cfg: Any,
+                fleet: Any = None) -> Iterator[Any]:
+    """``fleet`` as given (the caller's, left running), or ``start_fleet(run_cfg)`` on Ray
+    (joined, or started for the block), closed after the block."""
+    if fleet is not None:
+        yield fleet
+        return
+    started = connect_ray(run_cfg)
+    own = None
+    try:
+        own = start_fleet(run_cfg)
+        yield own
+    finally:
+        if own is not None:
+            own.close()
+        if started:
+            ray.shutdown()
+
+
+def release(bench: DesignBench) -> None:
+    """What the bench holds beyond the fleet released: its files, and the second
+    controller of ours (``p2p_gather``'s, or ``p2p``'s) shut down."""
+    bench.close()
+    for ctl in bench.controllers.values():
+        if ctl is not bench.fleet.controller:
+            ctl.shutdown()
+
+
+def hand_back(bench: DesignBench) -> None:
+    """The fleet's own controller set up again where the other one of ours replaced its
+    plan in the trainers: the caller's fleet goes on with it."""
+    bench.controller(mode_of(bench.fleet.config.gather))  # no set-up if it ran last
+
+
 def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int, designs: str,
         bucket: str, caps_off: bool, timeout_s: float, json_path: Path | None,
-        png: Path | None, engine: str = "reference") -> int:
+        png: Path | None, engine: str = "reference", fleet: Any = None) -> int:
+    """``wt bench designs``; ``fleet``: run on these actors (the caller's, left running;
+    see the module docstring) instead of starting the engine's fleet from ``config`` and
+    ``model``."""
     console = command_console(json_path)
     chosen = [d.strip() for d in designs.split(",") if d.strip()]
     if not _check_args(console, engine, chosen, designs, png):
         return 2
+    if fleet is not None:
+        check_fleet(fleet, engine, "wt bench designs")
     start_fleet, bench_cls = _bench_class(engine)
-    run_cfg = _run_config(config, model, nic_gbps, engine)
-    started = connect_ray(run_cfg)
-    fleet = bench = None
-    try:
-        fleet = start_fleet(run_cfg)
-        console.print(fleet.describe())
-        bench = bench_cls(fleet, parse_size(bucket), timeout_s)
-        doc = measure(bench, chosen, updates, nic_gbps, caps_off, console)
-    finally:
-        if bench is not None:
-            bench.close()
+    run_cfg = bench_run_config(config, model, nic_gbps, engine)
+    with bench_fleet(start_fleet, run_cfg, fleet) as active:
+        console.print(active.describe())
+        bench = bench_cls(active, parse_size(bucket), timeout_s)
+        try:
+            bench.version = next_version(active.controller) - 1  # 0 on a fleet just started
+            doc = measure(bench, chosen, updates, nic_gbps, caps_off, console)
+        finally:
+            release(bench)
         if fleet is not None:
-            fleet.close()
-        if started:
-            ray.shutdown()
+            hand_back(bench)
     on = doc["passes"]["caps_on"]
     doc["results"] = {d: r.get("median_s") for d, r in on["results"].items()}
     doc["lower_bound_s"] = on["lower_bound_s"]

@@ -38,6 +38,12 @@ and its byte check come from the engine registry (``start_fleet``, ``check_bytes
 Here trainers and engines share the machine's cores (on a
 cluster they are different GPUs): the trainer processes run at the lowest CPU priority
 in both modes, so that the transfer's CPU work does not pass for an engine stall.
+
+``run(..., fleet=fleet)`` measures a fleet the caller started (in place; the tests share
+one vLLM fleet with ``wt bench designs``) and leaves it running; its versions go on above
+the fleet controller's (:mod:`actors.tools.bench.caller_fleet`). The shadow mode leaves the
+fleet's controller shut down and its engines set up for shadow mode (a vLLM engine cannot
+go back to in place): on a shared fleet, run it last.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import ray
 from rich.table import Table
 
 from actors.engine_registry import engine_spec
+from actors.tools.bench.caller_fleet import check_fleet, next_version
 from actors.tools.bench.stall.vllm import VllmStallClient
 from actors.tools.cli.progress import command_console, emit_json, json_to_stdout
 from actors.tools.demo.fleet import Fleet, connect_ray, fleet_session, token_batch
@@ -275,21 +282,26 @@ def render(rows: list[ModeResult]) -> Table:
 
 
 @contextlib.contextmanager
-def engine_fleet(run_cfg: RunConfig, **overrides: Any) -> Iterator[Fleet]:
-    """The run's fleet, started by its engine's registered ``start_fleet`` (the demo's
-    fleet for the reference engine), closed after the block."""
+def engine_fleet(run_cfg: RunConfig, fleet: Fleet | None = None,
+                 **overrides: Any) -> Iterator[Fleet]:
+    """``fleet`` as given (the caller's, left running), or the run's fleet, started by its
+    engine's registered ``start_fleet`` (the demo's fleet for the reference engine), closed
+    after the block."""
+    if fleet is not None:
+        yield fleet
+        return
     if run_cfg.engine == "reference":
-        with fleet_session(run_cfg, **overrides) as fleet:
-            yield fleet
+        with fleet_session(run_cfg, **overrides) as demo:
+            yield demo
         return
     started = connect_ray(run_cfg)
-    fleet = None
+    own = None
     try:
-        fleet = engine_tool(run_cfg.engine, "start_fleet")(run_cfg, **overrides)
-        yield fleet
+        own = engine_tool(run_cfg.engine, "start_fleet")(run_cfg, **overrides)
+        yield own
     finally:
-        if fleet is not None:
-            fleet.close()
+        if own is not None:
+            own.close()
         if started:
             ray.shutdown()
 
@@ -304,13 +316,9 @@ def run_config_for(config: Path | None, engine: str, cluster: Path | None = None
     return run_cfg.with_overrides(engine=engine, cluster=cluster)
 
 
-def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
-        nic_gbps: float | None = None, json_out: Path | None = None,
-        cluster: Path | None = None) -> int:
-    """Both modes on one fleet; exit 1 unless every update verified. ``nic_gbps`` caps
-    every NIC (GB/s) in both modes: a transfer as long, against the engine's steps, as on
-    a cluster whose NICs bind (uncapped, tiny Llama's transfer here is a few steps).
-    ``cluster`` replaces the run config's cluster YAML (e.g. a vLLM replica at TP1)."""
+def check_args(engine: str, updates: int, nic_gbps: float | None, cluster: Path | None,
+               fleet: Fleet | None) -> None:
+    """ValueError naming the argument that :func:`run` cannot take."""
     if nic_gbps is not None and nic_gbps <= 0:
         raise ValueError(f"--nic-gbps must be positive, not {nic_gbps}")
     if engine not in STALL_CLIENTS:
@@ -318,33 +326,61 @@ def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
                          f"{sorted(STALL_CLIENTS)}); add one to STALL_CLIENTS")
     if updates < 1:
         raise ValueError(f"--updates must be at least 1, not {updates}")
+    if fleet is None:
+        return
+    check_fleet(fleet, engine, "wt bench stall")
+    if fleet.config.apply != "in_place":
+        raise ValueError(f"wt bench stall: fleet= is set up with apply={fleet.config.apply!r}; "
+                         "the bench starts in place (its shadow mode sets up a controller "
+                         "of its own)")
+    if nic_gbps is not None or cluster is not None:
+        raise ValueError("wt bench stall: nic_gbps and cluster choose the fleet the bench "
+                         "starts; with fleet= the fleet's own caps and cluster apply")
+
+
+def run(*, config: Path | None, engine: str = "reference", updates: int = 3,
+        nic_gbps: float | None = None, json_out: Path | None = None,
+        cluster: Path | None = None, fleet: Fleet | None = None) -> int:
+    """Both modes on one fleet; exit 1 unless every update verified. ``nic_gbps`` caps
+    every NIC (GB/s) in both modes: a transfer as long, against the engine's steps, as on
+    a cluster whose NICs bind (uncapped, tiny Llama's transfer here is a few steps).
+    ``cluster`` replaces the run config's cluster YAML (e.g. a vLLM replica at TP1).
+    ``fleet``: measure these actors (the caller's, in place, left running) instead of
+    starting the engine's fleet (see the module docstring)."""
+    check_args(engine, updates, nic_gbps, cluster, fleet)
     console = command_console(json_to_stdout(json_out))
     run_cfg = run_config_for(config, engine, cluster)
     rows: list[ModeResult] = []
     caps = {} if nic_gbps is None else {"nic_gbps": nic_gbps}
-    with engine_fleet(run_cfg, apply="in_place", **caps) as fleet:
-        renice(fleet.trainers)
-        client = STALL_CLIENTS[engine](fleet)
-        rows.append(measure(fleet, fleet.controller, client, "in_place", range(1, updates + 1)))
-        fleet.controller.shutdown()
-        shadow = shadow_controller(fleet)  # fleet.config: the caps too
+    with engine_fleet(run_cfg, fleet, apply="in_place", **caps) as active:
+        renice(active.trainers)
+        client = STALL_CLIENTS[engine](active)
+        first = next_version(active.controller)  # 1 on a fleet the bench started
+        rows.append(measure(active, active.controller, client, "in_place",
+                            range(first, first + updates)))
+        active.controller.shutdown()
+        shadow = shadow_controller(active)  # fleet.config: the caps too
         try:
-            rows.append(measure(fleet, shadow, client, "shadow",
-                                range(updates + 1, 2 * updates + 1)))
+            rows.append(measure(active, shadow, client, "shadow",
+                                range(first + updates, first + 2 * updates)))
         finally:
             shadow.shutdown()
-    console.print(render(rows))
-    for what in ("stall_s", "added_stall_s", "engine_pause_s"):
-        base, sh = getattr(rows[0], what), getattr(rows[1], what)
-        console.print(f"{what}: shadow {sh * 1e3:.1f} ms = {sh / base:.1%} of in place "
-                      f"({base * 1e3:.1f} ms)" if base else f"{what}: none in place")
+    report(console, rows)
     verified = all(r.verified for r in rows)
-    for r in rows:
-        for p in r.problems:
-            console.print(f"[red]{r.mode}: {p}[/]")
     if json_out is not None:
         emit_json(json_out, {"engine": engine, "updates": updates, "nic_gbps": nic_gbps,
                              "verified": verified,
                              "modes": {r.mode: asdict(r) for r in rows}}, console=console)
     return 0 if verified else 1
 
+
+def report(console: Any, rows: list[ModeResult]) -> None:
+    """The table, shadow against in place per measure, and every problem."""
+    console.print(render(rows))
+    for what in ("stall_s", "added_stall_s", "engine_pause_s"):
+        base, sh = getattr(rows[0], what), getattr(rows[1], what)
+        console.print(f"{what}: shadow {sh * 1e3:.1f} ms = {sh / base:.1%} of in place "
+                      f"({base * 1e3:.1f} ms)" if base else f"{what}: none in place")
+    for r in rows:
+        for p in r.problems:
+            console.print(f"[red]{r.mode}: {p}[/]")
