@@ -144,6 +144,8 @@ def test_connecting_without_the_key_is_refused(s):
         junk_sock.sendall(junk)
         assert _wait_closed(junk_sock) == b""
     unknown = _hello(s, ("trainer9", "w9"))  # a writer the plan does not name
+    recv_exact(unknown, 64)  # challenged like any name (tests/unit/test_tcp_oracle.py)
+    unknown.sendall(os.urandom(32))
     assert _wait_closed(unknown) == b""
     assert s.snapshot() == before
     assert s.target.refused_connections == 4

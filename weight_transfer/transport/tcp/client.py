@@ -50,8 +50,8 @@ class HandshakeRefused(ConnectionError):
 
 
 class HandshakeClosed(HandshakeRefused):
-    """The target closed the handshake: no key for this writer, another mode or codec,
-    or pushed out by newer connections (worth another try)."""
+    """The target closed the handshake: pushed out by newer connections, or timed out
+    (worth another try)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,15 +115,16 @@ class Channel:
             server_proof = recv_exact(self._sock, PROOF_BYTES)
             data = transcript(mode, self.codec.id, nonce_c, nonce_s, p.writer_id, p.target_id)
             if not check_proof(p.key, b"server", data, server_proof):
-                raise HandshakeRefused("the target did not prove the link key")
+                raise HandshakeRefused("the target did not prove the link key (another "
+                                       "key, or another mode or codec)")
             self._sock.sendall(proof(p.key, b"client", data))
             if recv_exact(self._sock, 1) != ACCEPT:
                 raise HandshakeRefused("the target did not accept the proof")
         except (ConnectionError, TimeoutError, OSError) as exc:
             if isinstance(exc, HandshakeRefused):
                 raise
-            raise HandshakeClosed(f"the target closed the handshake ({exc}): it holds no "
-                                   "key for this writer, or another mode or codec") from None
+            raise HandshakeClosed(f"the target closed the handshake ({exc}): pushed out "
+                                   "by newer connections, or timed out") from None
         c2s, s2c = session_keys(p.key, nonce_c, nonce_s, data)
         return Sealer(c2s, encrypt=p.encrypt), Opener(s2c, encrypt=p.encrypt)
 

@@ -4,7 +4,10 @@ It binds only the advertised address (a wildcard address is refused). Each
 connection must finish the handshake (:mod:`._tcp_wire`) before a deadline
 (``handshake_timeout_s``); at most ``max_pending`` connections may be in their
 handshake at once, and a new one pushes out the oldest, so idle connections
-never keep a planned writer out. An authenticated session then reads frames
+never keep a planned writer out. Every name gets the same challenge (a name the
+plan gave no key, or another mode, is challenged under a random key), so a
+refusal always comes at the proof step and tells an outsider nothing about
+which writers or which mode this NIC accepts. An authenticated session then reads frames
 into one reusable buffer (never into registered memory: a frame is trusted
 only once authenticated), opens them, decompresses, and has the
 :class:`~._tcp_target.TargetTable` check and copy; each frame gets a sealed ack.
@@ -168,17 +171,17 @@ class Listener:
         nonce_c = recv_exact(conn, NONCE_BYTES, deadline)
         writer = recv_exact(conn, id_len, deadline)
         who = f"{writer.decode(errors='replace').replace(chr(0), '/')} at {addr}"
-        if (mode, codec) != (self.mode, self.codec.id):
-            raise Refused(f"{who} asked for mode {mode}, codec {codec}; this NIC uses mode "
-                          f"{self.mode}, codec {self.codec.id} ({self.codec.name})")
-        key = self.table.key_for(writer)
-        if key is None:
-            raise Refused(f"{who} is not a writer the plan gave a key for")
+        key, why = self._key_or_reason(writer, mode, codec)
+        # No oracle: a name without a key (or another mode) gets the same challenge under a
+        # random key, so it fails at the proof step exactly as a wrong key does.
+        decoy = os.urandom(32)  # drawn for every name: the same work either way
+        used = decoy if why else key
         nonce_s = os.urandom(NONCE_BYTES)
         data = transcript(mode, codec, nonce_c, nonce_s, writer, self.target_id)
-        conn.sendall(nonce_s + proof(key, b"server", data))
-        if not check_proof(key, b"client", data, recv_exact(conn, PROOF_BYTES, deadline)):
-            raise Refused(f"{who} failed the challenge (wrong key)")
+        conn.sendall(nonce_s + proof(used, b"server", data))
+        proved = check_proof(used, b"client", data, recv_exact(conn, PROOF_BYTES, deadline))
+        if why or not proved:
+            raise Refused(f"{who} failed the challenge ({why or 'wrong key'})")
         with self._lock:
             if self._pending.pop(conn, None) is None:
                 raise Refused(f"{who} was pushed out by newer connections")
@@ -188,6 +191,16 @@ class Listener:
         encrypt = mode == MODE_ENCRYPT
         log.info("%s: writer %s authenticated", self.table.label, who)
         return _Session(writer, who, Opener(c2s, encrypt=encrypt), Sealer(s2c, encrypt=encrypt))
+
+    def _key_or_reason(self, writer: bytes, mode: int, codec: int) -> tuple[bytes, str]:
+        """The link key of ``writer``, or why it has none here (logged, never sent)."""
+        if (mode, codec) != (self.mode, self.codec.id):
+            return b"", (f"asked for mode {mode}, codec {codec}; this NIC uses mode "
+                         f"{self.mode}, codec {self.codec.id} ({self.codec.name})")
+        key = self.table.key_for(writer)
+        if key is None:
+            return b"", "not a writer the plan gave a key for"
+        return key, ""
 
     # ------------------------------------------------------------------ frames
 

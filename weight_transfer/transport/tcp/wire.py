@@ -7,7 +7,9 @@ The steps of one connection (writer = client, target = server), in order:
 2. CHALLENGE (server): ``server nonce | server proof``, where both proofs are
    HMAC-SHA256 under the writer's link key over the transcript (both nonces,
    both identities, the mode and the codec), with different labels; the server
-   knows the key only for writers the plan named (see :mod:`.tcp`).
+   knows the key only for writers the plan named (see :mod:`.tcp`); any other
+   name, or another mode or codec, gets a challenge of the same size under a
+   random key and fails at step 3 like a wrong key.
 3. PROOF (client): ``client proof``; the server compares in constant time and
    answers ACCEPT (one byte) or closes.
 4. Session keys: HKDF-SHA256 of the link key, salted with both nonces, bound to
