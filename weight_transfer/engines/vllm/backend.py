@@ -42,7 +42,6 @@ parameters' copy) and pauses only for ``finish_weight_update``, the flip.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weight_transfer.engines.delta import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
-from weight_transfer.engines.vllm import channel
-from weight_transfer.engines.vllm.mailbox import Failure, read_request, write_reply
+from weight_transfer.engines.vllm import inbox
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
 from weight_transfer.engines.vllm.shadow import DirectShadow, Standby
@@ -86,13 +84,6 @@ class OneSidedInitInfo(WeightTransferInitInfo):
 @dataclass
 class OneSidedUpdateInfo(WeightTransferUpdateInfo):
     pass
-
-
-def _request(info: OneSidedInitInfo) -> Any:
-    """The driver's request: signed in ``info`` (another host) or in the mailbox."""
-    if info.reply:
-        return channel.open_request(info, channel.env_key())
-    return read_request(info.mailbox, info.seq)
 
 
 def _shard() -> ShardSpec:
@@ -136,23 +127,9 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
         if init_info.rank not in (-1, self.shard.tp_rank):
             return
-        if not init_info.reply and os.environ.get(channel.KEY_ENV):
-            # A vLLM meant for remote control takes signed requests only; no reply is
-            # written where an unsigned request says.
-            raise ValueError(f"unsigned request {init_info.op!r} refused: this vLLM holds "
-                             f"{channel.KEY_ENV}, so every request must be signed")
-        handler = _OPS.get(init_info.op)
-        try:
-            if handler is None:
-                raise ValueError(f"unknown operation {init_info.op!r}; known: {sorted(_OPS)}")
-            value = handler(self, _request(init_info))
-        except Exception as exc:  # the driver raises it, naming this rank
-            log.exception("%s: %s failed", self.owner, init_info.op)
-            value = Failure.of(exc)
-        if init_info.reply:
-            channel.send_reply(init_info, self.shard.tp_rank, value, channel.env_key())
-        else:
-            write_reply(init_info.mailbox, init_info.seq, self.shard.tp_rank, value)
+        # Verified first; a request that cannot be verified gets nothing, anywhere (.inbox).
+        inbox.serve(init_info, rank=self.shard.tp_rank, owner=self.owner,
+                    run=lambda request: _run_op(self, init_info.op, request))
 
     def _setup(self, req) -> EngineRankMeta:
         apply = getattr(req, "apply", "in_place")
@@ -246,7 +223,8 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         return self.mem.checksum(ranges, buffers=buffers)
 
     def _stats(self, _req=None) -> dict[str, int]:
-        return {**self.mem.stats(), "finished": self.finished}
+        return {**self.mem.stats(), "finished": self.finished,
+                "refused_requests": inbox.refused_requests()}
 
     def _checksum(self, ranges) -> Any:
         """XXH3-64 of (region address, offset, length) rows of the registered memory (the
@@ -364,6 +342,13 @@ def flip_live(shadow: DirectShadow | None, repack: dict) -> None:
         shadow.flip()
     if repack:
         reprocess(repack)
+
+
+def _run_op(backend: OneSidedBackend, op: str, request: Any) -> Any:
+    handler = _OPS.get(op)
+    if handler is None:
+        raise ValueError(f"unknown operation {op!r}; known: {sorted(_OPS)}")
+    return handler(backend, request)
 
 
 _OPS = {

@@ -16,9 +16,11 @@ processes read it from ``WT_VLLM_KEY``, 64 hex digits)::
    ``info["mac"]`` is HMAC-SHA256 under the key over the session, sequence
    number, operation, rank, reply address and payload. A worker unpickles
    nothing whose MAC it cannot verify, and refuses a sequence number it has
-   seen before in the session (a replayed request).
-2. Each worker that acts connects to ``info["reply"]`` (the controller's
-   listener; it binds one address, never a wildcard) and sends one frame:
+   seen before in the session (a replayed request) and a reply address other
+   than the one the session's first verified request registered. A request it
+   refuses gets no reply at all (:mod:`.inbox`): no connection, nothing signed.
+2. Each worker that acts on a verified request connects to ``info["reply"]`` (the
+   controller's listener; it binds one address, never a wildcard) and sends one frame:
    ``header length | header (JSON: session, seq, rank) | payload length |
    payload (pickle) | HMAC`` (another label). The listener unpickles only
    frames whose MAC verifies and whose session is its own.
@@ -101,24 +103,61 @@ def _request_mac(key: bytes, info: dict[str, Any], payload: bytes) -> bytes:
 
 # ---------------------------------------------------------------------- worker side
 
-_seen: dict[str, int] = {}  # session -> last sequence number accepted (this process)
+# session -> (last sequence number accepted, the reply address its first request named)
+_seen: dict[str, tuple[int, str]] = {}
 _seen_lock = threading.Lock()
 
 
-def open_request(info: Any, key: bytes) -> Any:
-    """Worker side: the request ``info`` carries, once its MAC is verified and its sequence
-    number is new for the session; ValueError otherwise (nothing is unpickled)."""
-    fields = {k: getattr(info, k) for k in ("session", "seq", "op", "rank", "reply")}
-    payload = base64.b64decode(info.payload)
-    if not hmac.compare_digest(_request_mac(key, fields, payload), bytes.fromhex(info.mac)):
-        raise ValueError(f"request {info.op!r} #{info.seq}: bad MAC (is {KEY_ENV} the "
-                         "controller's key?)")
+class RequestRefused(ValueError):
+    """A request the worker cannot verify; ``kind``: bad MAC, replayed or reply address."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):
+        return (_refused, (str(self), self.kind))
+
+
+def _refused(message: str, kind: str) -> RequestRefused:
+    return RequestRefused(message, kind=kind)
+
+
+def verify_request(info: Any, key: bytes) -> bytes:
+    """Worker side: the pickled request ``info`` carries, once its MAC is verified, its
+    sequence number is new for the session and its reply address is the session's (the one
+    its first verified request named); RequestRefused otherwise."""
+    what = f"request {info.op!r} #{info.seq}"
+    try:
+        fields = {k: getattr(info, k) for k in ("session", "seq", "op", "rank", "reply")}
+        payload, mac = base64.b64decode(info.payload), bytes.fromhex(info.mac)
+        good = hmac.compare_digest(_request_mac(key, fields, payload), mac)
+    except (ValueError, TypeError, AttributeError):  # malformed fields: not ours either
+        good = False
+    if not good:
+        raise RequestRefused(f"{what}: bad MAC (is {KEY_ENV} the controller's key?)",
+                             kind="bad MAC")
     with _seen_lock:
-        if info.seq <= _seen.get(info.session, 0):
-            raise ValueError(f"request {info.op!r} #{info.seq}: replayed (session "
-                             f"{info.session} is at #{_seen[info.session]})")
-        _seen[info.session] = info.seq
+        last, reply = _seen.get(info.session, (0, info.reply))
+        if info.seq <= last:
+            raise RequestRefused(f"{what}: replayed (session {info.session} is at #{last})",
+                                 kind="replayed")
+        if info.reply != reply:
+            raise RequestRefused(f"{what}: reply address {info.reply} is not {reply}, the "
+                                 f"one session {info.session} registered", kind="reply address")
+        _seen[info.session] = (info.seq, reply)
+    return payload
+
+
+def load_request(payload: bytes) -> Any:
+    """The request of a payload :func:`verify_request` returned (only such is unpickled)."""
     return pickle.loads(payload)
+
+
+def open_request(info: Any, key: bytes) -> Any:
+    """Worker side: the request ``info`` carries, verified (:func:`verify_request`);
+    RequestRefused (a ValueError) otherwise, with nothing unpickled."""
+    return load_request(verify_request(info, key))
 
 
 def send_reply(info: Any, rank: int, value: Any, key: bytes, *, timeout_s: float = 60.0) -> None:
