@@ -2,7 +2,8 @@
 
 :class:`Channel` connects and runs the handshake of :mod:`._tcp_wire` (it checks
 the server's proof too: a process that does not hold the link key cannot pose
-as the target), then sends frames with ``sendmsg`` (scatter-gather: the
+as the target), in the mode :mod:`.encryption` decides for the connection's two
+addresses, then sends frames with ``sendmsg`` (scatter-gather: the
 sealed header and the source bytes themselves, no copy in the plain mode)
 under one lock (sequence numbers go out in order) and reads the sealed acks on
 a thread of its own, which resolves one future per frame. A lost connection
@@ -20,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from weight_transfer.transport.tcp.codec import Codec
+from weight_transfer.transport.tcp.encryption import link_encrypts
 from weight_transfer.transport.tcp.server import recv_exact
 from weight_transfer.transport.tcp.wire import (
     ACCEPT,
@@ -63,7 +65,7 @@ class LinkParams:
     key: bytes
     writer_id: bytes
     target_id: bytes
-    encrypt: bool
+    encrypt: bool | None  # None: across hosts only (.encryption)
     codec: str
     chunk_bytes: int
     connect_timeout_s: float
@@ -95,6 +97,9 @@ class Channel:
         self._sock = socket.create_connection((params.host, params.port),
                                               timeout=params.connect_timeout_s)
         try:
+            local, peer = self._sock.getsockname()[0], self._sock.getpeername()[0]
+            self.encrypt = link_encrypts(params.encrypt, local, peer)
+            self.hosts = (local, peer)  # this end's address, the target's
             self._sealer, self._opener = self._handshake()
         except BaseException:
             self._sock.close()
@@ -107,7 +112,7 @@ class Channel:
 
     def _handshake(self) -> tuple[Sealer, Opener]:
         p = self.params
-        mode = MODE_ENCRYPT if p.encrypt else MODE_PLAIN
+        mode = MODE_ENCRYPT if self.encrypt else MODE_PLAIN
         nonce_c = os.urandom(NONCE_BYTES)
         self._sock.sendall(pack_hello(mode, self.codec.id, nonce_c, p.writer_id))
         try:
@@ -126,7 +131,7 @@ class Channel:
             raise HandshakeClosed(f"the target closed the handshake ({exc}): pushed out "
                                    "by newer connections, or timed out") from None
         c2s, s2c = session_keys(p.key, nonce_c, nonce_s, data)
-        return Sealer(c2s, encrypt=p.encrypt), Opener(s2c, encrypt=p.encrypt)
+        return Sealer(c2s, encrypt=self.encrypt), Opener(s2c, encrypt=self.encrypt)
 
     def send(self, *, addr: int, rkey: int, offset: int, data: memoryview,
              op: int = OP_WRITE) -> concurrent.futures.Future:

@@ -27,6 +27,7 @@ from typing import Any
 
 from weight_transfer.sync.listen import check_listen_address
 from weight_transfer.transport.tcp.codec import Codec, CodecError
+from weight_transfer.transport.tcp.encryption import link_encrypts
 from weight_transfer.transport.tcp.target import TargetTable
 from weight_transfer.transport.tcp.wire import (
     ACCEPT,
@@ -35,6 +36,7 @@ from weight_transfer.transport.tcp.wire import (
     CODECS,
     HELLO,
     MODE_ENCRYPT,
+    MODE_PLAIN,
     NONCE_BYTES,
     OP_WRITE,
     PREFIX,
@@ -95,10 +97,10 @@ class Listener:
     """See the module docstring. ``target_id`` names this NIC in the handshake."""
 
     def __init__(self, table: TargetTable, *, host: str, port: int, target_id: bytes,
-                 encrypt: bool, codec: str, max_payload: int, handshake_timeout_s: float,
-                 max_pending: int) -> None:
+                 encrypt: bool | None, codec: str, max_payload: int,
+                 handshake_timeout_s: float, max_pending: int) -> None:
         self.table, self.target_id = table, target_id
-        self.mode, self.codec = (MODE_ENCRYPT if encrypt else 0), Codec(codec)
+        self.encrypt, self.codec = encrypt, Codec(codec)  # encrypt: see .encryption
         self.max_payload, self.max_pending = max_payload, max_pending
         self.handshake_timeout_s = handshake_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -171,7 +173,8 @@ class Listener:
         nonce_c = recv_exact(conn, NONCE_BYTES, deadline)
         writer = recv_exact(conn, id_len, deadline)
         who = f"{writer.decode(errors='replace').replace(chr(0), '/')} at {addr}"
-        key, why = self._key_or_reason(writer, mode, codec)
+        want = self._mode_for(conn)
+        key, why = self._key_or_reason(writer, mode, codec, want)
         # No oracle: a name without a key (or another mode) gets the same challenge under a
         # random key, so it fails at the proof step exactly as a wrong key does.
         decoy = os.urandom(32)  # drawn for every name: the same work either way
@@ -189,14 +192,22 @@ class Listener:
         conn.sendall(ACCEPT)
         c2s, s2c = session_keys(key, nonce_c, nonce_s, data)
         encrypt = mode == MODE_ENCRYPT
-        log.info("%s: writer %s authenticated", self.table.label, who)
+        log.info("%s: writer %s authenticated (%s)", self.table.label, who,
+                 "encrypted" if encrypt else "authenticated, in clear")
         return _Session(writer, who, Opener(c2s, encrypt=encrypt), Sealer(s2c, encrypt=encrypt))
 
-    def _key_or_reason(self, writer: bytes, mode: int, codec: int) -> tuple[bytes, str]:
+    def _mode_for(self, conn: socket.socket) -> int:
+        """The mode this connection must use: encrypted or not by the ``encrypt`` option
+        and, when it is unset, by whether both ends have one address (.encryption)."""
+        local, peer = conn.getsockname()[0], conn.getpeername()[0]
+        return MODE_ENCRYPT if link_encrypts(self.encrypt, local, peer) else MODE_PLAIN
+
+    def _key_or_reason(self, writer: bytes, mode: int, codec: int,
+                       want: int) -> tuple[bytes, str]:
         """The link key of ``writer``, or why it has none here (logged, never sent)."""
-        if (mode, codec) != (self.mode, self.codec.id):
-            return b"", (f"asked for mode {mode}, codec {codec}; this NIC uses mode "
-                         f"{self.mode}, codec {self.codec.id} ({self.codec.name})")
+        if (mode, codec) != (want, self.codec.id):
+            return b"", (f"asked for mode {mode}, codec {codec}; this link uses mode {want} "
+                         f"(encrypt={self.encrypt}), codec {self.codec.id} ({self.codec.name})")
         key = self.table.key_for(writer)
         if key is None:
             return b"", "not a writer the plan gave a key for"

@@ -20,8 +20,10 @@ What it protects (see docs/transports.md):
   ``handshake_timeout_s`` is dropped, and at most ``max_pending`` wait at once
   (a new one pushes out the oldest), so idle connections do not keep a writer out.
 - What each frame may do: per-connection keys (HKDF); every frame carries a
-  sequence number and an AES-GCM tag (``encrypt: false``: the payload is
-  authenticated but sent in clear, GMAC; ``encrypt: true``: encrypted too).
+  sequence number and an AES-GCM tag, and the payload is encrypted too where
+  :mod:`.encryption` says: by default (``encrypt`` unset) across hosts, not
+  within one host (there authenticated in clear, GMAC); ``encrypt: true``:
+  always; ``encrypt: false``: never, logged once per host pair it exposes.
   Tampered, replayed or reordered frames end the session. A write lands only in
   a region registered now (address and rkey), that the plan gave this writer
   (``grant``), within its bounds, and (``update_window: true``) between the
@@ -68,6 +70,7 @@ from weight_transfer.transport.tcp.client import (
     LinkParams,
 )
 from weight_transfer.transport.tcp.codec import load_codec
+from weight_transfer.transport.tcp.encryption import warn_if_clear
 from weight_transfer.transport.tcp.server import Listener, check_bind_host, max_payload_for
 from weight_transfer.transport.tcp.target import Grant, Refusal, TargetTable
 from weight_transfer.transport.tcp.wire import OK, STATUS_TEXT, KeyText, identity, new_link_key
@@ -81,7 +84,9 @@ class TcpOptions(TransportOptions):
 
     host: str | None = None  # the advertised and only bound address; None: the actor's
     port: int = Field(default=0, ge=0, le=65535)  # 0: a free port
-    encrypt: bool = False
+    # None: encrypted across hosts, authenticated-only within one (.encryption); True or
+    # False: always or never (never: logged once per host pair across hosts)
+    encrypt: bool | None = None
     compression: Literal["none", "lz4", "zstd"] = "none"
     compression_level: int = Field(default=1, ge=1, le=19)  # zstd only
     chunk_bytes: int = Field(default=4 << 20, ge=4096, le=1 << 30)
@@ -144,7 +149,7 @@ class TcpTransport(TransportBase):
         return "tcp would advertise a loopback address that other hosts cannot reach"
 
     def __init__(self, *, owner: str, nic: str = "tcp0", host: str = "127.0.0.1",
-                 port: int = 0, encrypt: bool = False, compression: str = "none",
+                 port: int = 0, encrypt: bool | None = None, compression: str = "none",
                  compression_level: int = 1, chunk_bytes: int = 4 << 20,
                  max_inflight: int = 4, update_window: bool = True,
                  handshake_timeout_s: float = 2.0, connect_timeout_s: float = 10.0,
@@ -261,10 +266,13 @@ class TcpTransport(TransportBase):
         if not ep:
             return
         where = f"{self.label}: peer info of {peer.owner}/{peer.nic}"
-        for name, typ in (("host", str), ("port", int), ("key", str), ("encrypt", bool),
-                          ("compression", str), ("chunk_bytes", int)):
+        for name, typ in (("host", str), ("port", int), ("key", str),
+                          ("encrypt", (bool, type(None))), ("compression", str),
+                          ("chunk_bytes", int)):
             if not isinstance(ep.get(name), typ):
-                raise ValueError(f"{where}: endpoint field {name!r} must be {typ.__name__}, "
+                want = " or ".join(t.__name__ for t in typ) if isinstance(typ, tuple) \
+                    else typ.__name__
+                raise ValueError(f"{where}: endpoint field {name!r} must be {want}, "
                                  f"not {type(ep.get(name)).__name__}")
         if (ep["encrypt"], ep["compression"]) != (self.encrypt, self.compression):
             raise ValueError(f"{where}: target uses encrypt={ep['encrypt']}, compression="
@@ -285,12 +293,24 @@ class TcpTransport(TransportBase):
             encrypt=self.encrypt, codec=self.compression,
             chunk_bytes=min(self.chunk_bytes, ep["chunk_bytes"]),
             connect_timeout_s=self.connect_timeout_s, level=self.compression_level)
-        link = _Link(params, self._open_channel(params, f"{peer.owner}/{peer.nic}"))
+        channel = self._open_channel(params, f"{peer.owner}/{peer.nic}")
+        warn_if_clear(self.encrypt, *channel.hosts, label=self.label,
+                      target=f"{peer.owner}/{peer.nic}")
+        link = _Link(params, channel)
         old = self._add_peer(peer.owner, peer.nic, link)
         if old is not None:
             old.close()
-        log.info("%s: connected to %s/%s at %s:%d", self.label, peer.owner, peer.nic,
-                 params.host, params.port)
+        log.info("%s: connected to %s/%s at %s:%d (%s)", self.label, peer.owner, peer.nic,
+                 params.host, params.port,
+                 "encrypted" if channel.encrypt else "authenticated, in clear")
+
+    def encrypts_to(self, remote_owner: str, remote_nic: str) -> bool:
+        """Whether this writer's link to that target NIC encrypts its payloads (decided
+        per connection, :mod:`.encryption`); ValueError if not connected to it."""
+        link = self._peer(remote_owner, remote_nic)
+        if link is None:
+            raise ValueError(f"{self.label}: not connected to {remote_owner}/{remote_nic}")
+        return link.channel.encrypt
 
     def _open_channel(self, params: LinkParams, peer: str) -> Channel:
         deadline = time.monotonic() + self.connect_timeout_s
