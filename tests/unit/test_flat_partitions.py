@@ -307,7 +307,7 @@ def test_partitions_land_the_reference_bytes(tp, fp8, world):
         for rank in range(world):
             check_trainer_plan(plan.trainer_plan(rank), tm.params)
             # a direct parameter from the rank's own partition; a gathered one whole (one
-            # process: the gather itself runs in tests/integration/test_deepspeed_source.py)
+            # process: the gather itself runs in tests/integration/test_deepspeed_trainers.py)
             locals_ = {n: partition(t, rank, world) if n in direct else t
                        for n, t in state.items()}
             transfer = RankTransfer(plan=plan.trainer_plan(rank), params=tm.params,

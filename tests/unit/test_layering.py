@@ -323,3 +323,13 @@ def test_importing_scheduling_loads_neither_torch_nor_ray():
     count, loaded = done.stdout.split(" ", 1)
     assert int(count) >= 8, done.stdout  # every submodule was imported
     assert loaded.strip() == "[]", f"importing scheduling loaded {loaded.strip()}"
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test modules by their file name (no packages under tests/): two
+    modules of one name in different folders fail the whole run at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}
