@@ -139,3 +139,20 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if SHARED in getattr(item, "fixturenames", ()) and (
             nextitem is None or SHARED not in getattr(nextitem, "fixturenames", ())):
         _SHARED.stop()
+
+
+@pytest.fixture
+def smallest_demo_run(tmp_path: Any) -> Any:
+    """``configs/runs/demo.yaml`` on the demo's smallest shape
+    (``configs/clusters/local_cpu_small.yaml``: 2 trainer ranks -> 1 replica x TP1), written
+    under ``tmp_path``: for benchmarks tested as smoke runs (the shape is not their subject)."""
+    import yaml
+
+    from actors.tools.demo.run_config import ROOT
+
+    data = yaml.safe_load((ROOT / "configs" / "runs" / "demo.yaml").read_text())
+    data["cluster"] = "configs/clusters/local_cpu_small.yaml"
+    path = tmp_path / "demo-smallest.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+

@@ -1,5 +1,6 @@
-"""``wt bench delta --quick`` end to end (tiny_llama, FP8 engines, one round of one lr: a
-smoke run, the numbers belong to ``wt bench delta``): every
+"""``wt bench delta --quick`` end to end (tiny_llama, FP8 engines, one round of one lr on the
+demo's smallest shape, 2 trainer ranks -> 1 replica x TP1: a smoke run, the numbers belong
+to ``wt bench delta``): every
 mode's update verified (the integrity check of every range and the reference-layout
 byte check), the JSON ``runs`` as the issue names them, and deltas moving fewer bytes
 than dense. Speed is never asserted (two shared cores)."""
@@ -11,15 +12,15 @@ import json
 import pytest
 
 from actors.tools.bench.delta import run
-from actors.tools.demo.run_config import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LR = 1e-5  # the larger of the bench's default lrs: more elements change
 
 
-def test_quick_bench_runs_and_verifies_every_mode(tmp_path, ray_job):  # shared Ray
+def test_quick_bench_runs_and_verifies_every_mode(tmp_path, ray_job,
+        smallest_demo_run):  # shared Ray
     out = tmp_path / "delta.json"
-    rc = run(config=ROOT / "configs/runs/demo.yaml", model=None, nic_gbps=0.05, updates=1,
+    rc = run(config=smallest_demo_run, model=None, nic_gbps=0.05, updates=1,
              lrs=str(LR), dtypes="fp8", quick=True, timeout_s=300.0, json_path=out)
     doc = json.loads(out.read_text())
     assert rc == 0, doc

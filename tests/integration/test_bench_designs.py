@@ -1,5 +1,6 @@
-"""``wt bench designs`` end to end on tiny_llama: every design runs once on the demo's
-actors with NIC caps on, each verified byte for byte against the reference layout.
+"""``wt bench designs`` end to end on tiny_llama: every design runs once with NIC caps on, on
+the demo's smallest shape (2 trainer ranks -> 1 replica x TP1: a smoke run, the numbers
+belong to ``wt bench designs``), each verified byte for byte against the reference layout.
 
 Speed is never asserted (two shared cores); only that each design verified, that
 the JSON has its keys and that the numbers are real.
@@ -19,10 +20,11 @@ from actors.tools.demo.run_config import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_every_design_verified_on_tiny_llama(tmp_path, monkeypatch, ray_job):  # shared Ray
+def test_every_design_verified_on_tiny_llama(tmp_path, monkeypatch, ray_job,
+        smallest_demo_run):  # shared Ray
     monkeypatch.setattr(bench_designs, "RDT_PROBE_TIMEOUT_S", 5.0)  # its outcome, not its wait
     out = tmp_path / "designs.json"
-    rc = run(config=ROOT / "configs/runs/demo.yaml", model=ROOT / "configs/models/tiny_llama.yaml",
+    rc = run(config=smallest_demo_run, model=ROOT / "configs/models/tiny_llama.yaml",
              nic_gbps=0.5, updates=1, designs="p2p,rank0,rpc,bucketed,rdt", bucket="1M",
              caps_off=False, timeout_s=300.0, json_path=out, png=None)
     doc = json.loads(out.read_text())
