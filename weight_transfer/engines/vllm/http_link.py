@@ -4,7 +4,8 @@ The server is the user's, started with our backend and vLLM's development
 routes (``VLLM_SERVER_DEV_MODE=1``)::
 
     WT_VLLM_KEY=<key> VLLM_SERVER_DEV_MODE=1 \\
-        vllm serve MODEL --weight-transfer-config '{"backend": "wt_onesided"}'
+        vllm serve MODEL --weight-transfer-config '{"backend": "wt_onesided"}' \\
+        --middleware weight_transfer.engines.vllm.guard.RouteGuard
 
     link = HttpLink("http://10.0.0.7:8000", key=key, reply_host="10.0.0.5", pause_mode="keep")
     metas = link.setup(SetupRequest(...))   # POST /init_weight_transfer_engine, replies on
@@ -22,7 +23,10 @@ weights, as the offline driver does). The same interface as
 :class:`~weight_transfer.engines.vllm.driver.VllmLink` (``setup``, ``call``,
 ``pause``, ``resume``, ``set_version``, ``version``, ``generate``,
 ``gate.paused``, ``close``), so the Ray owner drives either. Standard library
-HTTP only.
+HTTP only. Every request to a route the server's guard keeps for the controller
+(:data:`~weight_transfer.engines.vllm.guard.GUARDED`) is signed with the key
+(:func:`~weight_transfer.engines.vllm.guard.sign_headers`); :meth:`HttpLink.check_guard`
+tells whether the server runs that guard and accepts the key.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weight_transfer.engines.vllm.channel import ReplyChannel
+from weight_transfer.engines.vllm.channel import KEY_ENV, ReplyChannel
+from weight_transfer.engines.vllm.guard import (
+    GUARD_HEADER,
+    IMPORT_PATH,
+    is_guarded,
+    sign_headers,
+)
 from weight_transfer.engines.vllm.mailbox import SetupRequest
 from weight_transfer.types import EngineRankMeta
 
@@ -76,20 +86,59 @@ class HttpLink:
 
     def request(self, method: str, route: str, body: Any = None,
                 timeout_s: float | None = None) -> Any:
-        """One call of a route; its JSON answer (None if empty). HttpError naming the route."""
+        """One call of a route (signed where the guard wants it); its JSON answer (None if
+        empty). HttpError naming the route."""
         data = None if body is None else json.dumps(body).encode()
+        status, _, text = self._send(method, route, data, timeout_s, sign=is_guarded(
+            route.split("?", 1)[0]))
+        if status >= 400:
+            raise HttpError(f"{method} {self.url}{route}: HTTP {status}: "
+                            f"{text[:2000].decode(errors='replace')}")
+        return json.loads(text) if text else None
+
+    def _send(self, method: str, route: str, data: bytes | None, timeout_s: float | None,
+              *, sign: bool) -> tuple[int, Any, bytes]:
+        """(status, headers, body) of one request; HttpError if the server is not reached."""
+        headers = {"Content-Type": "application/json"}
+        if sign:
+            headers.update(sign_headers(self.box.key, method, route, data or b""))
         req = urllib.request.Request(self.url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                text = resp.read()
+                return resp.status, resp.headers, resp.read()
         except urllib.error.HTTPError as exc:
-            raise HttpError(f"{method} {self.url}{route}: HTTP {exc.code}: "
-                            f"{exc.read()[:2000].decode(errors='replace')}") from None
+            return exc.code, exc.headers, exc.read()
         except urllib.error.URLError as exc:
             raise HttpError(f"{method} {self.url}{route}: {exc.reason} (is the server up, "
                             "with VLLM_SERVER_DEV_MODE=1?)") from None
-        return json.loads(text) if text else None
+
+    def check_guard(self, *, allow_unguarded: bool = False) -> bool:
+        """Whether the server runs our route guard and accepts this link's key: an unsigned
+        ``GET /start_weight_update`` (a method the route does not take: nothing happens
+        anywhere) must get the guard's 403, a signed one must pass it. A server without the
+        guard raises RuntimeError, unless ``allow_unguarded`` (then a warning, and False); a
+        guard that refuses the key raises ValueError."""
+        probe = "/start_weight_update"
+        status, headers, _ = self._send("GET", probe, None, 30.0, sign=False)
+        if not (status == 403 and headers.get(GUARD_HEADER) == "refused"):
+            if not allow_unguarded:
+                raise RuntimeError(
+                    f"vLLM server {self.url} runs without our route guard (an unsigned GET "
+                    f"{probe} got HTTP {status}): anyone who reaches it can pause, resume or "
+                    f"end an update. Start it with --middleware {IMPORT_PATH}, or pass "
+                    "allow_unguarded=True to connect anyway")
+            log.warning("vLLM server %s runs without our route guard (--middleware %s): its "
+                        "RL routes (/pause, /resume, /finish_weight_update, ...) are open to "
+                        "anyone who reaches it; connected because allow_unguarded=True",
+                        self.url, IMPORT_PATH)
+            return False
+        status, headers, text = self._send("GET", probe, None, 30.0, sign=True)
+        if status == 403 and headers.get(GUARD_HEADER) == "refused":
+            raise ValueError(f"vLLM server {self.url}: its route guard refused this link's "
+                             f"signature ({text[:200].decode(errors='replace')}): is its "
+                             f"{KEY_ENV} the controller's key, its clock within a minute?")
+        return True
 
     def get(self, route: str) -> Any:
         return self.request("GET", route)
