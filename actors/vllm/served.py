@@ -5,6 +5,7 @@ each with our backend and the key the controller holds::
 
     key = new_key()       # WT_VLLM_KEY=<key> VLLM_SERVER_DEV_MODE=1 vllm serve MODEL
                           #   --weight-transfer-config '{"backend": "wt_onesided"}'
+                          #   --middleware weight_transfer.engines.vllm.guard.RouteGuard
     with connect_vllm_servers(cfg, ["http://10.0.0.7:8000"], key=key,
                               pause_mode="keep") as replicas:
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
@@ -42,11 +43,16 @@ class VllmServedOwner(VllmEngineOwner):
 
     def __init__(self, config: TransferConfig, replica: int, url: str, *, key: str,
                  pause_mode: str = "keep", reply_host: str | None = None,
-                 recompute: bool = True) -> None:
+                 recompute: bool = True, allow_unguarded: bool = False) -> None:
         from weight_transfer.engines.vllm.http_link import HttpLink
 
         link = HttpLink(url, key=key, reply_host=reply_host or this_host().address,
                         pause_mode=pause_mode, recompute=recompute)
+        try:
+            link.check_guard(allow_unguarded=allow_unguarded)
+        except BaseException:
+            link.box.close()
+            raise
         super().__init__(config_for_link(config, replica, link), replica, link=link)
         self.url = url
 
@@ -75,12 +81,16 @@ VllmServed = ray.remote(max_concurrency=8)(VllmServedOwner)
 
 def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: str,
                          pause_mode: str = "keep", reply_host: str | None = None,
-                         recompute: bool = True, trainers: Any = None) -> Launched:
+                         recompute: bool = True, trainers: Any = None,
+                         allow_unguarded: bool = False) -> Launched:
     """One replica per server URL (replica ``i`` is ``urls[i]``): a handle of the replicas'
     ``VllmRank`` handles that owns the owner actors; see the module docstring. ``pause_mode``:
     vLLM's ``abort``, ``wait`` or ``keep``. With no cluster in ``config``, each replica's TP is
     the server's own and the controller derives the cluster from the actors at setup; with
-    one, the servers are checked against it."""
+    one, the servers are checked against it. Each server must run our route guard
+    (``--middleware weight_transfer.engines.vllm.guard.RouteGuard``) and accept ``key``;
+    RuntimeError naming the server otherwise, unless ``allow_unguarded=True`` (a server
+    started without the guard, its RL routes open to anyone: logged as a warning)."""
     if not urls:
         raise ValueError("connect_vllm_servers needs at least one server URL")
     cluster = config.cluster
@@ -95,7 +105,8 @@ def connect_vllm_servers(config: TransferConfig, urls: Sequence[str], *, key: st
             expected=cluster.inference.replicas, actual=len(urls))
     owners = [VllmServed.options(num_cpus=0).remote(config, i, url, key=key,
                                                     pause_mode=pause_mode, reply_host=reply_host,
-                                                    recompute=recompute)
+                                                    recompute=recompute,
+                                                    allow_unguarded=allow_unguarded)
               for i, url in enumerate(urls)]
     try:
         ray.get([o.startup_seconds.remote() for o in owners])

@@ -99,5 +99,6 @@ def test_the_server_command_names_our_backend_by_its_one_config_value():
     i = cmd.index("--weight-transfer-config")
     assert cmd[i + 1] == '{"backend": "wt_onesided"}'
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--enable-scale-out" in cmd
+    assert cmd[cmd.index("--middleware") + 1] == "weight_transfer.engines.vllm.guard.RouteGuard"
     assert cli_flags({"max_model_len": 256, "enforce_eager": True, "x": False}) == [
         "--max-model-len", "256", "--enforce-eager"]

@@ -6,7 +6,11 @@ for the token-in/token-out ``/inference/v1/generate`` route that reports
 
     WT_VLLM_KEY=<64 hex digits> VLLM_SERVER_DEV_MODE=1 \\
         vllm serve MODEL --host 10.0.0.7 --port 8000 --enable-scale-out \\
-        --weight-transfer-config '{"backend": "wt_onesided"}'
+        --weight-transfer-config '{"backend": "wt_onesided"}' \\
+        --middleware weight_transfer.engines.vllm.guard.RouteGuard
+
+(the last flag: only the controller, signing with the key, may call vLLM's RL and
+dev routes; :mod:`weight_transfer.engines.vllm.guard`).
 
 :class:`VllmServer` runs the same server in a child process (tests, the demo)::
 
@@ -37,6 +41,7 @@ from typing import Any
 
 from weight_transfer.engines.vllm import BACKEND_NAME
 from weight_transfer.engines.vllm.channel import KEY_ENV
+from weight_transfer.engines.vllm.guard import IMPORT_PATH as GUARD
 from weight_transfer.engines.vllm.shm import group_pids, mapped_segments, remove_unmapped
 from weight_transfer.sync.listen import check_listen_address
 
@@ -65,9 +70,10 @@ def cli_flags(engine_args: Mapping[str, Any]) -> list[str]:
 
 def serve_command(model: str | Path, *, host: str, port: int,
                   engine_args: Mapping[str, Any] | None = None) -> list[str]:
-    """The server's command line, our backend named by its one config value."""
+    """The server's command line, our backend named by its one config value, our route
+    guard as its middleware."""
     args = {**SMALL_SERVER, **(engine_args or {}),
-            "weight_transfer_config": {"backend": BACKEND_NAME}}
+            "weight_transfer_config": {"backend": BACKEND_NAME}, "middleware": GUARD}
     return [sys.executable, "-m", SERVER_MODULE, "--model", str(model), "--host", host,
             "--port", str(port), *cli_flags(args)]
 
