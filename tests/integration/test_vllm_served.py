@@ -5,13 +5,18 @@ streams sampled requests (pause mode ``keep``). After each update every byte our
 registered equals vLLM's own load_weights of the trainers' weights (in the server's worker,
 through a worker extension reached by name), greedy generations equal the trainers' model,
 the server reports the version, and the streamed completions carry weight_versions spans
-that cover their tokens. A request signed with another key, or not signed, is refused.
+that cover their tokens. A request signed with another key, or not signed, is refused. An
+outsider's calls of the RL routes (pause, resume, version, finish, start) are refused by our
+route guard with 403, between updates and during one, and change nothing.
 
 One server start for the module (about 40-90 s here).
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -114,14 +119,21 @@ def test_a_request_signed_with_another_key_is_refused(served):
 
     _, _, server, key, root = served
     link = HttpLink(server.url, key=new_key(), reply_timeout_s=5)
-    try:
-        with pytest.raises(TimeoutError, match=r"ranks \[0\] sent no reply to 'stats'.*"
-                                               r"WT_VLLM_KEY"):
+    try:  # signed with another key: the route guard refuses it before the backend sees it
+        with pytest.raises(HttpError, match=r"init_weight_transfer_engine: HTTP 403.*bad "
+                                             r"signature"):
             link.call("stats")
+        with pytest.raises(ValueError, match=r"route guard refused.*WT_VLLM_KEY"):
+            link.check_guard()
+    finally:
+        link.box.close()
+    link = HttpLink(server.url, key=key, reply_timeout_s=5)
+    try:  # past the guard, a request the backend cannot verify is refused there too
         unsigned = {"op": "stats", "mailbox": str(root), "seq": 1, "rank": 0}
         with pytest.raises(HttpError, match="init_weight_transfer_engine: HTTP 500"):
             link.post("/init_weight_transfer_engine", {"init_info": unsigned})
         assert list(root.glob("1.rank0.*")) == []  # nothing written where it said
+        assert link.check_guard() is True
     finally:
         link.box.close()
     with pytest.raises(ValueError, match="pause_mode 'later'"):
@@ -191,3 +203,54 @@ def test_no_token_carries_a_version_that_was_not_served_when_it_was_sampled(serv
             assert len(c.spans) == 1, f"pause mode {mode}: a request spans {c.spans}"
     if mode == "keep":
         assert any(len(c.spans) > 1 for c in done), f"none carried across an update: {seen}"
+
+
+ATTACKS = [("/pause?mode=abort", {}), ("/resume", {}),
+           ("/update_weight_version", {"new_version": "outsider-999"}),
+           ("/finish_weight_update", {"weight_version": "outsider-999"}),
+           ("/start_weight_update", {})]
+
+
+def _outsider(url: str, route: str, body: dict | None = None) -> tuple[int, str | None, dict]:
+    """An unsigned request, as anyone who reaches the server can send."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + route, data=data, method="GET" if data is None else
+                                 "POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers.get("x-wt-guard"), json.loads(resp.read() or "{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("x-wt-guard"), json.loads(exc.read() or "{}")
+
+
+def test_an_outsider_cannot_call_the_rl_routes_between_or_during_updates(served):
+    from actors import TransferConfig, WeightTransferController, connect_vllm_servers
+
+    _, trainers, server, key, root = served
+
+    def state():
+        return (_outsider(server.url, "/is_paused")[2],
+                _outsider(server.url, "/weight_info")[2]["weight_version"])
+
+    before = state()
+    assert before[0] == {"is_paused": False}
+    refused = [_outsider(server.url, r, b)[:2] for r, b in ATTACKS]
+    assert refused == [(403, "refused")] * len(ATTACKS)
+    assert state() == before  # not paused, the version unchanged
+    cfg = TransferConfig(update_timeout_s=300, barrier_timeout_s=60)
+    replicas = connect_vllm_servers(cfg, [server.url], key=key, reply_host="127.0.0.1")
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    during: list = []
+    try:
+        ctl.setup()
+        ctl.after_transfer = lambda version: during.extend(
+            _outsider(server.url, r, b)[:2] for r, b in ATTACKS)
+        _train(trainers, 41)
+        assert ctl.update(41).version == 41
+        assert during == [(403, "refused")] * len(ATTACKS)
+        assert state() == ({"is_paused": False}, "41")
+        answer = _oracle(replicas.owners[0], trainers, root, 41)
+        assert answer["problems"] == []
+    finally:
+        ctl.shutdown()
+        replicas.close()
