@@ -178,17 +178,18 @@ def _launch(handles: list, launch: Callable, config: Any, actor_cls: Any, **kw: 
 
 
 @contextlib.contextmanager
-def fleet_session(run: RunConfig, fleet: Fleet | None = None,
-                  **overrides: Any) -> Iterator[Fleet]:
-    """``fleet`` as given (the caller's, left running), or one started for the block on a
-    Ray instance of its own, closed after it (``overrides``: see :func:`start_fleet`)."""
+def fleet_session(run: RunConfig, fleet: Fleet | None = None, *,
+                  start: Callable[..., Any] | None = None, **overrides: Any) -> Iterator[Fleet]:
+    """``fleet`` as given (the caller's, left running), or one started for the block by
+    ``start(run, **overrides)`` (default: :func:`start_fleet`, the reference engine's) on
+    Ray (joined, or started for the block), closed after it."""
     if fleet is not None:
         yield fleet
         return
     started = connect_ray(run)
     own = None
     try:
-        own = start_fleet(run, **overrides)
+        own = (start or start_fleet)(run, **overrides)
         yield own
     finally:
         if own is not None:

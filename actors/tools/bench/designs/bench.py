@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ from actors.tools.bench.designs.fleet import P2P_MODES, DesignBench, mode_of
 from actors.tools.bench.designs.report import draw_png, p2p_binding, table_of
 from actors.tools.cli.progress import command_console, emit_json
 from actors.tools.cli.sizes import parse_size
-from actors.tools.demo.fleet import connect_ray
+from actors.tools.demo.fleet import fleet_session
 from actors.tools.demo.run_config import load_run_config, parse_run_config
 from actors.tools.engine_tools import engine_tool, has_tool
 
@@ -266,24 +266,11 @@ def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float
     return doc
 
 
-@contextlib.contextmanager
 def bench_fleet(start_fleet: Callable[[Any], Any], run_cfg: Any,
-                fleet: Any = None) -> Iterator[Any]:
+                fleet: Any = None) -> contextlib.AbstractContextManager[Any]:
     """``fleet`` as given (the caller's, left running), or ``start_fleet(run_cfg)`` on Ray
     (joined, or started for the block), closed after the block."""
-    if fleet is not None:
-        yield fleet
-        return
-    started = connect_ray(run_cfg)
-    own = None
-    try:
-        own = start_fleet(run_cfg)
-        yield own
-    finally:
-        if own is not None:
-            own.close()
-        if started:
-            ray.shutdown()
+    return fleet_session(run_cfg, fleet, start=start_fleet)
 
 
 def release(bench: DesignBench) -> None:

@@ -54,7 +54,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ from actors.engine_registry import engine_spec
 from actors.tools.bench.caller_fleet import check_fleet, next_version
 from actors.tools.bench.stall.vllm import VllmStallClient
 from actors.tools.cli.progress import command_console, emit_json, json_to_stdout
-from actors.tools.demo.fleet import Fleet, connect_ray, fleet_session, token_batch
+from actors.tools.demo.fleet import Fleet, fleet_session, token_batch
 from actors.tools.demo.run_config import RunConfig, load_run_config
 from actors.tools.engine_tools import engine_tool
 
@@ -281,29 +281,13 @@ def render(rows: list[ModeResult]) -> Table:
     return table
 
 
-@contextlib.contextmanager
 def engine_fleet(run_cfg: RunConfig, fleet: Fleet | None = None,
-                 **overrides: Any) -> Iterator[Fleet]:
+                 **overrides: Any) -> contextlib.AbstractContextManager[Fleet]:
     """``fleet`` as given (the caller's, left running), or the run's fleet, started by its
     engine's registered ``start_fleet`` (the demo's fleet for the reference engine), closed
     after the block."""
-    if fleet is not None:
-        yield fleet
-        return
-    if run_cfg.engine == "reference":
-        with fleet_session(run_cfg, **overrides) as demo:
-            yield demo
-        return
-    started = connect_ray(run_cfg)
-    own = None
-    try:
-        own = engine_tool(run_cfg.engine, "start_fleet")(run_cfg, **overrides)
-        yield own
-    finally:
-        if own is not None:
-            own.close()
-        if started:
-            ray.shutdown()
+    start = None if run_cfg.engine == "reference" else engine_tool(run_cfg.engine, "start_fleet")
+    return fleet_session(run_cfg, fleet, start=start, **overrides)
 
 
 def run_config_for(config: Path | None, engine: str, cluster: Path | None = None) -> RunConfig:
