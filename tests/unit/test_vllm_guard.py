@@ -1,4 +1,4 @@
-"""The route guard of a served vLLM (weight_transfer/engines/vllm/guard.py) as an ASGI app, with
+"""The route guard of a served vLLM (weight_transfer/engines/vllm/guard/) as an ASGI app, with
 crafted scopes and no vLLM: a request signed with the key passes with its body intact; an
 unsigned one, one signed with another key, a stale one, a replayed nonce and a tampered body or
 query are refused with 403, the reason and the guard's header, and counted; a read route
@@ -157,7 +157,7 @@ def test_without_a_key_every_guarded_route_is_refused(monkeypatch):
 
 def test_refusals_are_logged_at_most_once_per_interval(caplog):
     guard.REFUSED.clear()
-    guard._last_log.clear()
+    guard.middleware._last_log.clear()
     with caplog.at_level("WARNING", logger=guard.__name__):
         for i in range(5):
             guard.count_refused("unsigned", "POST /pause", now=100.0 + i)
