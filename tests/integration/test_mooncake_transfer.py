@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import os
 import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,6 +216,19 @@ def test_write_to_killed_process_fails_cleanly(small_target):
     nic.close()
 
 
+def _wait_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T in /proc): a loaded machine may run
+    the target's I/O thread once more after SIGSTOP is sent, and answer a write."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for tid in os.listdir(f"/proc/{pid}/task")]
+        if all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(120)
 def test_write_to_stopped_process_times_out_then_close_returns(small_target):
     nic = make_transport("mooncake", owner="trainer5", nic="mc0", timeout_s=1.0, **OPTS)
@@ -221,6 +236,7 @@ def test_write_to_stopped_process_times_out_then_close_returns(small_target):
     src = random_tensor(torch.float32, 4096, seed=13)
     asyncio.run(nic.write(src, small_target.desc, 0))  # opens the session
     os.kill(small_target.remote.pid, signal.SIGSTOP)
+    _wait_stopped(small_target.remote.pid)  # a signal takes effect when the process is next run
     try:  # our deadline (1 s + bytes at 0.1 GB/s) fires, not Mooncake's 30 s progress timeout
         with pytest.raises(PeerUnreachableError, match=r"did not complete within 1\.\d+s"):
             asyncio.run(nic.write(src, small_target.desc, 0))
