@@ -97,8 +97,6 @@ def flat_view(shard: FlatShard, rect: tuple[tuple[int, int], ...]) -> torch.Tens
 def gather_flat(shards: Sequence[FlatShard], names: Sequence[str],
                 record: Callable[[tuple], None] | None = None) -> list[torch.Tensor]:
     """The full tensors of ``shards`` (one partition group): one ``all_gather``."""
-    import torch.distributed as dist
-
     group, world = shards[0].group, shards[0].world
     layout, total = [], 0  # (offset, padded bytes) per parameter
     for s, name in zip(shards, names, strict=True):
@@ -113,16 +111,26 @@ def gather_flat(shards: Sequence[FlatShard], names: Sequence[str],
     for s, (off, _) in zip(shards, layout, strict=True):
         n = s.valid * s.data.element_size()
         inp[off : off + n] = s.data[: s.valid].contiguous().view(torch.uint8)
-    buf = torch.empty(world * total, dtype=torch.uint8, device=device)
+    rows = all_gather_rows(inp, group, world, names, record)
+    out = []
+    for s, (off, nbytes) in zip(shards, layout, strict=True):
+        flat = rows[:, off : off + nbytes].reshape(-1)[: s.numel * s.data.element_size()]
+        out.append(flat.view(s.dtype).view(s.shape))
+    return out
+
+def all_gather_rows(inp: torch.Tensor, group: Any, world: int, names: Sequence[str],
+                    record: Callable[[tuple], None] | None = None) -> torch.Tensor:
+    """Every rank's ``inp`` (a flat uint8 buffer of one size on every rank of ``group``) as
+    the rows of a ``(world, inp.numel())`` tensor: one ``all_gather``, recorded as
+    ``("all_gather", names, bytes)``."""
+    import torch.distributed as dist
+
+    total = inp.numel()
+    buf = torch.empty(world * total, dtype=torch.uint8, device=inp.device)
     if record is not None:
         record(("all_gather", tuple(names), total))
     if dist.get_backend(group) == "nccl":
         dist.all_gather_into_tensor(buf, inp, group=group)
     else:
         dist.all_gather(list(buf.view(world, total).unbind(0)), inp, group=group)
-    rows = buf.view(world, total)
-    out = []
-    for s, (off, nbytes) in zip(shards, layout, strict=True):
-        flat = rows[:, off : off + nbytes].reshape(-1)[: s.numel * s.data.element_size()]
-        out.append(flat.view(s.dtype).view(s.shape))
-    return out
+    return buf.view(world, total)

@@ -61,7 +61,7 @@ from weight_transfer.sender.buckets import (  # the pure planning half, re-expor
     reserve_bytes,
     shard_rows,
 )
-from weight_transfer.sender.flat_shard import FlatShard, gather_flat
+from weight_transfer.sender.flat_shard import FlatShard, all_gather_rows, gather_flat
 from weight_transfer.sender.gather_nd import gather_nd
 from weight_transfer.types import ParamMeta, Placement
 
@@ -156,8 +156,6 @@ def _live_shard0(x: Any) -> bool:
 
 def _all_gather(dts: Sequence[Any], metas: Sequence[ParamMeta],
                 record: Recorder | None) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     mesh = dts[0].device_mesh
     if any(d.device_mesh != mesh for d in dts):
         raise ValueError(f"bucket of {metas[0].name!r}: parameters on different meshes")
@@ -179,16 +177,10 @@ def _all_gather(dts: Sequence[Any], metas: Sequence[ParamMeta],
                              f"{local.shape[0]} rows of dim 0, chunking {d.shape[0]} rows "
                              f"over {world} ranks gives {want}")
         inp[off : off + want * row] = local.contiguous().reshape(-1).view(torch.uint8)
-    buf = torch.empty(world * total, dtype=torch.uint8, device=device)
-    if record is not None:
-        record(("all_gather", tuple(m.name for m in metas), total))
-    if dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(buf, inp, group=group)
-    else:
-        dist.all_gather(list(buf.view(world, total).unbind(0)), inp, group=group)
-    rows = buf.view(world, total)
+    rows = all_gather_rows(inp, group, world, [m.name for m in metas], record)
     fulls = []
     for d, (off, chunk, row) in zip(dts, layout, strict=True):
         flat = rows[:, off : off + chunk].reshape(-1)[: d.shape[0] * row]
         fulls.append(flat.view(d.dtype).view(tuple(d.shape)))
     return fulls
+
