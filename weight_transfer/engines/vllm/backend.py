@@ -20,6 +20,8 @@ operations through ``init_weight_transfer_engine`` (see :mod:`.mailbox`):
   in progress ends without touching live memory), ``rollback`` (back to the version
   before the last flip), ``memory`` (the bytes each copy costs), ``live_checksum`` (the
   integrity hashes of the version served).
+* ``lora_setup`` / ``lora_begin`` / ``lora_flip`` / ``lora_rollback`` / ``lora_close``: a
+  served LoRA adapter written one-sided into vLLM's adapter slots (:mod:`.lora`);
 * ``delta_arena`` / ``delta_apply``: sparse delta updates
   (:class:`~weight_transfer.engines.delta.DeltaArena`): the arena registered once, and the
   in-place apply of a version's records, run in the finish phase just before
@@ -56,6 +58,7 @@ from vllm.distributed.weight_transfer.base import (
 from weight_transfer.engines.delta import DeltaApplied, DeltaArena
 from weight_transfer.engines.registered import RegisteredMemory
 from weight_transfer.engines.vllm import inbox
+from weight_transfer.engines.vllm.lora.slots import LORA_OPS
 from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, storage_bytes
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
 from weight_transfer.engines.vllm.shadow import DirectShadow, Standby
@@ -113,6 +116,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         self._complete = False  # the registered memory holds a whole version (flipped)
         self._staging = False  # vLLM's update session is open: the trainers may write
         self._delta: DeltaArena | None = None  # sparse deltas: registered once (delta_arena)
+        self.lora: dict[str, Any] = {}  # served adapter name -> its slots (.lora.slots)
 
     @property
     def meta(self) -> EngineRankMeta | None:
@@ -292,6 +296,8 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         return self._delta.apply(version=version, held=held, buffers=self.mem.buffers)
 
     def _close(self, _req=None) -> None:
+        for name in list(self.lora):
+            LORA_OPS["lora_close"](self, name)
         if self._delta is not None:
             self._delta.deregister()
             self._delta = None
@@ -366,4 +372,5 @@ _OPS = {
     "close": OneSidedBackend._close,
     "delta_arena": OneSidedBackend._delta_arena,
     "delta_apply": OneSidedBackend._delta_apply,
+    **LORA_OPS,  # LoRA adapters in vLLM's slots (.lora.slots)
 }

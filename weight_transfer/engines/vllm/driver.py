@@ -263,14 +263,18 @@ class VllmLink:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
+                 temperature: float = 0.0, seed: int | None = None,
+                 lora_request: Any = None) -> list[list[int]]:
         """Generations from token ids (greedy unless ``temperature`` > 0, then sampled by
-        vLLM, request ``i`` seeded ``seed + i``), one engine step at a time (see StepGate)."""
+        vLLM, request ``i`` seeded ``seed + i``), one engine step at a time (see StepGate);
+        ``lora_request``: vLLM's ``LoRARequest`` of an adapter to run with."""
         return [list(g.tokens) for g in self.generate_tagged(
-            prompts, max_new_tokens, temperature=temperature, seed=seed)]
+            prompts, max_new_tokens, temperature=temperature, seed=seed,
+            lora_request=lora_request)]
 
     def generate_tagged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                        temperature: float = 0.0, seed: int | None = None) -> list[Generation]:
+                        temperature: float = 0.0, seed: int | None = None,
+                        lora_request: Any = None) -> list[Generation]:
         """:meth:`generate`, each sequence with the weight versions that produced its tokens
         (vLLM's own per-span ``weight_versions``)."""
         from vllm import SamplingParams
@@ -283,7 +287,8 @@ class VllmLink:
                 temperature=temperature, seed=None if seed is None else seed + i,
                 max_tokens=max_new_tokens, detokenize=False)
             with self._send:
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params,
+                                   lora_request=lora_request)
         done: dict[str, Generation] = {}
         while len(done) < len(ids):
             for out in self.gate.step(engine.step):

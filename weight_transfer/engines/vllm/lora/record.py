@@ -1,0 +1,190 @@
+"""Record, from vLLM itself, where each adapter parameter lands in vLLM's LoRA slots.
+
+Runs inside a vLLM worker started with ``enable_lora=True``. vLLM's LoRA model
+manager (``model.lora_manager``) wraps each target linear layer; the wrapper keeps
+preallocated slot tensors ``lora_a_stacked`` / ``lora_b_stacked`` (one per fused
+slice, ``[max_loras, 1, rows, cols]``) and fills slot ``i`` with ``set_lora(i, a, b)``,
+slicing for its TP rank. This module drives exactly that path with vLLM's recording
+tensors (``FakeRDTTensor``, zero storage) in place of the adapter's tensors:
+
+1. the adapter's PEFT names become vLLM module names by vLLM's own
+   ``parse_fine_tuned_lora_name`` (and the model's ``hf_to_vllm_mapper``);
+2. vLLM's ``_create_merged_loras_inplace`` packs q/k/v into ``qkv_proj`` and
+   gate/up into ``gate_up_proj`` as at a real load (with scaling 1, so nothing is
+   multiplied: the scaling is carried beside the pieces, :func:`adapter_scaling`);
+3. each wrapped layer's ``set_lora(slot, a, b)`` runs as ``activate_adapter`` runs it;
+   every ``copy_`` into a slot tensor is recorded (source rectangle, strided
+   destination) and becomes :class:`~weight_transfer.types.Piece` s, as the full-weight
+   layout is recorded from ``load_weights`` (:mod:`..recording`).
+
+``set_lora`` zeroes the slot first (``reset_lora``): record only slots that serve
+nothing. :func:`check_adapter` refuses, by name and before anything is touched, an
+adapter whose rank, features or target modules the engine's LoRA config cannot hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from weight_transfer.engines.vllm.lora.spec import AdapterSpec
+from weight_transfer.layout.recording.slices import copy_pieces, rect_of_chain
+from weight_transfer.types import Piece
+
+log = logging.getLogger(__name__)
+
+STACKS = ("lora_a_stacked", "lora_b_stacked")
+RECORDING_ID = (1 << 31) - 1  # the id of the recording LoRAModel (vLLM wants one > 0)
+
+
+def linear_layers(manager: Any) -> dict[str, Any]:
+    """vLLM's LoRA-wrapped linear layers (the ones with slot tensors), by module name."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    return {n: m for n, m in manager.modules.items() if isinstance(m, BaseLinearLayerWithLoRA)}
+
+
+def slot_tensors(manager: Any) -> dict[str, torch.Tensor]:
+    """Every slot tensor of the linear layers: ``{module}.lora_a_stacked.{slice}`` ..."""
+    out = {}
+    for name, layer in linear_layers(manager).items():
+        for stack in STACKS:
+            for i, t in enumerate(getattr(layer, stack)):
+                out[f"{name}.{stack}.{i}"] = t
+    return out
+
+
+def _mapper(manager: Any) -> Any:
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    return mapper.get_rename_mapper() if mapper is not None else None
+
+
+def peft_helper(adapter: AdapterSpec, lora_config: Any) -> Any:
+    """vLLM's PEFTHelper of ``adapter``, validated against the engine's LoRA config
+    (rank against ``max_lora_rank``, features vLLM does not implement)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict(adapter.config)
+    try:
+        helper.validate_legal(lora_config)
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter (r={adapter.rank}, targets {list(adapter.targets)}) "
+                         f"does not fit this engine (max_lora_rank="
+                         f"{lora_config.max_lora_rank}): {exc}") from None
+    return helper
+
+
+def check_adapter(manager: Any, adapter: AdapterSpec) -> Any:
+    """The adapter's PEFTHelper; ValueError naming every parameter the engine has no LoRA
+    slot for (a target module vLLM does not wrap), or a rank it cannot hold."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    helper = peft_helper(adapter, manager.lora_config)
+    layers = linear_layers(manager)
+    held = set(layers)
+    for packed, subs in manager.packed_modules.items():
+        if packed in layers:
+            held.update(subs)
+    problems = []
+    for p in adapter.params:
+        try:
+            module, _ = parse_fine_tuned_lora_name(p.name, _mapper(manager))
+        except ValueError as exc:
+            problems.append(f"{p.name}: {exc}")
+            continue
+        if module not in held:
+            problems.append(f"{p.name}: module {module!r} has no LoRA slot in this engine")
+    if problems:
+        targets = sorted({n.rsplit(".", 1)[-1] for n in held})
+        raise ValueError(f"LoRA adapter targets modules the engine's LoRA config cannot hold "
+                         f"(slots exist for {targets}):\n  " + "\n  ".join(problems))
+    return helper
+
+
+def adapter_scaling(helper: Any, adapter: AdapterSpec) -> dict[str, float]:
+    """Per ``lora_B`` parameter, the factor vLLM's load folds into B (``optimize``):
+    PEFTHelper's ``alpha/r`` (``alpha/sqrt(r)`` for rsLoRA, per-module patterns)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    out = {}
+    for p in adapter.params:
+        peft_module, is_a = parse_fine_tuned_lora_name(p.name)
+        if not is_a:
+            out[p.name] = float(helper.get_rank_and_scaling(peft_module)[1])
+    return out
+
+
+class _Sink:
+    """The recording tensors' ``copy_`` sink: which slot tensor, which strided view."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.by_storage = {t.untyped_storage().data_ptr(): (n, t) for n, t in tensors.items()}
+        self.copies: list[tuple[str, Any, torch.Tensor]] = []  # (slot tensor, key, dst view)
+        self.copied: set[str] = set()
+
+    def accept_copy(self, dest: torch.Tensor, src: Any) -> torch.Tensor:
+        hit = self.by_storage.get(dest.untyped_storage().data_ptr())
+        if hit is None:
+            raise ValueError(f"vLLM's set_lora copies {src._name} into a tensor that is no "
+                             f"LoRA slot tensor (shape {tuple(dest.shape)})")
+        self.copies.append((hit[0], src._key(), dest))
+        self.copied.add(src._name)
+        return dest
+
+
+def _recording_model(manager: Any, adapter: AdapterSpec, sink: _Sink) -> Any:
+    """A vLLM LoRAModel whose tensors are recording tensors, packed by vLLM."""
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import FakeRDTTensor
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    loras: dict[str, Any] = {}
+    dtype = manager.lora_config.lora_dtype
+    for p in adapter.params:
+        module, is_a = parse_fine_tuned_lora_name(p.name, _mapper(manager))
+        fake = FakeRDTTensor(name=p.name, shape=torch.Size(p.shape), dtype=dtype,
+                             device=torch.device("meta"), sink=sink)
+        lw = loras.setdefault(module, LoRALayerWeights(module, adapter.rank, adapter.alpha,
+                                                       None, None, scaling=1.0))
+        if is_a:
+            lw.lora_a = fake
+        else:
+            lw.lora_b = fake
+    model = LoRAModel(RECORDING_ID, adapter.rank, loras)  # never registered in vLLM
+    manager._create_merged_loras_inplace(model)  # vLLM's packing (scaling 1: no multiply)
+    return model
+
+
+def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
+    """The pieces of ``adapter`` in slot ``slot``, recorded from vLLM's ``set_lora``
+    (see the module docstring). Zeroes the slot."""
+    tensors = slot_tensors(manager)
+    sink = _Sink(tensors)
+    model = _recording_model(manager, adapter, sink)
+    for name, layer in linear_layers(manager).items():
+        lw = manager._get_lora_layer_weights(model, name)
+        if lw is None:
+            continue
+        try:
+            layer.set_lora(slot, lw.lora_a, lw.lora_b)  # as activate_adapter calls it
+        except NotImplementedError as exc:  # an op the recording tensors cannot replay
+            raise ValueError(f"{name} ({type(layer).__name__}): vLLM's set_lora cannot be "
+                             f"recorded at this TP size: {exc}") from None
+    shapes = {p.name: tuple(p.shape) for p in adapter.params}
+    pieces: list[Piece] = []
+    for dst, (src, ops), view in sink.copies:
+        rect, view_shape = rect_of_chain(shapes[src], ops, name=src)
+        pieces += copy_pieces(src=src, rect=rect, view_shape=view_shape, dst=dst,
+                              dst_dtype=str(view.dtype).removeprefix("torch."),
+                              offset=view.storage_offset(), shape=tuple(view.shape),
+                              stride=tuple(view.stride()))
+    unused = sorted(set(shapes) - sink.copied)
+    if unused:
+        raise ValueError(f"vLLM's set_lora writes no byte of adapter parameters {unused} "
+                         "(no LoRA layer of this engine takes them)")
+    log.info("recorded %d pieces of %d adapter parameters into LoRA slot %d",
+             len(pieces), len(shapes), slot)
+    return pieces
