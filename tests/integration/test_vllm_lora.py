@@ -1,0 +1,211 @@
+"""A PEFT LoRA adapter written one-sided into a real vLLM's adapter slots (issue 35).
+
+One vLLM engine for the module (tiny Llama, float32, TP=1, ``enable_lora=True``,
+``max_loras=3``: our two slots and one for vLLM's own load of the oracle; rank 4 under
+``max_lora_rank=8``, so lora_B lands in strided rows), about 35-60 s to start here; the
+tests after it take a few seconds. The oracles live here:
+
+1. the served slot's bytes, after our write and the flip, equal the bytes vLLM's own
+   load of a PEFT checkpoint of the same adapter (``save_pretrained``, loaded through
+   a ``LoRARequest`` with its path) puts in its slot, in every slot tensor;
+2. greedy tokens under the served name equal those of that checkpoint loaded from disk;
+   a new version is served after its flip, the previous one until then, and a rollback
+   gives the previous version's tokens exactly.
+
+Bad input (rank over ``max_lora_rank``, a module without a LoRA slot, an update that
+does not match its setup, too few slots) is refused by name with nothing written. The tests
+run in file order on the one engine (version 1, then version 2 and the rollback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.tools.testkit.vllm_oracle import connect_link, save_checkpoint, start_llm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
+
+LLAMA = Path(__file__).parents[2] / "configs" / "models" / "tiny_llama.yaml"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[1, 5, 9, 200], [7, 7, 3], [42]]
+ENIC, TNIC = "inode0/nic0", "tnode0/nic0"
+ORACLE_ID = 7
+
+
+def peft_adapter(base, *, seed: int, r: int = 4, alpha: int = 16):
+    """A PEFT model of ``base`` with random (non-zero) A and B, reproducible by ``seed``."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
+    model = get_peft_model(base, cfg, adapter_name="default")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def snapshot(model, root: Path, tag: str):
+    """The adapter's tensors now, and its PEFT checkpoint on disk (the oracle's input)."""
+    from weight_transfer.sources.lora import adapter_tensors
+
+    model.save_pretrained(root / tag)
+    return {n: t.clone() for n, t in adapter_tensors(model).items()}, root / tag
+
+
+def slot_differences(llm, served_id: int, oracle_id: int) -> list[str]:
+    """Every slot tensor whose bytes in the served adapter's slot differ from the slot vLLM
+    loaded the oracle checkpoint into (run in the worker)."""
+    def differences(worker):
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+        manager = worker.model_runner.model.lora_manager
+        ids = manager.lora_index_to_id
+        a, b = ids.index(served_id), ids.index(oracle_id)
+        out = []
+        for name, layer in manager.modules.items():
+            if not isinstance(layer, BaseLinearLayerWithLoRA):
+                continue  # embeddings and the head keep other tensors (not targeted here)
+            for stack in ("lora_a_stacked", "lora_b_stacked"):
+                for i, t in enumerate(getattr(layer, stack)):
+                    if not torch.equal(t[a].view(torch.uint8), t[b].view(torch.uint8)):
+                        out.append(f"{name}.{stack}.{i}")
+        return out
+
+    return llm.collective_rpc(differences)[0]
+
+
+def slot_ids(llm) -> list:
+    return llm.collective_rpc(lambda w: list(w.model_runner.model.lora_manager.lora_index_to_id))[0]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from weight_transfer.engines.vllm.driver import VllmLink
+    from weight_transfer.engines.vllm.lora.link import LoraLink
+    from weight_transfer.engines.vllm.mailbox import SetupRequest
+    from weight_transfer.transport.options import DEFAULT_TRANSPORT
+
+    root = tmp_path_factory.mktemp("lora")
+    base, path = save_checkpoint(LLAMA, seed=11, root=root)
+    model = peft_adapter(base, seed=1)
+    v1 = snapshot(model, root, "adapter-v1")
+    with torch.no_grad():  # the trainer's next step: new adapter values, same shapes
+        g = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    v2 = snapshot(model, root, "adapter-v2")
+    llm = start_llm(path, enable_lora=True, max_loras=3, max_lora_rank=8)
+    link = VllmLink(llm)
+    (meta,) = link.setup(SetupRequest(replica="engine0", nics=((ENIC,),),
+                                      transport=DEFAULT_TRANSPORT))
+    nic = connect_link(link, meta, DEFAULT_TRANSPORT, trainer="trainer0", nic=TNIC)
+    lora = LoraLink(link, name="policy", lora_int_id=1)
+    ns = SimpleNamespace(llm=llm, link=link, lora=lora, nic=nic, model=model, v1=v1, v2=v2,
+                         root=root, lmeta=None)
+    yield ns
+    try:
+        link.close()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def oracle_tokens(ns, path: Path):
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(f"oracle-{path.name}", ORACLE_ID, str(path), load_inplace=True)
+    return ns.link.generate(PROMPTS, 8, lora_request=request)
+
+
+def write(ns, tensors) -> int:
+    from weight_transfer.sources.lora import write_adapter
+
+    slot = ns.lora.begin()
+    return asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, tensors))
+
+
+def test_too_few_slots_is_refused_naming_the_numbers():
+    from weight_transfer.engines.vllm.lora.slots import check_capacity
+
+    with pytest.raises(ValueError, match=r"needs 2 LoRA slots.*max_loras=1, max_cpu_loras=1"):
+        check_capacity(SimpleNamespace(max_loras=1, max_cpu_loras=1))
+    check_capacity(SimpleNamespace(max_loras=2, max_cpu_loras=2))
+
+
+def test_adapters_the_engine_cannot_hold_are_refused_with_nothing_written(engine):
+    from weight_transfer.engines.vllm.lora.spec import AdapterSpec
+    from weight_transfer.sources.lora import describe_peft
+
+    good = describe_peft(engine.model)
+    too_big = AdapterSpec(config_json=good.config_json.replace('"r": 4', '"r": 16'),
+                          params=good.params)
+    with pytest.raises(ValueError, match="LoRA rank 16 is greater than max_lora_rank 8"):
+        engine.lora.setup(too_big, nics=((ENIC,),))
+    config = {**good.config, "target_modules": ["rotary"]}
+    alien = AdapterSpec.of(config, {
+        "base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": ((4, 256), "float32"),
+        "base_model.model.model.layers.0.self_attn.rotary.lora_B.weight": ((256, 4), "float32"),
+    })
+    with pytest.raises(ValueError, match=r"self_attn\.rotary\.lora_A\.weight: module "
+                                         r"'model\.layers\.0\.self_attn\.rotary' has no LoRA slot"):
+        engine.lora.setup(alien, nics=((ENIC,),))
+    assert slot_ids(engine.llm) == [None, None, None]  # no slot taken, none written
+
+
+def test_slot_bytes_and_tokens_equal_vllms_own_load(engine):
+    from weight_transfer.sources.lora import describe_peft
+
+    ns = engine
+    (ns.lmeta,) = ns.lora.setup(describe_peft(ns.model), nics=((ENIC,),))
+    assert len(ns.lmeta.slots) == 2 and dict(ns.lmeta.scaling) and \
+        set(dict(ns.lmeta.scaling).values()) == {16 / 4}
+    base = ns.link.generate(PROMPTS, 8)
+    tensors, path = ns.v1
+    assert write(ns, tensors) == ns.lmeta.nbytes > 0
+    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == base  # not yet
+    ns.lora.flip(version=1)
+    ours = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())
+    assert ours == oracle_tokens(ns, path) != base
+    assert slot_differences(ns.llm, 1, ORACLE_ID) == []
+    ns.tokens_v1 = ours
+
+
+def test_new_version_while_serving_then_rollback(engine):
+    ns = engine
+    tensors, path = ns.v2
+    write(ns, tensors)  # into the free slot: the name still serves version 1
+    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
+    ns.lora.flip(version=2)
+    v2 = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())
+    assert v2 == oracle_tokens(ns, path) != ns.tokens_v1
+    assert slot_differences(ns.llm, 1, ORACLE_ID) == []
+    ns.lora.rollback()
+    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
+    assert ns.lora.version == "1"
+    with pytest.raises(ValueError, match="no previous version held"):
+        ns.lora.rollback()
+
+
+def test_an_update_unlike_its_setup_writes_nothing(engine):
+    from weight_transfer.sources.lora import write_adapter
+
+    ns = engine
+    tensors, _ = ns.v2
+    name = next(iter(tensors))
+    before = ns.link.call("stats")[0]["bytes_written"]
+    slot = ns.lora.begin()
+    broken = {**tensors, name: tensors[name][:-1]}
+    with pytest.raises(ValueError, match=rf"{name}: shape .* set up with"):
+        asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, broken))
+    del broken[name]
+    with pytest.raises(ValueError, match=rf"{name}: missing"):
+        asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, broken))
+    assert ns.link.call("stats")[0]["bytes_written"] == before
