@@ -110,7 +110,7 @@ def engine(tmp_path_factory):
     nic = connect_link(link, meta, DEFAULT_TRANSPORT, trainer="trainer0", nic=TNIC)
     lora = LoraLink(link, name="policy", lora_int_id=1)
     ns = SimpleNamespace(llm=llm, link=link, lora=lora, nic=nic, model=model, v1=v1, v2=v2,
-                         root=root, lmeta=None)
+                         root=root, lmeta=None, base_meta=meta)
     yield ns
     try:
         link.close()
@@ -209,3 +209,33 @@ def test_an_update_unlike_its_setup_writes_nothing(engine):
     with pytest.raises(ValueError, match=rf"{name}: missing"):
         asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, broken))
     assert ns.link.call("stats")[0]["bytes_written"] == before
+    ns.lora.discard()
+    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
+
+
+def test_a_base_update_then_an_adapter_update(engine):
+    """Full weights and the adapter in one run, over the same NIC: the base moves to a new
+    checkpoint (every registered byte equal to vLLM's load_weights of it; vLLM then drops
+    its adapters, ours too), and the adapter written again is served on the new base
+    exactly as vLLM's own load of that adapter from disk is."""
+    from actors.tools.testkit.vllm_oracle import (
+        compare_to_oracle,
+        oracle_load,
+        registered_tensors,
+        write_update,
+    )
+
+    ns = engine
+    new_base, new_path = save_checkpoint(LLAMA, seed=12, root=ns.root)
+    ns.link.pause()
+    write_update(ns.nic, ns.base_meta, {n: p.detach() for n, p in new_base.named_parameters()})
+    ns.link.resume(version=2)
+    actual = ns.llm.collective_rpc(registered_tensors)[0]
+    assert compare_to_oracle(actual, ns.llm.collective_rpc(oracle_load,
+                                                           args=(str(new_path),))[0]) == []
+    tensors, path = ns.v1
+    write(ns, tensors)
+    ns.lora.flip(version=4)
+    ours = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())
+    assert ours == oracle_tokens(ns, path) != ns.tokens_v1  # v1 adapter, new base
+    assert slot_differences(ns.llm, 1, ORACLE_ID) == []

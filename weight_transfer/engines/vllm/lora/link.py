@@ -11,12 +11,15 @@
     ...                                         # the trainers write that slot one-sided
     lora.flip(version=3)                        # step boundary: "policy" -> the new slot
     lora.rollback()                             # step boundary: back to the version before
+    lora.discard()                              # instead of flip: a failed transfer
 
 Engine code runs at setup and at the step boundary of a flip or a rollback (vLLM's
 scheduler paused with ``keep``, as at a shadow flip; the prefix cache is reset, so no
 KV computed with the previous version is reused); never while the trainers write.
 The user's ``LoRARequest`` name and id stay the same across versions; its path is a
-placeholder vLLM never reads (the id is loaded and pinned by us).
+placeholder vLLM never reads (the id is loaded and pinned by us). vLLM drops every
+adapter after a full-weight update: write and flip the adapter again after one (the
+next ``begin`` takes the slots again); until then requests under the name fail.
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ class LoraLink:
             self.previous, self.version = self.version, None if version is None else str(version)
 
         return self.link._paused(swap, version)
+
+    def discard(self) -> None:
+        """End the update being written without a flip (a failed transfer); the engine
+        serves the current version throughout."""
+        self.link.call("lora_discard", self.name)
+        self._writing = False
+        self.previous = None
 
     def rollback(self) -> float:
         """At a step boundary: back to the version before the last flip (one step)."""

@@ -19,7 +19,12 @@ are registered once, at setup, on the NICs of the full-weight setup when there i
 Operations (``init_weight_transfer_engine`` ops of our backend, :data:`LORA_OPS`):
 ``lora_setup`` (:class:`~.spec.LoraSetup` -> :class:`~.spec.LoraRankMeta`),
 ``lora_begin`` (-> the free slot; NICs with an update window open it),
-``lora_flip``, ``lora_rollback``, ``lora_close``.
+``lora_flip``, ``lora_rollback``, ``lora_discard`` (an update ends without a flip),
+``lora_close``.
+
+vLLM drops every adapter after a full-weight update (its ``reset_lora_state``): the next
+``lora_begin`` takes both slots again (vLLM zeroes them), so after a base update the
+adapter is written and flipped once more before requests use it.
 """
 
 from __future__ import annotations
@@ -133,9 +138,31 @@ class AdapterSlots:
     def begin(self) -> int:
         """The trainers may write the free slot now; returns it. The previous version
         there is no rollback target from now on."""
+        self._repin_if_dropped()
         self.held, self.writing = False, True
         self.mem.open_window()
         return self.slot(self.free_id)
+
+    def _repin_if_dropped(self) -> None:
+        """vLLM drops every adapter after a full-weight update (``reset_lora_state`` after
+        ``finish_weight_update``): take both slots again (vLLM zeroes them); the next
+        version written and flipped is served from then on, none is held for a rollback."""
+        ids = self.manager.lora_index_to_id
+        if self.served_id in ids and self.free_id in ids:
+            return
+        for lora_id in (self.served_id, self.free_id):
+            self.manager.remove_adapter(lora_id)
+            self._pin(lora_id, self.req.adapter.rank)
+        slots = {self.slot(self.served_id), self.slot(self.free_id)}
+        if slots != set(self.meta.slots):
+            self._unpin()
+            raise RuntimeError(f"adapter {self.req.name!r}: after vLLM dropped its adapters "
+                               f"(a full-weight update) the free slots are {sorted(slots)}, "
+                               f"not the recorded {list(self.meta.slots)}: lora_close and "
+                               "set the adapter up again")
+        log.info("adapter %r: slots %s taken again after vLLM dropped its adapters (a "
+                 "full-weight update); the served slot is empty until the next flip",
+                 self.req.name, sorted(slots))
 
     def flip(self) -> int:
         """At a step boundary: the served id names the slot just written; the previous
@@ -147,6 +174,14 @@ class AdapterSlots:
         self._swap()
         self.held, self.writing = True, False
         return self.slot(self.served_id)
+
+    def discard(self) -> bool:
+        """End an update without a flip (a failed transfer): the served version stays; the
+        free slot holds no rollback target."""
+        if self.writing:
+            self.mem.close_window()
+        self.writing = self.held = False
+        return True
 
     def rollback(self) -> int:
         """At a step boundary: back to the version before the last flip (one step back)."""
@@ -206,5 +241,6 @@ LORA_OPS = {
     "lora_begin": lambda backend, name: _get(backend, name).begin(),
     "lora_flip": lambda backend, name: _get(backend, name).flip(),
     "lora_rollback": lambda backend, name: _get(backend, name).rollback(),
+    "lora_discard": lambda backend, name: _get(backend, name).discard(),
     "lora_close": _close,
 }
