@@ -310,7 +310,7 @@ def test_the_listener_never_binds_a_wildcard_address(host):
 
 
 def test_the_listener_binds_the_advertised_address_only(s):
-    assert s.target._listener._sock.getsockname()[0] == HOST
+    assert s.target._listener.gate.bound[0] == HOST
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.3", s.port), timeout=5)
 

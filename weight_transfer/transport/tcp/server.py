@@ -1,25 +1,22 @@
-"""The listener of a ``tcp`` target NIC: one accept thread, one thread per connection.
+"""The listener of a ``tcp`` target NIC: a :class:`~.gate.Gate`, then a thread per session.
 
-It binds only the advertised address (a wildcard address is refused). Each
-connection must finish the handshake (:mod:`._tcp_wire`) before a deadline
-(``handshake_timeout_s``); at most ``max_pending`` connections may be in their
-handshake at once, and a new one pushes out the oldest, so idle connections
-never keep a planned writer out. Every name gets the same challenge (a name the
-plan gave no key, or another mode, is challenged under a random key), so a
-refusal always comes at the proof step and tells an outsider nothing about
-which writers or which mode this NIC accepts. An authenticated session then reads frames
-into one reusable buffer (never into registered memory: a frame is trusted
-only once authenticated), opens them, decompresses, and has the
-:class:`~._tcp_target.TargetTable` check and copy; each frame gets a sealed ack.
-A frame that fails authentication ends its session. Refusals are counted and
-logged by the table.
+It binds only the advertised address (a wildcard address is refused). The gate
+runs every connection's handshake (:mod:`.wire`) on one selector thread, with a
+deadline (``handshake_timeout_s``) and at most ``max_pending`` at once (a new one
+pushes out the oldest), so neither idle connections nor a churning flood keep a
+planned writer out, and gives every name the same challenge (no oracle). Only a
+connection that proved its writer's key gets a thread: it reads frames into one
+reusable buffer (never into registered memory: a frame is trusted only once
+authenticated), opens them, decompresses, and has the
+:class:`~.target.TargetTable` check and copy; each frame gets a sealed ack. A
+frame that fails authentication ends its session. Refusals are counted and
+logged by the table (at most once per remote host per interval).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -28,36 +25,24 @@ from typing import Any
 from weight_transfer.sync.listen import check_listen_address
 from weight_transfer.transport.tcp.codec import Codec, CodecError
 from weight_transfer.transport.tcp.encryption import link_encrypts
+from weight_transfer.transport.tcp.gate import Gate, Proven, Rules
 from weight_transfer.transport.tcp.target import TargetTable
 from weight_transfer.transport.tcp.wire import (
-    ACCEPT,
     BAD_OP,
     BAD_PAYLOAD,
     CODECS,
-    HELLO,
     MODE_ENCRYPT,
     MODE_PLAIN,
-    NONCE_BYTES,
     OP_WRITE,
     PREFIX,
-    PROOF_BYTES,
     SEALED_HEADER_BYTES,
     TAG_BYTES,
     Opener,
     Sealer,
     WireError,
-    check_proof,
-    proof,
-    session_keys,
-    transcript,
-    unpack_hello_head,
 )
 
 log = logging.getLogger(__name__)
-
-
-class Refused(Exception):
-    """A connection refused during the handshake (the reason is logged and counted)."""
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -101,117 +86,54 @@ class Listener:
                  handshake_timeout_s: float, max_pending: int) -> None:
         self.table, self.target_id = table, target_id
         self.encrypt, self.codec = encrypt, Codec(codec)  # encrypt: see .encryption
-        self.max_payload, self.max_pending = max_payload, max_pending
-        self.handshake_timeout_s = handshake_timeout_s
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((check_bind_host(host), port))
-        self._sock.listen(512)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        self.max_payload = max_payload
         self._lock = threading.Lock()
-        self._pending: dict[socket.socket, float] = {}
         self._sessions: dict[socket.socket, bytes] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name=f"wt-tcp-accept-{self.port}")
-        self._thread.start()
+        rules = Rules(target_id=target_id, key_for=table.key_for, mode_for=self._mode_for,
+                      codec=self.codec.id, settings=f"encrypt={encrypt}, {self.codec.name}")
+        self._gate = Gate(rules, host=check_bind_host(host), port=port,
+                          handshake_timeout_s=handshake_timeout_s, max_pending=max_pending,
+                          on_session=self._start, on_refuse=self._refused,
+                          name="wt-tcp-gate")
+        self.host, self.port = host, self._gate.port
 
-    # ------------------------------------------------------------------ accept
+    @property
+    def gate(self) -> Gate:
+        return self._gate
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._admit(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{addr[0]}:{addr[1]}"),
-                             daemon=True, name="wt-tcp-conn").start()
+    def _mode_for(self, local: str, peer: str) -> int:
+        """The mode a connection must use: encrypted or not by the ``encrypt`` option
+        and, when it is unset, by whether both ends have one address (.encryption)."""
+        return MODE_ENCRYPT if link_encrypts(self.encrypt, local, peer) else MODE_PLAIN
 
-    def _admit(self, conn: socket.socket) -> None:
-        """Record a connection in its handshake; push out the oldest one when full."""
+    def _refused(self, peer: str, host: str, reason: str) -> None:
+        self.table.refuse("connection", peer, reason, source=host)
+
+    def _start(self, conn: socket.socket, proven: Proven) -> None:
+        """A writer proved its key (on the gate's thread): its session gets a thread."""
+        session = _Session(proven.writer, proven.who,
+                           Opener(proven.c2s, encrypt=proven.encrypt),
+                           Sealer(proven.s2c, encrypt=proven.encrypt))
         with self._lock:
-            oldest = None
-            if len(self._pending) >= self.max_pending:
-                oldest = min(self._pending, key=self._pending.__getitem__)
-                del self._pending[oldest]
-            self._pending[conn] = time.monotonic()
-        if oldest is not None:
-            _shut(oldest)
+            if self._closed:
+                _close(conn)
+                return
+            self._sessions[conn] = proven.writer
+        log.info("%s: writer %s authenticated (%s)", self.table.label, proven.who,
+                 "encrypted" if proven.encrypt else "authenticated, in clear")
+        threading.Thread(target=self._serve, args=(conn, session), daemon=True,
+                         name="wt-tcp-session").start()
 
-    def _serve(self, conn: socket.socket, addr: str) -> None:
+    def _serve(self, conn: socket.socket, session: _Session) -> None:
         try:
-            session = self._handshake(conn, addr)
-        except (Refused, WireError, OSError, TimeoutError, ValueError) as exc:
-            reason = "handshake timed out" if isinstance(exc, TimeoutError) else str(exc)
-            if not self._closed:
-                self.table.refuse("connection", addr, reason or type(exc).__name__)
-            self._forget(conn)
-            _close(conn)
-            return
-        try:
-            conn.settimeout(None)
             self._frames(conn, session)
         except (ConnectionError, OSError, TimeoutError):
             pass  # the writer went away or the session was closed here
         finally:
-            self._forget(conn)
+            with self._lock:
+                self._sessions.pop(conn, None)
             _close(conn)
-
-    def _forget(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._pending.pop(conn, None)
-            self._sessions.pop(conn, None)
-
-    # ------------------------------------------------------------------ handshake
-
-    def _handshake(self, conn: socket.socket, addr: str) -> _Session:
-        deadline = time.monotonic() + self.handshake_timeout_s
-        mode, codec, id_len = unpack_hello_head(recv_exact(conn, HELLO.size, deadline))
-        nonce_c = recv_exact(conn, NONCE_BYTES, deadline)
-        writer = recv_exact(conn, id_len, deadline)
-        who = f"{writer.decode(errors='replace').replace(chr(0), '/')} at {addr}"
-        want = self._mode_for(conn)
-        key, why = self._key_or_reason(writer, mode, codec, want)
-        # No oracle: a name without a key (or another mode) gets the same challenge under a
-        # random key, so it fails at the proof step exactly as a wrong key does.
-        decoy = os.urandom(32)  # drawn for every name: the same work either way
-        used = decoy if why else key
-        nonce_s = os.urandom(NONCE_BYTES)
-        data = transcript(mode, codec, nonce_c, nonce_s, writer, self.target_id)
-        conn.sendall(nonce_s + proof(used, b"server", data))
-        proved = check_proof(used, b"client", data, recv_exact(conn, PROOF_BYTES, deadline))
-        if why or not proved:
-            raise Refused(f"{who} failed the challenge ({why or 'wrong key'})")
-        with self._lock:
-            if self._pending.pop(conn, None) is None:
-                raise Refused(f"{who} was pushed out by newer connections")
-            self._sessions[conn] = writer
-        conn.sendall(ACCEPT)
-        c2s, s2c = session_keys(key, nonce_c, nonce_s, data)
-        encrypt = mode == MODE_ENCRYPT
-        log.info("%s: writer %s authenticated (%s)", self.table.label, who,
-                 "encrypted" if encrypt else "authenticated, in clear")
-        return _Session(writer, who, Opener(c2s, encrypt=encrypt), Sealer(s2c, encrypt=encrypt))
-
-    def _mode_for(self, conn: socket.socket) -> int:
-        """The mode this connection must use: encrypted or not by the ``encrypt`` option
-        and, when it is unset, by whether both ends have one address (.encryption)."""
-        local, peer = conn.getsockname()[0], conn.getpeername()[0]
-        return MODE_ENCRYPT if link_encrypts(self.encrypt, local, peer) else MODE_PLAIN
-
-    def _key_or_reason(self, writer: bytes, mode: int, codec: int,
-                       want: int) -> tuple[bytes, str]:
-        """The link key of ``writer``, or why it has none here (logged, never sent)."""
-        if (mode, codec) != (want, self.codec.id):
-            return b"", (f"asked for mode {mode}, codec {codec}; this link uses mode {want} "
-                         f"(encrypt={self.encrypt}), codec {self.codec.id} ({self.codec.name})")
-        key = self.table.key_for(writer)
-        if key is None:
-            return b"", "not a writer the plan gave a key for"
-        return key, ""
 
     # ------------------------------------------------------------------ frames
 
@@ -259,11 +181,10 @@ class Listener:
         return len(conns)
 
     def close(self) -> None:
-        self._closed = True
-        _shut(self._sock)
-        _close(self._sock)
+        self._gate.close()
         with self._lock:
-            conns = list(self._pending) + list(self._sessions)
+            self._closed = True
+            conns = list(self._sessions)
         for conn in conns:
             _shut(conn)
 

@@ -10,7 +10,10 @@ Everything a write is checked against, after its frame was authenticated:
   for an update and its resume; a write outside it is refused.
 
 :meth:`TargetTable.apply` checks window, region (address and rkey), grant and
-bounds, then copies; a refused write writes nothing, is logged and counted.
+bounds, then copies; a refused write writes nothing, is logged and counted. Every
+refusal is counted; the log gets at most one line per source (a remote host, or a
+writer) per :data:`~weight_transfer.observe.throttle.LOG_EVERY_S`, with the count of
+those not logged, so a flood of connections is a few lines, not thousands.
 Closing the window or deregistering waits for copies in progress, so nothing is
 written after they return.
 """
@@ -25,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from weight_transfer.observe.throttle import LogThrottle
 from weight_transfer.transport.tcp.wire import (
     NO_WINDOW,
     NOT_GRANTED,
@@ -81,6 +85,7 @@ class TargetTable:
         self.refusals: collections.deque[Refusal] = collections.deque(maxlen=REFUSALS_KEPT)
         self._cond = threading.Condition()
         self._copying = 0
+        self.throttle = LogThrottle()
 
     # ------------------------------------------------------------------ setup
 
@@ -120,15 +125,23 @@ class TargetTable:
 
     # ------------------------------------------------------------------ refusals
 
-    def refuse(self, kind: str, peer: str, reason: str) -> None:
-        """Count and log one refused connection or write."""
+    def refuse(self, kind: str, peer: str, reason: str, *, source: str = "") -> None:
+        """Count one refused connection or write; log it unless its ``source`` (default
+        ``peer``) was logged within the throttle's interval."""
         with self._cond:
             if kind == "connection":
                 self.refused_connections += 1
             else:
                 self.refused_writes += 1
             self.refusals.append(Refusal(at=time.time(), kind=kind, peer=peer, reason=reason))
-        log.warning("%s refused a %s from %s: %s", self.label, kind, peer, reason)
+        skipped = self.throttle.due((kind, source or peer))
+        if skipped is None:
+            return
+        more = (f" ({skipped} more from {source or peer} not logged in the last "
+                f"{self.throttle.every_s:g} s)" if skipped else "")
+        log.warning("%s refused a %s from %s: %s%s; counted in refused_%ss, logged at most "
+                    "once per %g s per source", self.label, kind, peer, reason, more, kind,
+                    self.throttle.every_s)
 
     # ------------------------------------------------------------------ writes
 

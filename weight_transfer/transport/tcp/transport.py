@@ -16,9 +16,11 @@ What it protects (see docs/transports.md):
   target NIC) pair the plan uses, at every setup (``peer_info``); it travels in
   the peer info over Ray (which authenticates) to that writer only. A writer
   proves the key in a challenge-response with nonces from both sides (HMAC-SHA256)
-  and the target proves it back; a connection that does not finish within
-  ``handshake_timeout_s`` is dropped, and at most ``max_pending`` wait at once
-  (a new one pushes out the oldest), so idle connections do not keep a writer out.
+  and the target proves it back. Handshakes run on one selector thread (:mod:`.gate`);
+  a connection that does not finish within ``handshake_timeout_s`` is dropped, and at
+  most ``max_pending`` wait at once (a new one pushes out the oldest), so neither idle
+  nor churning connections keep a writer out; the writer's connect is tried again with
+  jittered exponential backoff until ``connect_timeout_s``.
 - What each frame may do: per-connection keys (HKDF); every frame carries a
   sequence number and an AES-GCM tag, and the payload is encrypted too where
   :mod:`.encryption` says: by default (``encrypt`` unset) across hosts, not
@@ -30,8 +32,8 @@ What it protects (see docs/transports.md):
   engine's pause for an update and its resume. There is no read.
 - Nothing is written before the whole frame is verified: the target receives
   into a reusable buffer, verifies, then copies (one extra copy of every byte).
-- Refused connections and writes are logged and counted (``refused_connections``,
-  ``refused_writes``, ``refusals()``).
+- Refused connections and writes are counted (``refused_connections``,
+  ``refused_writes``, ``refusals()``) and logged at most once per source per minute.
 
 Transient faults: a connection lost with a frame in flight (:class:`TcpLinkError`);
 the next try opens a new connection with the same key. An ack that does not come
@@ -46,7 +48,6 @@ import ctypes
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -65,9 +66,9 @@ from weight_transfer.transport.base import (
 from weight_transfer.transport.tcp.client import (
     Channel,
     ChannelLost,
-    HandshakeClosed,
     HandshakeRefused,
     LinkParams,
+    with_backoff,
 )
 from weight_transfer.transport.tcp.codec import load_codec
 from weight_transfer.transport.tcp.encryption import warn_if_clear
@@ -114,7 +115,8 @@ class _Link:
         """The channel, reopened if its connection was lost (blocking)."""
         with self.lock:
             if self.channel.lost is not None:
-                self.channel = Channel(self.params)
+                self.channel = with_backoff(lambda left: Channel(self.params, timeout_s=left),
+                                            timeout_s=self.params.connect_timeout_s)
             return self.channel
 
     def close(self) -> None:
@@ -313,23 +315,16 @@ class TcpTransport(TransportBase):
         return link.channel.encrypt
 
     def _open_channel(self, params: LinkParams, peer: str) -> Channel:
-        deadline = time.monotonic() + self.connect_timeout_s
-        while True:
-            try:
-                return Channel(params)
-            except HandshakeClosed as exc:  # maybe pushed out by a flood: try again
-                if time.monotonic() >= deadline:
-                    raise PeerUnreachableError(f"{self.label}: {peer} at {params.host}:"
-                                               f"{params.port} refused the handshake: {exc}"
-                                               ) from None
-            except HandshakeRefused as exc:
-                raise PeerUnreachableError(f"{self.label}: {peer} at {params.host}:"
-                                           f"{params.port} refused the handshake: {exc}") from None
-            except OSError as exc:  # refused, reset, timed out: try until the deadline
-                if time.monotonic() >= deadline:
-                    raise PeerUnreachableError(f"{self.label}: cannot connect to {peer} at "
-                                               f"{params.host}:{params.port}: {exc}") from None
-                time.sleep(0.05)
+        """Connect and authenticate, tried again with jittered exponential backoff until
+        ``connect_timeout_s`` (:func:`~.client.with_backoff`)."""
+        where = f"{self.label}: {peer} at {params.host}:{params.port}"
+        try:
+            return with_backoff(lambda left: Channel(params, timeout_s=left),
+                                timeout_s=self.connect_timeout_s)
+        except HandshakeRefused as exc:
+            raise PeerUnreachableError(f"{where} refused the handshake: {exc}") from None
+        except ConnectionError as exc:
+            raise PeerUnreachableError(f"{where}: {exc} (connect_timeout_s)") from None
 
     def _release_peer(self, conn: Any) -> None:
         conn.close()
