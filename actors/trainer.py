@@ -3,15 +3,16 @@
 
 An existing trainer actor (OpenRLHF, veRL style) gains the methods by
 inheriting :class:`TrainerMixin` and calling :meth:`TrainerMixin.wt_attach`
-once its model is sharded (FSDP2) or its DeepSpeed engine is built (ZeRO 0-3:
-the ZeRO-3 partitions are written from ``ds_tensor``; the source is recognised,
-or named with ``source=``, :mod:`weight_transfer.sources.registry`)::
+once its model is sharded (FSDP2), its DeepSpeed engine is built (ZeRO 0-3:
+the ZeRO-3 partitions are written from ``ds_tensor``) or its Megatron-core GPTModel
+is built (each TP shard written as it is; the source is recognised, or named with
+``source=``, :mod:`weight_transfer.sources.registry`)::
 
     @ray.remote
     class MyTrainer(TrainerMixin):
         def __init__(self, ...):
             ...                                   # init_process_group, fully_shard(model)
-            self.wt_attach(model=model, rank=rank, world=world)   # or model=ds_engine
+            self.wt_attach(model=model, rank=rank, world=world)   # or a ds_engine, a GPTModel
 
 The controller then calls, in order: ``wt_param_metas()`` (setup, gathered),
 ``wt_endpoints(requests, rank_info=, transport=)`` (setup: opens this rank's
@@ -120,10 +121,12 @@ class TrainerMixin(TrainerDeltaMixin):
                   ) -> None:
         """Declare the model this rank trains; call once before setup.
 
-        ``model``: an FSDP2-sharded module, a ``DeepSpeedEngine`` (ZeRO 0-3) or a model
-        ZeRO-3 partitioned; ``source`` names how to read it (``"fsdp2"``, ``"deepspeed"``;
-        None: recognised, :mod:`weight_transfer.sources.registry`). A model the source
-        cannot describe is refused here (ValueError naming the parameter and the rank)."""
+        ``model``: an FSDP2-sharded module, a ``DeepSpeedEngine`` (ZeRO 0-3), a model
+        ZeRO-3 partitioned, or a Megatron-core ``GPTModel`` (its wrappers, its virtual
+        pipeline chunks); ``source`` names how to read it (``"fsdp2"``, ``"deepspeed"``,
+        ``"megatron"``; None: recognised, :mod:`weight_transfer.sources.registry`). A
+        model the source cannot describe is refused here (ValueError naming the parameter
+        and the rank)."""
         if not 0 <= rank < world:
             raise ValueError(f"trainer rank {rank} outside [0, {world})")
         found = open_source(model, rank=rank, world=world, source=source)
@@ -188,7 +191,8 @@ class TrainerMixin(TrainerDeltaMixin):
         parameter dtype): what the controller plans with when ``TransferConfig.model`` is
         None. ValueError if the model has no Hugging Face config."""
         model = self._wt_require_model()
-        if getattr(model, "config", None) is None:
+        config = getattr(model, "config", None)  # Megatron's TransformerConfig is no HF one
+        if not (hasattr(config, "to_dict") or isinstance(config, dict)):
             raise ValueError(
                 f"trainer rank {self._wt_rank}: the attached {type(model).__name__} has no "
                 "Hugging Face .config; give TransferConfig(model=...) (a model file)")

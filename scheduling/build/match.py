@@ -9,7 +9,9 @@ problem at once:
   shard, with the same shapes and dtypes (errors name replica, rank, tensor);
 * every trainer parameter has a destination and every engine tensor a source
   (``check_mapping``, both directions), unless ignored;
-* trainer parameters have the global shapes the model config implies.
+* trainer parameters have the global shapes the model config implies (a vocabulary
+  parameter may carry padding rows past ``vocab_size``, as Megatron's does; no piece
+  reads them).
 
 Trainer names may carry wrapper prefixes (FSDP, torch.compile); pieces are
 renamed to the trainer's own names so that tasks name what the trainer holds::
@@ -31,7 +33,13 @@ from weight_transfer.layout.engine_layout import (
     engine_tensor_specs,
 )
 from weight_transfer.model.models import ModelConfig, trainer_param_shapes
-from weight_transfer.model.naming import TIED_ALIASES, canonical_trainer_name, matches
+from weight_transfer.model.naming import (
+    TIED_ALIASES,
+    Split,
+    bound_rules,
+    canonical_trainer_name,
+    matches,
+)
 from weight_transfer.types import EngineRankMeta, Piece, ShardSpec, TensorSpec, TrainerMeta
 
 MAX_LISTED = 50
@@ -80,14 +88,25 @@ def engine_problems(
     return problems
 
 
+def _padded_rows_ok(name: str, have: tuple[int, ...], want: tuple[int, ...],
+                    vocab: frozenset[str]) -> bool:
+    """A vocabulary parameter may hold padding rows past ``vocab_size`` (Megatron pads
+    to a multiple of 128 x TP); the pieces read only the first ``vocab_size`` rows."""
+    return (name in vocab and len(have) == len(want) and have[0] >= want[0]
+            and have[1:] == want[1:])
+
+
 def _shape_problems(
     cfg: ModelConfig, trainer_meta: TrainerMeta, expert_naming: str, canonical: dict[str, str]
 ) -> list[str]:
     shapes = trainer_param_shapes(cfg, expert_naming=expert_naming)
+    vocab = frozenset(s for r in bound_rules(cfg) if r.split == Split.VOCAB for s in r.sources)
     problems = []
     for p in trainer_meta.params:
-        spec = shapes.get(canonical[p.name])
-        if spec is not None and tuple(spec.shape) != tuple(p.shape):
+        name = canonical[p.name]
+        spec = shapes.get(name)
+        if spec is not None and tuple(spec.shape) != tuple(p.shape) and not _padded_rows_ok(
+                name, tuple(p.shape), tuple(spec.shape), vocab):
             problems.append(
                 f"trainer parameter {p.name}: shape {p.shape}, the model config implies "
                 f"{tuple(spec.shape)}"

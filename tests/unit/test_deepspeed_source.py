@@ -150,6 +150,6 @@ def test_parameters_swapped_to_nvme_are_refused():
 
 
 def test_an_explicit_source_name_is_checked():
-    with pytest.raises(ValueError, match="unknown trainer source 'megatron'"):
-        source_class("megatron")
+    with pytest.raises(ValueError, match="unknown trainer source 'colossalai'"):
+        source_class("colossalai")
     assert "torch.nn.Module, not object" in refused(object(), source="deepspeed")

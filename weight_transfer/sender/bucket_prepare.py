@@ -128,9 +128,11 @@ def piece_sources(full: Any, block: tuple | None, pieces: list[Piece]):
 
 
 def to_device(local: Any, device: torch.device) -> Any:
-    """Host-to-device copy of a local shard (pinned memory makes it asynchronous)."""
+    """Host-to-device copy of a local shard (pinned memory makes it asynchronous): a
+    DTensor's local tensor, or anything else's own ``to`` (a tensor, a ZeRO-3 flat
+    partition, a Megatron TP block)."""
     to_local = getattr(local, "to_local", None)
-    if to_local is None:
+    if to_local is None or getattr(local, "device_mesh", None) is None:
         return local.to(device, non_blocking=True)
     from torch.distributed.tensor import DTensor
 

@@ -3,12 +3,13 @@
 A source (:class:`TrainerSource`) gives the transfer what it needs of one trainer
 rank's live model: its parameters' metadata (``param_metas``: name, global shape,
 dtype, mesh, placements), what the executor reads each parameter from at an update
-(``tensors``: a DTensor, a plain tensor, a ZeRO-3 flat partition), the model whose
-Hugging Face ``.config`` describes the architecture (``module``) and the full weights
-(``full_state``, a collective, for checkpoints)::
+(``tensors``: a DTensor, a plain tensor, a ZeRO-3 flat partition, a Megatron TP
+block), the model whose Hugging Face ``.config`` describes the architecture
+(``module``) and the full weights (``full_state``, a collective, for checkpoints)::
 
     source = open_source(engine_or_model, rank=r, world=n)          # recognised
     source = open_source(model, rank=r, world=n, source="deepspeed")  # or named
+    source = open_source(gpt_model, rank=r, world=n)                # Megatron-core
     source.check()                                  # ValueError naming parameter and rank
 
 Without a name the first source whose ``recognizes(model)`` holds is taken, in
@@ -29,8 +30,9 @@ __all__ = ["DETECT_ORDER", "SOURCES", "TrainerSource", "open_source", "source_cl
 SOURCES: Mapping[str, tuple[str, str]] = {
     "deepspeed": ("weight_transfer.sources.deepspeed", "DeepSpeedSource"),
     "fsdp2": ("weight_transfer.sources.fsdp", "Fsdp2Source"),
+    "megatron": ("weight_transfer.sources.megatron", "MegatronSource"),
 }
-DETECT_ORDER = ("deepspeed", "fsdp2")
+DETECT_ORDER = ("deepspeed", "megatron", "fsdp2")
 
 
 class TrainerSource(Protocol):
