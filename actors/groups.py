@@ -8,9 +8,10 @@ on that store. Ray carries only the (host, port) pair::
     host, port = ray.get(actors[0].wt_host_store.remote())      # rank 0 only
     ray.get([a.wt_join.remote(host, port) for a in actors])     # all ranks at once
 
-The controller hosts one more store of its own for the trainers' barriers
-between mesh groups (:func:`host_store` on :func:`node_ip` of the driver), so
-an existing trainer with its own process group needs nothing else.
+The trainers' barriers between mesh groups use a store of ours instead
+(:class:`weight_transfer.sync.store.BarrierStore`, which the controller runs in a
+process of its own on :func:`node_ip` of the driver), so an existing trainer with
+its own process group needs nothing else.
 
 A store listens on exactly the address it advertises (not on every
 interface): a client that dials any other address, loopback included, fails

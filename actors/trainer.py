@@ -48,7 +48,6 @@ import ray
 import torch
 
 from actors.connections import this_host, trainer_owner
-from actors.groups import connect_store
 from actors.messages import RankOptions, TrainerRankMeta
 from actors.metrics_ray import actor_metrics
 from actors.reports import RankReport, rank_report_of
@@ -61,6 +60,7 @@ from weight_transfer.plan.wire import loads_trainer_plan
 from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
 from weight_transfer.sources.registry import TrainerSource, open_source
 from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
+from weight_transfer.sync.store import StoreClient
 from weight_transfer.transport.handshake import (
     Connection,
     HostId,
@@ -267,11 +267,13 @@ class TrainerMixin(TrainerDeltaMixin):
         check_trainer_plan(plan, metas)  # before anything of the previous plan is dropped
         if self._wt_link is not None:
             self._wt_link.transfer.close()
+            self._wt_link.store.close()
         # Re-plan (add_replica): the same NIC, its connections kept; only new peers come.
         nic = self._wt_open_nic(rank_info, options.transport)
         connect_peers({rank_info.nic: nic}, peers, owner=self._wt_owner)
         guard = WriteGuard(label=f"trainer rank {self._wt_rank}")
-        kv = connect_store(*store, timeout_s=options.barrier_timeout_s)
+        kv = StoreClient(*store, key=barrier_key, timeout_s=options.barrier_timeout_s,
+                         who=f"trainer rank {self._wt_rank}")
         barrier = StoreBarrier(kv, rank=self._wt_rank, ranks=range(self._wt_world),
                                key=barrier_key, timeout_s=options.barrier_timeout_s)
         transfer = RankTransfer(plan=plan, params=metas, get_param=self._wt_param,
@@ -339,6 +341,7 @@ class TrainerMixin(TrainerDeltaMixin):
     def wt_close(self) -> None:
         if self._wt_link is not None:
             self._wt_link.transfer.close()
+            self._wt_link.store.close()
             self._wt_link = None
         if self._wt_nic is not None:
             self._wt_nic.close()

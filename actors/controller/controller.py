@@ -321,4 +321,6 @@ class WeightTransferController:
         if self.state.scheduler is not None:
             ray.kill(self.state.scheduler)
             self.state.scheduler = None
-        self.state.store = None
+        if self.state.store is not None:
+            self.state.store.close()  # its process
+            self.state.store = None

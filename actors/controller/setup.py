@@ -34,7 +34,7 @@ from actors.controller.engine_control import dead_replicas, describe_faults, fan
 from actors.controller.live_config import check_actors
 from actors.controller.schedule_actor import ScheduleActor
 from actors.controller.state import ControllerState
-from actors.groups import host_store, node_ip
+from actors.groups import node_ip
 from actors.messages import PlanSummary, check_trainer_metas
 from actors.placement import trainer_rank_infos
 from actors.replica_groups import ReplicaGroups
@@ -42,6 +42,7 @@ from scheduling.cluster.defaults import check_cluster
 from weight_transfer.engines.rank import EngineRank
 from weight_transfer.engines.shadow.store import ShadowError, ShadowInfo
 from weight_transfer.sync.barrier import BarrierKey
+from weight_transfer.sync.store import BarrierStore
 from weight_transfer.transport.handshake import Connection
 from weight_transfer.types import EngineRankId, EngineRankMeta
 
@@ -76,9 +77,14 @@ def run_setup(state: ControllerState, calls: ControlCalls, config: TransferConfi
     # The trainers' barrier store, on the address other nodes reach this one by; a new
     # one for every setup (a failed update may have left a crossing's keys behind), with
     # a new random name and secret that only Ray carries (weight_transfer.sync.barrier).
-    state.store_host = node_ip()
-    state.store = host_store(host=state.store_host, timeout_s=config.setup_timeout_s)
+    # Ours, in a process of its own: only holders of the secret get in, only the setup's
+    # keys and small values are stored (weight_transfer.sync.store).
+    if state.store is not None:
+        state.store.close()
     state.barrier_key = BarrierKey.new()
+    state.store_host = node_ip()
+    state.store = BarrierStore(host=state.store_host, key=state.barrier_key,
+                               timeout_s=config.setup_timeout_s)
     if state.scheduler is None:
         model = config.model or live_model_config(state, calls)
         state.scheduler = ScheduleActor.remote(model, config.cluster, fp8=config.engine_fp8,

@@ -44,7 +44,7 @@ class ControllerState:
     rank_infos: tuple[RankInfo, ...] = ()
     summary: PlanSummary | None = None  # None until the first setup() planned
     scheduler: Any = None  # the ScheduleActor, made at the first setup()
-    store: Any = None  # the trainers' barrier store of the last setup()
+    store: Any = None  # the trainers' barrier store of the last setup() (a BarrierStore)
     store_host: str = ""
     barrier_key: BarrierKey | None = None  # this setup's barrier name and secret (Ray only)
     attempted: int | None = None  # the last version an update() started

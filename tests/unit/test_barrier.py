@@ -1,27 +1,41 @@
-"""StoreBarrier over a real TCPStore on loopback, ranks as threads."""
+"""StoreBarrier on loopback, ranks as threads: over a real TCPStore and over our barrier
+store (:mod:`weight_transfer.sync.store`, its server in this process)."""
 
 import datetime
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 from weight_transfer.sync.listen import serve_store
+from weight_transfer.sync.store import StoreClient
+from weight_transfer.sync.store.protocol import namespace, store_identity, store_key
+from weight_transfer.sync.store.server import StoreServer
 
 KEY = BarrierKey.new()
 
 
-@pytest.fixture()
-def store():
-    return serve_store("127.0.0.1", timeout_s=10)
+@pytest.fixture(params=["tcpstore", "ours"])
+def store(request):
+    """``.num_keys()`` and ``.client()`` (a client of its own per thread: one TCPStore
+    socket is not shared between threads)."""
+    if request.param == "tcpstore":
+        server = serve_store("127.0.0.1", timeout_s=10)
+        yield SimpleNamespace(num_keys=server.num_keys, client=lambda: dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+        return
+    server = StoreServer(host="127.0.0.1", link_key=store_key(KEY), namespace=namespace(KEY),
+                         target_id=store_identity(KEY))
+    yield SimpleNamespace(num_keys=server.num_keys, client=lambda: StoreClient(
+        "127.0.0.1", server.port, key=KEY, timeout_s=10))
+    server.close()
 
 
 def client(store):
-    """A client of its own per thread: one TCPStore socket is not shared between threads."""
-    return dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=10))
+    return store.client()
 
 
 def run_ranks(store, ranks, present, tag, timeout_s):
@@ -63,9 +77,9 @@ def test_timeout_names_missing_ranks(store):
 
 def test_bad_arguments(store):
     with pytest.raises(ValueError, match="rank 9 is not one of"):
-        StoreBarrier(store, rank=9, ranks=[0, 1], key=KEY)
+        StoreBarrier(client(store), rank=9, ranks=[0, 1], key=KEY)
     with pytest.raises(ValueError, match="timeout"):
-        StoreBarrier(store, rank=0, ranks=[0], key=KEY, timeout_s=0)
+        StoreBarrier(client(store), rank=0, ranks=[0], key=KEY, timeout_s=0)
 
 
 def test_store_does_not_grow_with_updates(store):
