@@ -9,7 +9,7 @@ trainers' full state dict::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -25,10 +25,12 @@ def full_state(trainers: Sequence[Any]) -> dict[str, torch.Tensor]:
 
 
 def engine_mismatches(model: Any, trainers: Sequence[Any], replicas: Sequence[Sequence[Any]],
-                      *, fp8: bool = False) -> list[tuple[str, int, str]]:
+                      *, fp8: bool = False, state: Mapping[str, torch.Tensor] | None = None
+                      ) -> list[tuple[str, int, str]]:
     """(replica, rank, tensor) of every engine tensor whose bytes differ from the reference
-    layout; a rank holding other tensor names than the layout fails an assertion."""
-    state, bad = full_state(trainers), []
+    layout of ``state`` (None: the trainers' :func:`full_state`); a rank holding other
+    tensor names than the layout fails an assertion."""
+    state, bad = full_state(trainers) if state is None else state, []
     for rep in replicas:
         for actor in rep:
             meta = ray.get(actor.wt_engine_meta.remote())

@@ -1,0 +1,231 @@
+"""Real Megatron-core trainers as the source: 2 gloo ranks on CPU -> reference engines.
+
+The trainer actor is docs/embedding.md's ``megatron-trainer`` snippet as written (a
+``GPTModel`` of tiny_llama's shape with the local layer spec, bf16, its vocabulary of
+1000 padded to 1024 as Megatron-LM pads it), with a train step and the oracle added by
+subclassing; Megatron's CUDA assumptions are side-stepped by the test kit
+(:mod:`actors.tools.testkit.megatron_cpu`). The oracle is :func:`hf_from_megatron`: the
+weights Megatron holds, gathered over TP by the test and converted to a Hugging Face
+state dict plainly (grouped QKV split per query group, each rank's [gate; up] split,
+the padding dropped), independent of the plan. After a real optimizer step and an
+update, every byte of the TP=1 engine and of the TP=2 engine equals the reference
+loader's layout of that state dict. At TP=2 into TP=2 every shard is written by its own
+rank with no collective. Two more ranks at PP=2 (each stage one mesh, the names of
+stage 1 made global) write into the TP=1 engine.
+
+One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
+replica, each with its own controller over the same trainers (the PP=2 pair starts in
+its test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors import TransferConfig, WeightTransferController, launch_engines
+from actors.tools.testkit.doc_snippets import run_snippet
+from actors.tools.testkit.engine_bytes import engine_mismatches
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "embedding.md"
+CONFIGS = ROOT / "configs"
+MODEL = CONFIGS / "models" / "tiny_llama.yaml"
+VOCAB_ROWS = 1024  # tiny_llama's 1000, padded to a multiple of 128 x TP
+ROW_PARALLEL_BYTES = 2 * 2 * 256 * 512 * 2  # o_proj and down_proj of 2 layers, bf16
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.timeout(600),
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                       reason="megatron-core is not installed (scripts/setup.sh installs it)"),
+]
+ENV = {"OMP_NUM_THREADS": "1"}
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors take our classes
+
+
+def make_model():
+    from actors.tools.testkit.megatron_cpu import gpt_model
+    from weight_transfer.model.models import load_model_config
+
+    torch.manual_seed(0)  # every rank cuts its shard from the same full weights
+    return gpt_model(load_model_config(MODEL), vocab_rows=VOCAB_ROWS)
+
+
+# ------------------------------------------------------------------ the oracle, plainly
+
+LAYER_NAMES = {  # Megatron suffix -> Hugging Face suffix (the unfused ones)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_from_megatron(full, layers, *, tp, heads, groups, vocab):
+    """A Hugging Face state dict of Megatron's full tensors (gathered over TP by
+    concatenation on ``partition_dim``); ``layers``: stage layer index -> the model's."""
+    out = {}
+    for name, t in full.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t[:vocab]
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t[:vocab]
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = t
+        else:
+            _, _, i, suffix = name.split(".", 3)
+            p = f"model.layers.{layers[int(i)]}."
+            if suffix == "self_attention.linear_qkv.weight":
+                per_group = t.view(groups, heads // groups + 2, -1, t.shape[1])
+                q, k, v = per_group[:, :-2], per_group[:, -2], per_group[:, -1]
+                out[p + "self_attn.q_proj.weight"] = q.reshape(-1, t.shape[1])
+                out[p + "self_attn.k_proj.weight"] = k.reshape(-1, t.shape[1])
+                out[p + "self_attn.v_proj.weight"] = v.reshape(-1, t.shape[1])
+            elif suffix == "mlp.linear_fc1.weight":
+                per_rank = t.view(tp, 2, -1, t.shape[1])  # each rank: its gate, its up
+                out[p + "mlp.gate_proj.weight"] = per_rank[:, 0].reshape(-1, t.shape[1])
+                out[p + "mlp.up_proj.weight"] = per_rank[:, 1].reshape(-1, t.shape[1])
+            else:
+                out[p + LAYER_NAMES[suffix]] = t
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def trainer_class():
+    """The snippet's actor class, with what the test needs of it."""
+    snippet = run_snippet(DOC, "megatron-trainer", {})["MegatronTrainer"]
+
+    class TestTrainer(snippet.__ray_metadata__.modified_class):
+        def __init__(self, rank, world, port, tp, pp):
+            from actors.tools.testkit.megatron_cpu import patch_for_cpu
+
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            patch_for_cpu()
+            super().__init__(rank, world, make_model, tp=tp, pp=pp, backend="gloo")
+            self.tp, self.optimizer = tp, torch.optim.Adam(self.model.parameters(), lr=1e-2)
+
+        def train_step(self, seed: int) -> float:
+            """A real step at PP=1; under PP every weight moves by a seeded amount."""
+            from actors.tools.testkit.megatron_cpu import causal_mask, positions
+
+            gen = torch.Generator().manual_seed(seed)
+            if not (self.model.pre_process and self.model.post_process):
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen).to(p.dtype), alpha=0.01)
+                return 0.0
+            tokens = torch.randint(0, 1000, (1, 16), generator=gen)
+            loss = self.model(tokens, positions(tokens), causal_mask(tokens),
+                              labels=torch.roll(tokens, -1, 1)).float().mean()
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            return float(loss.detach())
+
+        def megatron_state(self):
+            """Every parameter of this stage gathered over TP by the test (TP rank 0
+            answers, with the stage's global layer indexes); every rank calls."""
+            from megatron.core import parallel_state as ps
+
+            group, full = ps.get_tensor_model_parallel_group(), {}
+            for name, p in self.model.named_parameters():
+                t = p.detach().contiguous()
+                if getattr(p, "tensor_model_parallel", False) and self.tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(self.tp)]
+                    torch.distributed.all_gather(parts, t, group=group)
+                    t = torch.cat(parts, dim=p.partition_dim)
+                full[name] = t.clone()
+            layers = {i: n.layer_number - 1 for i, n in enumerate(self.model.decoder.layers)}
+            return (full, layers) if ps.get_tensor_model_parallel_rank() == 0 else None
+
+    return ray.remote(TestTrainer)
+
+
+def hf_state(trainers, cfg, tp):
+    """The oracle's Hugging Face state dict of every stage's weights."""
+    out = {}
+    for got in ray.get([t.megatron_state.remote() for t in trainers]):
+        if got is not None:
+            out.update(hf_from_megatron(*got, tp=tp, heads=cfg.num_attention_heads,
+                                        groups=cfg.kv_heads, vocab=cfg.vocab_size))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cls, *, tp, pp):
+    port, world = free_port(), tp * pp
+    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(
+        r, world, port, tp, pp) for r in range(world)]
+    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
+    return trainers
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_job):
+    cls = trainer_class()
+    trainers = start(cls, tp=2, pp=1)
+    configs = {tp: TransferConfig.from_files(MODEL, CONFIGS / "clusters" / name,
+                                             update_timeout_s=120, barrier_timeout_s=60)
+               for tp, name in ((1, "local_cpu_small.yaml"), (2, "vllm_cpu.yaml"))}
+    engines = {tp: launch_engines(cfg) for tp, cfg in configs.items()}
+    try:
+        yield cls, configs, trainers, engines
+    finally:
+        for handle in engines.values():
+            handle.close()
+        for t in trainers:
+            ray.kill(t)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engines_hold_the_weights_megatron_holds(fleet, tp):
+    _, configs, trainers, engines = fleet
+    cfg, replicas = configs[tp], engines[tp]
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    summary = ctl.setup()
+    # TP=2 into TP=2: every shard by its own rank; into TP=1 the row-parallel o_proj and
+    # down_proj (whose ranks' blocks would cut every row in two) are gathered over TP
+    assert summary.gathered_bytes == {1: ROW_PARALLEL_BYTES, 2: 0}[tp]
+    assert summary.gathered_params == {1: 4, 2: 0}[tp]
+    assert all(n > 0 for n in summary.bytes_by_rank.values())  # both ranks write
+    before = hf_state(trainers, cfg.model, 2)
+    losses = ray.get([t.train_step.remote(tp) for t in trainers])
+    assert len(set(losses)) == 1 and losses[0] > 0
+    report = ctl.update(version=tp)
+    assert report.bytes == summary.bytes_total
+    assert ctl.weights_version() == {"engine0": tp}
+    after = hf_state(trainers, cfg.model, 2)
+    assert engine_mismatches(cfg.model, trainers, replicas, state=after) == []
+    assert any(not torch.equal(before[n], after[n]) for n in after)  # the step moved them
+
+
+def test_pipeline_stages_write_their_own_layers(fleet):
+    cls, configs, _, engines = fleet
+    cfg, replicas = configs[1], engines[1]
+    trainers = start(cls, tp=1, pp=2)
+    try:
+        metas = ray.get([t.wt_param_metas.remote() for t in trainers])
+        assert [sorted({m.name.split(".")[2] for m in rank.params if ".layers." in m.name})
+                for rank in metas] == [["0"], ["1"]]  # stage 1's layer 0 is the model's 1
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        summary = ctl.setup()
+        assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+        ray.get([t.train_step.remote(3) for t in trainers])
+        ctl.update(version=7)
+        state = hf_state(trainers, cfg.model, 1)
+        assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
+    finally:
+        for t in trainers:
+            ray.kill(t)
