@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -30,9 +29,10 @@ import pytest
 import ray
 import torch
 
-from actors import TransferConfig, WeightTransferController, launch_engines
+from actors import WeightTransferController
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.source_fleet import free_port, kill, reference_engines, start_trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"
@@ -121,36 +121,21 @@ def trainer_class():
     return ray.remote(TestTrainer), ray.remote(Zero2Trainer)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fleet(ray_job):
     zero3, zero2 = trainer_class()
-    trainers = start(zero3)
-    configs = {tp: TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                             CONFIGS / "clusters" / name,
-                                             update_timeout_s=120, barrier_timeout_s=60)
-               for tp, name in ((1, "local_cpu_small.yaml"), (2, "vllm_cpu.yaml"))}
-    engines = {tp: launch_engines(cfg) for tp, cfg in configs.items()}
-    try:
-        yield configs, trainers, engines, zero2
-    finally:
-        for handle in engines.values():
-            handle.close()
-        for t in trainers:
-            ray.kill(t)
+    with reference_engines(CONFIGS / "models" / "tiny_llama.yaml", update_timeout_s=120,
+                           barrier_timeout_s=60) as (configs, engines):
+        trainers = start(zero3)
+        try:
+            yield configs, trainers, engines, zero2
+        finally:
+            kill(trainers)
 
 
 def start(cls):
     port = free_port()
-    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(r, 2, port)
-                for r in range(2)]
-    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
-    return trainers
+    return start_trainers(cls, [(r, 2, port) for r in range(2)], env=ENV)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -201,5 +186,4 @@ def test_zero2_engine_is_a_replicated_source(fleet):
         ctl.update(version=10)
         assert engine_mismatches(cfg.model, trainers, replicas) == []
     finally:
-        for t in trainers:
-            ray.kill(t)
+        kill(trainers)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -30,14 +29,14 @@ import pytest
 import ray
 import torch
 
-from actors import TransferConfig, WeightTransferController, launch_engines
+from actors import WeightTransferController
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.source_fleet import free_port, kill, reference_engines, start_trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"
-CONFIGS = ROOT / "configs"
-MODEL = CONFIGS / "models" / "tiny_llama.yaml"
+MODEL = ROOT / "configs" / "models" / "tiny_llama.yaml"
 VOCAB_ROWS = 1024  # tiny_llama's 1000, padded to a multiple of 128 x TP
 ROW_PARALLEL_BYTES = 2 * 2 * 256 * 512 * 2  # o_proj and down_proj of 2 layers, bf16
 
@@ -158,35 +157,21 @@ def hf_state(trainers, cfg, tp):
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cls, *, tp, pp):
     port, world = free_port(), tp * pp
-    trainers = [cls.options(num_cpus=0.1, runtime_env={"env_vars": ENV}).remote(
-        r, world, port, tp, pp) for r in range(world)]
-    ray.get([t.__ray_ready__.remote() for t in trainers])  # a failed start, with its cause
-    return trainers
+    return start_trainers(cls, [(r, world, port, tp, pp) for r in range(world)], env=ENV)
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_job):
     cls = trainer_class()
-    trainers = start(cls, tp=2, pp=1)
-    configs = {tp: TransferConfig.from_files(MODEL, CONFIGS / "clusters" / name,
-                                             update_timeout_s=120, barrier_timeout_s=60)
-               for tp, name in ((1, "local_cpu_small.yaml"), (2, "vllm_cpu.yaml"))}
-    engines = {tp: launch_engines(cfg) for tp, cfg in configs.items()}
-    try:
-        yield cls, configs, trainers, engines
-    finally:
-        for handle in engines.values():
-            handle.close()
-        for t in trainers:
-            ray.kill(t)
+    with reference_engines(MODEL, update_timeout_s=120, barrier_timeout_s=60) as (configs,
+                                                                                   engines):
+        trainers = start(cls, tp=2, pp=1)
+        try:
+            yield cls, configs, trainers, engines
+        finally:
+            kill(trainers)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -227,5 +212,4 @@ def test_pipeline_stages_write_their_own_layers(fleet):
         state = hf_state(trainers, cfg.model, 1)
         assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
     finally:
-        for t in trainers:
-            ray.kill(t)
+        kill(trainers)

@@ -12,7 +12,6 @@ the reference loader.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import math
@@ -23,13 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+from actors.tools.testkit.simnic_engines import SimnicEngines, one_replica_cluster
 from scheduling import compute_plan
 from scheduling.build.direct_flat import cover_flat
-from scheduling.cluster.config import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
-from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.layout.engine_layout import piece_nbytes
 from weight_transfer.layout.flat_blocks import (
     FLAT,
@@ -42,11 +39,7 @@ from weight_transfer.layout.flat_blocks import (
 from weight_transfer.layout.shard_blocks import held, holds, local_rect, ownership
 from weight_transfer.model.models import load_model_config
 from weight_transfer.plan.check import check_trainer_plan
-from weight_transfer.sender.executor import RankTransfer
 from weight_transfer.sender.flat_shard import FlatShard, flat_view
-from weight_transfer.sender.prepare import as_bytes
-from weight_transfer.sender.retry import RetryPolicy
-from weight_transfer.transport.simnic.nic import SimNic
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, TrainerMeta, Transform
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,14 +200,8 @@ def test_flat_view_cuts_a_rectangle_from_the_partition_without_a_copy():
 # ------------------------------------------------------------------ whole plans of tiny_llama
 
 
-def cluster(tp, world=2):
-    return cluster_from_dict({
-        "name": "zero3",
-        "trainer": {"nodes": 1, "gpus_per_node": world, "nics_per_node": world, "nic_gbps": 8},
-        "inference": {"replicas": 1, "gpus_per_replica": tp, "tensor_parallel": tp,
-                      "expert_parallel": 1, "nodes_per_replica": 1, "nics_per_node": tp,
-                      "nic_gbps": 8, "fp8": False},
-    })
+def cluster(tp, world=2, fp8=False):
+    return one_replica_cluster(trainer_ranks=world, tp=tp, fp8=fp8)
 
 
 def model():
@@ -279,53 +266,26 @@ def partition(full: torch.Tensor, rank: int, n: int) -> FlatShard:
 @pytest.mark.parametrize(("tp", "fp8", "world"),
                          [(1, False, 2), (2, False, 2), (2, True, 2), (2, False, 3), (1, True, 3)])
 def test_partitions_land_the_reference_bytes(tp, fp8, world):
-    cfg, cl = model(), cluster(tp, world)
-    cl = cl.model_copy(update={"inference": cl.inference.model_copy(update={"fp8": fp8})})
+    cfg, cl = model(), cluster(tp, world, fp8)
     state = random_state_dict(cfg, seed=5)
     tm = zero_meta(cfg, cl)
-    targets, buffers, engines = {}, {}, []
-    for e in engine_metas_from_config(cfg, cl, fp8=fp8):
-        fake = e.tensors[0].region
-        buf = torch.zeros(fake.length, dtype=torch.uint8)
-        target = targets.setdefault(fake.nic, SimNic(owner="engines", nic=fake.nic))
-        real = target.register(buf)
-        buffers[e.rank] = buf
-        engines.append(dataclasses.replace(e, tensors=tuple(
-            dataclasses.replace(t, region=real) for t in e.tensors)))
-    plan = compute_plan(tm, engines, cl, model=cfg, fp8=fp8)
-    plan.validate()
-    direct = {tm.params[i].name for i in plan.direct_params}
-    assert "model.layers.0.self_attn.q_proj.weight" in direct or (fp8 and world == 3)
-    if world == 3:  # slices start inside rows: parts of one row written on their own
-        rows = [p for p in plan.pieces if p.src_param == "model.embed_tokens.weight"
-                and p.src_shape[0] == 1]
-        assert rows and all(p.src_shape[1] < 256 for p in rows)
-    writer = SimNic(owner="trainers", nic="trainer-nic")
-    try:
-        for target in targets.values():
-            writer.connect(target.peer_info("trainers"))
+    with SimnicEngines(engine_metas_from_config(cfg, cl, fp8=fp8)) as eng:
+        plan = compute_plan(tm, eng.engines, cl, model=cfg, fp8=fp8)
+        plan.validate()
+        direct = {tm.params[i].name for i in plan.direct_params}
+        assert "model.layers.0.self_attn.q_proj.weight" in direct or (fp8 and world == 3)
+        if world == 3:  # slices start inside rows: parts of one row written on their own
+            rows = [p for p in plan.pieces if p.src_param == "model.embed_tokens.weight"
+                    and p.src_shape[0] == 1]
+            assert rows and all(p.src_shape[1] < 256 for p in rows)
         for rank in range(world):
             check_trainer_plan(plan.trainer_plan(rank), tm.params)
             # a direct parameter from the rank's own partition; a gathered one whole (one
             # process: the gather itself runs in tests/integration/test_deepspeed_trainers.py)
             locals_ = {n: partition(t, rank, world) if n in direct else t
                        for n, t in state.items()}
-            transfer = RankTransfer(plan=plan.trainer_plan(rank), params=tm.params,
-                                    get_param=locals_.__getitem__, transport=writer,
-                                    integrity=IntegrityPolicy(mode="off"),
-                                    retry=RetryPolicy(attempts=1))
-            report = asyncio.run(transfer.run(version=1))
-            transfer.close()
+            report = eng.run(plan, tm.params, rank, locals_.__getitem__)
             assert report.params_local == len([g for g in plan.trainer_plan(rank).groups
                                                 for _ in g.local])
             assert report.bytes_written == report.bytes_planned
-        for e in engines:
-            want = load_engine_shard(cfg, state, e.shard, fp8=fp8)
-            buf = buffers[e.rank]
-            for t in e.tensors:
-                got = buf[t.offset : t.offset + t.nbytes]
-                assert torch.equal(got, as_bytes(want[t.name]).reshape(-1)), (e.rank, t.name)
-    finally:
-        writer.close()
-        for target in targets.values():
-            target.close()
+        assert eng.mismatches(cfg, state, fp8=fp8) == []

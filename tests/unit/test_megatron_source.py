@@ -15,7 +15,6 @@ tests/integration/test_megatron_trainers.py.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,19 +22,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from actors.tools.testkit.simnic_engines import SimnicEngines, one_replica_cluster
 from actors.trainer import TrainerMixin
 from scheduling import compute_plan
-from scheduling.cluster.config import cluster_from_dict
 from scheduling.config_metadata import engine_metas_from_config
-from weight_transfer.engines.reference.loader import load_engine_shard
 from weight_transfer.engines.reference.random_state import random_state_dict
-from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.layout.shard_blocks import local_rect
 from weight_transfer.model.arch.megatron_gpt import Fusion, map_megatron_name, part_bands
 from weight_transfer.model.models import load_model_config
-from weight_transfer.sender.executor import RankTransfer
-from weight_transfer.sender.prepare import as_bytes
-from weight_transfer.sender.retry import RetryPolicy
 from weight_transfer.sources.megatron import MegatronSource, TpBlock, cut_bands
 from weight_transfer.sources.megatron_layout import (
     LocalParam,
@@ -44,7 +38,6 @@ from weight_transfer.sources.megatron_layout import (
     stage_mesh,
 )
 from weight_transfer.sources.registry import open_source
-from weight_transfer.transport.simnic.nic import SimNic
 from weight_transfer.types import MeshDesc, Placement, TrainerMeta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,16 +276,6 @@ def test_tied_output_layer_is_not_sent_and_one_name_twice_is_refused():
 # ------------------------------------------------------------------ whole plans of tiny_llama
 
 
-def cluster(world, tp):
-    return cluster_from_dict({
-        "name": "megatron",
-        "trainer": {"nodes": 1, "gpus_per_node": world, "nics_per_node": world, "nic_gbps": 8},
-        "inference": {"replicas": 1, "gpus_per_replica": tp, "tensor_parallel": tp,
-                      "expert_parallel": 1, "nodes_per_replica": 1, "nics_per_node": tp,
-                      "nic_gbps": 8, "fp8": False},
-    })
-
-
 def megatron_ranks(cfg, hf, tp, pp, vocab_rows):
     """Per trainer rank (Megatron's order: TP innermost, then PP): its metadata and the
     blocks its source would read (a TpBlock of each part; ``group`` None: gathers here
@@ -334,7 +317,7 @@ def test_megatron_shards_land_the_reference_bytes(tp, pp, engine_tp):
     cfg = load_model_config(ROOT / "configs" / "models" / "tiny_llama.yaml")
     if tp == 4:
         cfg = cfg.model_copy(update={"num_key_value_heads": 4})
-    cl = cluster(tp * pp, engine_tp)
+    cl = one_replica_cluster(trainer_ranks=tp * pp, tp=engine_tp)
     hf = random_state_dict(cfg, seed=11)
     vocab_rows = 1024  # 1000 padded as Megatron-LM pads it (a multiple of 128 x TP)
     ranks = megatron_ranks(cfg, hf, tp, pp, vocab_rows)
@@ -342,45 +325,19 @@ def test_megatron_shards_land_the_reference_bytes(tp, pp, engine_tp):
     assert all(m == metas[m.name] for ms, _ in ranks for m in ms)  # ranks agree
     assert set(metas) == set(hf)
     tm = TrainerMeta(params=tuple(metas.values()), ranks=cl.rank_infos())
-    targets, buffers, engines = {}, {}, []
-    for e in engine_metas_from_config(cfg, cl):
-        fake = e.tensors[0].region
-        buf = torch.zeros(fake.length, dtype=torch.uint8)
-        target = targets.setdefault(fake.nic, SimNic(owner="engines", nic=fake.nic))
-        buffers[e.rank] = buf
-        real = target.register(buf)
-        engines.append(dataclasses.replace(e, tensors=tuple(
-            dataclasses.replace(t, region=real) for t in e.tensors)))
-    plan = compute_plan(tm, engines, cl, model=cfg)
-    plan.validate()
-    direct = {tm.params[i].name for i in plan.direct_params}
-    if engine_tp % tp == 0:  # every engine shard inside one trainer block: nothing gathered
-        assert direct == set(metas)
     full = padded_state(hf, vocab_rows)
-    writer = SimNic(owner="trainers", nic="trainer-nic")
-    try:
-        for target in targets.values():
-            writer.connect(target.peer_info("trainers"))
+    with SimnicEngines(engine_metas_from_config(cfg, cl)) as eng:
+        plan = compute_plan(tm, eng.engines, cl, model=cfg)
+        plan.validate()
+        direct = {tm.params[i].name for i in plan.direct_params}
+        if engine_tp % tp == 0:  # every engine shard inside one trainer block: none gathered
+            assert direct == set(metas)
         for rank, (_, blocks) in enumerate(ranks):
             # a gathered parameter whole (one process: no TP group to gather over)
             local = {n: b if n in direct else full[n] for n, b in blocks.items()}
-            transfer = RankTransfer(plan=plan.trainer_plan(rank), params=tm.params,
-                                    get_param=local.__getitem__, transport=writer,
-                                    integrity=IntegrityPolicy(mode="off"),
-                                    retry=RetryPolicy(attempts=1))
-            report = asyncio.run(transfer.run(version=1))
-            transfer.close()
+            report = eng.run(plan, tm.params, rank, local.__getitem__)
             assert report.bytes_written == report.bytes_planned
-        for e in engines:
-            want = load_engine_shard(cfg, hf, e.shard, fp8=False)
-            buf = buffers[e.rank]
-            for t in e.tensors:
-                got = buf[t.offset : t.offset + t.nbytes]
-                assert torch.equal(got, as_bytes(want[t.name]).reshape(-1)), (e.rank, t.name)
-    finally:
-        writer.close()
-        for target in targets.values():
-            target.close()
+        assert eng.mismatches(cfg, hf, fp8=False) == []
 
 
 # ------------------------------------------------------------------ the live glue
