@@ -6,7 +6,8 @@ rank's [gate; up], the vocabulary padded, TP cuts by ``torch.chunk``, pipeline s
 holding their layers under local indexes) and checked against what the source
 describes (:mod:`weight_transfer.sources.megatron_layout`) and cuts
 (:func:`weight_transfer.sources.megatron.cut_bands`); then whole plans of tiny_llama from
-Megatron trainers (TP 1/2/4, PP 2) into reference engines at TP 1/2/4 run through
+Megatron trainers (TP 1/2/4, PP 2) into reference engines at TP 1/2/3/4 (bf16, and FP8
+at TP 1/2; a TP that does not divide the engine's is planned, not refused) run through
 :class:`~weight_transfer.sender.executor.RankTransfer` from :class:`TpBlock` shards, byte
 for byte against the reference loader. A stand-in GPTModel (its attributes only) checks
 the live glue and the refusals at ``wt_attach``; the real model runs in
@@ -308,26 +309,32 @@ def padded_state(hf, rows):
 
 
 # (trainer TP, PP, engine TP): shard-direct where blocks cover, cut or gathered elsewhere;
-# TP 4 needs 4 query groups (Megatron cuts by whole groups): tiny_llama with 4 kv heads
-PLANS = [(1, 1, 2), (2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 2), (2, 2, 2), (1, 2, 1)]
+# TP 4 needs 4 query groups (Megatron cuts by whole groups): tiny_llama with 4 kv heads;
+# TPs that do not divide each other (2 and 3) need 6 heads: the engine's blocks are cut
+# where the trainer's meet, nothing is refused
+PLANS = [(1, 1, 2, False), (2, 1, 1, False), (2, 1, 2, False), (2, 1, 4, False),
+         (4, 1, 2, False), (2, 2, 2, False), (1, 2, 1, False), (2, 1, 3, False),
+         (2, 1, 2, True), (2, 1, 1, True)]  # FP8 engines: 128-row blocks inside a shard
+SHAPES = {4: {"num_key_value_heads": 4},
+          3: {"num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 768,
+              "vocab_size": 1152}}
 
 
-@pytest.mark.parametrize(("tp", "pp", "engine_tp"), PLANS)
-def test_megatron_shards_land_the_reference_bytes(tp, pp, engine_tp):
+@pytest.mark.parametrize(("tp", "pp", "engine_tp", "fp8"), PLANS)
+def test_megatron_shards_land_the_reference_bytes(tp, pp, engine_tp, fp8):
     cfg = load_model_config(ROOT / "configs" / "models" / "tiny_llama.yaml")
-    if tp == 4:
-        cfg = cfg.model_copy(update={"num_key_value_heads": 4})
-    cl = one_replica_cluster(trainer_ranks=tp * pp, tp=engine_tp)
+    cfg = cfg.model_copy(update=SHAPES.get(max(tp, engine_tp), {}))
+    cl = one_replica_cluster(trainer_ranks=tp * pp, tp=engine_tp, fp8=fp8)
     hf = random_state_dict(cfg, seed=11)
-    vocab_rows = 1024  # 1000 padded as Megatron-LM pads it (a multiple of 128 x TP)
+    vocab_rows = -(-cfg.vocab_size // (128 * tp)) * 128 * tp  # as Megatron-LM pads it
     ranks = megatron_ranks(cfg, hf, tp, pp, vocab_rows)
     metas = {m.name: m for ms, _ in ranks for m in ms}
     assert all(m == metas[m.name] for ms, _ in ranks for m in ms)  # ranks agree
     assert set(metas) == set(hf)
     tm = TrainerMeta(params=tuple(metas.values()), ranks=cl.rank_infos())
     full = padded_state(hf, vocab_rows)
-    with SimnicEngines(engine_metas_from_config(cfg, cl)) as eng:
-        plan = compute_plan(tm, eng.engines, cl, model=cfg)
+    with SimnicEngines(engine_metas_from_config(cfg, cl, fp8=fp8)) as eng:
+        plan = compute_plan(tm, eng.engines, cl, model=cfg, fp8=fp8)
         plan.validate()
         direct = {tm.params[i].name for i in plan.direct_params}
         if engine_tp % tp == 0:  # every engine shard inside one trainer block: none gathered
@@ -337,7 +344,7 @@ def test_megatron_shards_land_the_reference_bytes(tp, pp, engine_tp):
             local = {n: b if n in direct else full[n] for n, b in blocks.items()}
             report = eng.run(plan, tm.params, rank, local.__getitem__)
             assert report.bytes_written == report.bytes_planned
-        assert eng.mismatches(cfg, hf, fp8=False) == []
+        assert eng.mismatches(cfg, hf, fp8=fp8) == []
 
 
 # ------------------------------------------------------------------ the live glue
