@@ -396,6 +396,8 @@ def test_a_gpt_model_is_recognised_through_its_wrappers_and_described_live():
     assert torch.equal(source.full_state()["model.layers.0.input_layernorm.weight"],
                        source.module.decoder.layers[0].input_layernorm.weight)
     assert open_source(torch.nn.Linear(2, 2), rank=0, world=1).name == "fsdp2"
+    with pytest.raises(ValueError, match="no trainer source recognises a list"):
+        open_source([torch.nn.Linear(2, 2)], rank=0, world=1)
 
 
 class Trainer(TrainerMixin):

@@ -63,5 +63,8 @@ def open_source(model: Any, *, rank: int, world: int, source: str | None = None
                 ) -> TrainerSource:
     """The source of ``model`` on trainer ``rank`` of ``world`` (named, or recognised)."""
     if source is None:
-        source = next(n for n in DETECT_ORDER if source_class(n).recognizes(model))
+        source = next((n for n in DETECT_ORDER if source_class(n).recognizes(model)), None)
+        if source is None:
+            raise ValueError(f"trainer rank {rank}: no trainer source recognises a "
+                             f"{type(model).__name__}; known: {sorted(SOURCES)}")
     return source_class(source)(model, rank=rank, world=world)
