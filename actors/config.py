@@ -103,6 +103,11 @@ class TransferSettings(StrictModel):
     # shard_direct: a parameter whose pieces its ranks' own shards cover is written from
     # them with no collective (scheduling.build.direct); full: every parameter gathered first.
     gather: Literal["shard_direct", "full"] = "shard_direct"
+    # What a trainer writes from (weight_transfer.sender.zero_copy.sources): zero_copy
+    # writes pieces whose bytes already lie in order in its parameters straight from them,
+    # the next optimizer step fenced off until the writes complete; snapshot copies every
+    # piece first; auto is zero_copy unless the update would overlap a step (then snapshot).
+    source: Literal["zero_copy", "snapshot", "auto"] = "auto"
     # How an update lands (weight_transfer.engines.shadow.store): in_place writes the memory the
     # engine computes with while it is paused; shadow writes a second copy while the engine
     # serves, then flips at a step boundary (the pause is the flip; rollback is one flip).
@@ -163,7 +168,8 @@ class TransferSettings(StrictModel):
         """What each trainer rank's pipeline needs of these settings (sent with its plan)."""
         return RankOptions(barrier_timeout_s=self.barrier_timeout_s,
                            watermark_bytes=self.watermark_bytes, transport=self.transport_spec,
-                           metrics=self.metrics, integrity=self.integrity, retry=self.retry)
+                           metrics=self.metrics, integrity=self.integrity, retry=self.retry,
+                           source=self.source)
 
     def settings(self) -> TransferSettings:
         """These knobs alone (without a model and a cluster)."""

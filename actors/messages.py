@@ -75,6 +75,7 @@ class RankOptions:
     barrier_timeout_s: float = 60.0
     watermark_bytes: int = 1 << 30
     transport: TransportSpec | None = None  # None: the NIC wt_endpoints opened, else simnic
+    source: str = "auto"  # zero_copy | snapshot | auto (sender.zero_copy.sources)
     metrics: str = "auto"
     integrity: IntegrityPolicy = field(default_factory=IntegrityPolicy)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -112,6 +113,15 @@ class PlanSummary:
         default_factory=dict, hash=False)
     # engine rank ("engine0/tp1") -> bytes of its shadow copy (shadow mode; empty in place)
     shadow_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+    # bytes whose pieces lie in order in their source rank's own memory, written from it
+    # with no staging copy when the update's source is zero_copy (Plan.task_zero_copy)
+    zero_copy_bytes: int = 0
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes copied into the staging arena before their WRITE (every byte in an update
+        whose source is ``snapshot``; the rest of ``zero_copy_bytes`` otherwise)."""
+        return self.bytes_total - self.zero_copy_bytes
 
     @property
     def gathered_bytes(self) -> int:

@@ -170,6 +170,17 @@ class UpdateReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property
+    def sources(self) -> dict[int, str]:
+        """What each trainer rank wrote from: ``zero_copy`` or ``snapshot`` (the transfer
+        config's ``source``, decided per update)."""
+        return {r.rank: r.transfer.source for r in self.per_rank}
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        """Bytes written straight from the trainers' registered parameters."""
+        return sum(r.transfer.zero_copy_bytes for r in self.per_rank)
+
+    @property
     def retries(self) -> int:
         """WRITEs the ranks tried again after a transient error (weight_transfer.sender.retry)."""
         return sum(r.transfer.retries for r in self.per_rank)

@@ -58,6 +58,7 @@ from weight_transfer.model.models import ModelConfig, model_config_from_hf
 from weight_transfer.observe.trace import rank_trace_of
 from weight_transfer.plan.wire import loads_trainer_plan
 from weight_transfer.sender.executor import RankTransfer, check_trainer_plan
+from weight_transfer.sender.zero_copy.fence import StepFence
 from weight_transfer.sources.registry import TrainerSource, open_source
 from weight_transfer.sync.barrier import BarrierKey, StoreBarrier
 from weight_transfer.sync.store import StoreClient
@@ -116,6 +117,9 @@ class TrainerMixin(TrainerDeltaMixin):
     _wt_rank: int = -1
     _wt_nic: Any = None
     _wt_nic_key: tuple[str, TransportSpec] | None = None
+    _wt_fence: StepFence | None = None
+    # True in a trainer that steps while updates run (async RL): source="auto" snapshots
+    wt_overlap: bool = False
 
     def wt_attach(self, *, model: Any, rank: int, world: int, source: str | None = None
                   ) -> None:
@@ -134,6 +138,22 @@ class TrainerMixin(TrainerDeltaMixin):
         self._wt_source = found
         self._wt_model, self._wt_rank, self._wt_world = found.module, rank, world
         self._wt_link = None
+        self._wt_fence = StepFence(label=f"trainer rank {rank}")
+
+    def wt_step_fence(self, timeout_s: float | None = None) -> Any:
+        """``with self.wt_step_fence(): optimizer.step()``: the step waits while an update
+        writes straight from this rank's parameters (zero-copy), or copies them (snapshot),
+        and no update reads them while it runs (:mod:`weight_transfer.sender.zero_copy.fence`)."""
+        return self._wt_require_fence().step(timeout_s)
+
+    def wt_wait_writes(self, timeout_s: float | None = None) -> None:
+        """Block until no update reads this rank's parameters (for a step that cannot be
+        wrapped in :meth:`wt_step_fence`; call it right before the step)."""
+        self._wt_require_fence().wait_writes(timeout_s)
+
+    def _wt_require_fence(self) -> StepFence:
+        self._wt_require_model()
+        return self._wt_fence
 
     def _wt_require_source(self) -> TrainerSource:
         self._wt_require_model()
@@ -281,7 +301,13 @@ class TrainerMixin(TrainerDeltaMixin):
                                 watermark_bytes=options.watermark_bytes,
                                 on_write_error=guard.record,
                                 metrics=actor_metrics(options.metrics),
-                                integrity=options.integrity, retry=options.retry)
+                                integrity=options.integrity, retry=options.retry,
+                                source=options.source, fence=self._wt_fence)
+        self._wt_params = source.tensors()
+        try:  # the memory zero-copy pieces read from, registered once
+            transfer.register_sources()
+        finally:
+            self._wt_params = {}
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
@@ -290,10 +316,13 @@ class TrainerMixin(TrainerDeltaMixin):
     def _wt_param(self, name: str) -> Any:
         return self._wt_params[name]
 
-    def wt_update(self, version: int, trace: bool = False) -> RankReport:
+    def wt_update(self, version: int, trace: bool = False, overlap: bool | None = None
+                  ) -> RankReport:
         """Replay the plan for ``version``: gather, prepare, write, barrier per mesh group.
 
         ``trace``: the report keeps this rank's spans (:mod:`weight_transfer.observe.trace`).
+        ``overlap``: the trainer steps during this update (None: ``wt_overlap``), so
+        ``source="auto"`` takes a snapshot (:mod:`weight_transfer.sender.zero_copy.sources`).
         """
         link = self._wt_link
         if link is None:
@@ -302,15 +331,17 @@ class TrainerMixin(TrainerDeltaMixin):
         started, offset = time.time(), time.time() - time.perf_counter()
         link.guard.reset()
         try:
-            transfer = run_kept(link.transfer.run(version=version))
+            transfer = run_kept(link.transfer.run(
+                version=version, overlap=self.wt_overlap if overlap is None else overlap))
         finally:
             self._wt_params = {}
         spans = rank_trace_of(transfer, nic=link.nic.nic, clock_offset=offset) if trace else None
         report = rank_report_of(transfer, failures=link.guard.failures(), started_at=started,
                                 finished_at=time.time(), trace=spans)
-        log.info("trainer rank %d wrote version %d: %d of %d B in %.3f s (%d failed writes)",
-                 self._wt_rank, version, transfer.bytes_written, transfer.bytes_planned,
-                 transfer.seconds, sum(f.count for f in report.failures))
+        log.info("trainer rank %d wrote version %d: %d of %d B in %.3f s (%d failed writes; "
+                 "source %s, %d B zero-copy)", self._wt_rank, version, transfer.bytes_written,
+                 transfer.bytes_planned, transfer.seconds, sum(f.count for f in report.failures),
+                 transfer.source, transfer.zero_copy_bytes)
         return report
 
     # ------------------------------------------------------------------ test hooks, stats

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduling.build.validate import validate_plan
+from weight_transfer.layout.zero_copy import zero_copy_span
 from weight_transfer.plan.types import TrainerGroup, TrainerPlan
 from weight_transfer.types import (
     EngineRankMeta,
@@ -117,6 +118,21 @@ class Plan:
                                   len(self.pieces))
         return self.param_direct()[piece_param[self.task_piece]] if self.num_tasks else \
             np.zeros(0, dtype=bool)
+
+    def task_zero_copy(self) -> np.ndarray:
+        """Per task: whether its bytes already lie in order in its source rank's own
+        memory (:func:`weight_transfer.layout.zero_copy.zero_copy_span`): written from
+        there with no staging copy while the source is registered and fenced."""
+        if not self.num_tasks:
+            return np.zeros(0, dtype=bool)
+        direct = self.task_direct()
+        metas = {p.name: p for p in self.params}
+        out = np.zeros(self.num_tasks, dtype=bool)
+        for row in np.flatnonzero(direct).tolist():
+            piece = self.pieces[int(self.task_piece[row])]
+            out[row] = zero_copy_span(metas[piece.src_param], piece,
+                                      int(self.task_src[row])) is not None
+        return out
 
     @property
     def param_group(self) -> dict[str, int]:

@@ -115,6 +115,7 @@ def summarize(plan: Plan, *, plan_id: int, seconds: float, expert_naming: str) -
         direct_bytes=int(nbytes[plan.task_direct()].sum()) if plan.num_tasks else 0,
         gathered_params=len(plan.fallback),
         dest_bytes_by_rank=dest_bytes,
+        zero_copy_bytes=int(nbytes[plan.task_zero_copy()].sum()) if plan.num_tasks else 0,
     )
 
 

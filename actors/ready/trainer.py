@@ -50,9 +50,12 @@ class TrainerWorker(TrainerMixin, GroupMember):
         return self.node_id()
 
     def train_step(self, tokens: Any, advantages: Any = None, prompt_len: int = 0) -> float:
-        """One AdamW step (all ranks call with the same batch; each trains on its share)."""
-        return train_step(self._wt_require_model(), self.optimizer, tokens, rank=self.rank,
-                          world=self.world, advantages=advantages, prompt_len=prompt_len)
+        """One AdamW step (all ranks call with the same batch; each trains on its share);
+        it waits while an update reads the parameters (``wt_step_fence``)."""
+        with self.wt_step_fence(timeout_s=self.config.update_timeout_s):
+            return train_step(self._wt_require_model(), self.optimizer, tokens,
+                              rank=self.rank, world=self.world, advantages=advantages,
+                              prompt_len=prompt_len)
 
     def _reference_model(self) -> torch.nn.Module | None:
         """Full weights in a plain model on rank 0 (a collective: every rank calls)."""

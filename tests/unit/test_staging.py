@@ -216,7 +216,7 @@ class Replay:
         self.engines = engines
         self.plan = compute_plan(self.meta, engines, cluster, model=self.cfg, fp8=True)
         self.writer = writer
-        self.state = {}
+        self.state = random_state_dict(self.cfg, seed=0)
 
     def transfers(self, **kw):
         return [RankTransfer(plan=self.plan.trainer_plan(r.rank), params=self.meta.params,
@@ -225,7 +225,8 @@ class Replay:
                 for r in self.meta.ranks]
 
     def update(self, transfers, version):
-        self.state = random_state_dict(self.cfg, seed=version)  # new weights every step
+        for name, new in random_state_dict(self.cfg, seed=version).items():
+            self.state[name].copy_(new)  # new weights every step, in place as an optimizer's
 
         async def run_all():
             return [await t.run(version=version) for t in transfers]
@@ -264,6 +265,8 @@ def test_staged_updates_make_no_mr_and_no_buffer_after_setup(fabric, monkeypatch
     transfers = r.transfers()
     arenas = [t.arena for t in transfers if t.arena is not None]
     assert len(allocations) == len(arenas) == writer.registrations > 0  # one per rank, at setup
+    for t in transfers:  # the trainer memory zero-copy pieces read from, also at setup
+        t.register_sources()
     mrs, regs = fabric.mrs_created, writer.registrations
     for version in (1, 2, 3):
         reports = r.update(transfers, version)

@@ -13,7 +13,9 @@ are written into the bucket's staging lease when it has one
 (:func:`weight_transfer.sender.prepare.prepare_pieces_into`, or ``prepare`` in its place:
 a delta run's :meth:`~weight_transfer.sender.delta.write.DeltaStage.prepare_into`, which
 makes FP8 pieces from their source's changes; with ``write_from_views`` a piece
-that already is a contiguous host slice stays a view), else allocated afresh::
+that already is a contiguous host slice of a gathered tensor stays a view, and a
+piece of the rank's own block does where it is zero-copy, ``ParamWork.zero_copy``:
+:mod:`weight_transfer.sender.zero_copy.sources`), else allocated afresh::
 
     work = BucketWork(layout=layout, params=[ParamWork(meta=m, tasks=list(ts))
                                              for m, ts in layout.params])
@@ -47,6 +49,10 @@ class ParamWork:
     tasks: list[WriteTask]
     local: Any = None  # local shard (Tensor or DTensor)
     prepared: list[torch.Tensor] = field(default_factory=list)
+    # pieces to write straight from the registered source (sender.zero_copy.sources), and
+    # those that were: their bytes are views of the trainer's own memory
+    zero_copy: frozenset[Piece] = frozenset()
+    direct: set[Piece] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -96,11 +102,13 @@ def prepare_bucket(work: BucketWork, *, rank: int, write_from_views: bool,
         for source, qs, src in piece_sources(full, block, mine):
             if work.lease is not None:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in qs]
-                views = write_from_views and not source.is_cuda
+                views = _views(work, p, qs, write_from_views and not source.is_cuda)
                 if prepare is not None and not source.is_cuda:  # (pieces and their sources)
                     got = prepare(source, qs, src, outs, views=views)
                 else:
                     got = prepare_pieces_into(source, src, outs, views=views)
+                p.direct.update(q for q, g, o in zip(qs, got, outs, strict=True)
+                                if q in p.zero_copy and g.data_ptr() != o.data_ptr())
             else:
                 got = prepare_pieces(source, src)
             ready.update(zip(qs, got, strict=True))
@@ -109,6 +117,18 @@ def prepare_bucket(work: BucketWork, *, rank: int, write_from_views: bool,
     if cuda is not None:
         torch.cuda.current_stream(cuda).synchronize()
     return work
+
+
+def _views(work: BucketWork, p: ParamWork, pieces: list[Piece], gathered: bool
+           ) -> bool | list[bool]:
+    """Which pieces stay views of their source: of a gathered tensor, all that can
+    (``gathered``); of the rank's own memory, only the zero-copy ones of a registered,
+    fenced source."""
+    if not work.layout.local:
+        return gathered
+    if not p.zero_copy:
+        return False
+    return [q in p.zero_copy for q in pieces]
 
 
 def piece_sources(full: Any, block: tuple | None, pieces: list[Piece]):

@@ -36,14 +36,18 @@ own block, then the pieces) is :mod:`weight_transfer.sender.bucket_prepare`.
 Staging (``staging=True``, the default): the prepared pieces are written into
 a :class:`~weight_transfer.sender.staging.StagingArena` allocated, pre-faulted and
 registered with the transport once, when the transfer is built, and the
-WRITEs read from it; an update allocates and registers nothing. The arena
+WRITEs read from it; an update allocates and registers nothing. Zero-copy
+(``source``, :mod:`weight_transfer.sender.zero_copy.sources`): a shard-direct piece whose
+bytes already lie in order in the rank's registered parameter memory is written from
+there, not staged, while the trainer's step is fenced off (``fence``); each report says
+which source the update used (``source``, ``zero_copy_bytes``, ``sources_refused``). The arena
 holds ``min(watermark_bytes, the most prepared bytes one mesh group needs)``.
 It sits on the GPU when the transport reads device memory
 (``transport.supports_device_memory``: rdma with CUDA dma-buf) and the
 parameters are there, so pieces never leave the GPU; otherwise in host memory.
-A transport without ``register_source`` (simnic writes from any host memory)
-still writes a piece that already is a contiguous slice of the gathered
-tensor in its dtype straight from that tensor; only pieces that must be cut,
+A transport that reads any host memory (simnic, tcp) writes a piece that
+already is a contiguous slice of a gathered tensor in its dtype straight from it
+(not in a ``snapshot`` update); only pieces that must be cut,
 cast or quantized go through the arena. ``staging=False`` allocates every
 materialized piece afresh (the baseline of ``wt bench staging``).
 
@@ -86,12 +90,11 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weight_transfer.integrity.checksums import IntegrityPolicy, RangeSums
+from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.observe.metrics import TransferMetrics
 from weight_transfer.plan.check import GroupWork, check_trainer_plan
 from weight_transfer.plan.types import TrainerPlan
@@ -102,45 +105,28 @@ from weight_transfer.sender.delta.write import DeltaStage
 from weight_transfer.sender.gather import DEFAULT_BUCKET_BYTES, GatherBucket
 from weight_transfer.sender.pipeline import Pipeline, PipelineItem, Span, Stage
 from weight_transfer.sender.prepare import as_bytes
-from weight_transfer.sender.rank_items import BucketLayout, group_layouts, own_block
+from weight_transfer.sender.rank_items import (
+    BucketLayout,
+    group_layouts,
+    own_block,
+    zero_copy_pieces,
+)
 from weight_transfer.sender.retry import RetryingWriter, RetryPolicy
-from weight_transfer.sender.run_log import RunLog
-from weight_transfer.sender.staging import StagingArena
-from weight_transfer.sender.watermark import ByteWatermark
+from weight_transfer.sender.run_log import RunLog, TransferReport
+from weight_transfer.sender.staging import rank_arena
+from weight_transfer.sender.watermark import ByteWatermark, WatermarkGauge
+from weight_transfer.sender.zero_copy.fence import StepFence
+from weight_transfer.sender.zero_copy.sources import SourcePolicy, UpdateSources, local_tensor
 from weight_transfer.transport.base import TransportError
 from weight_transfer.types import ParamMeta, WriteTask
 
 log = logging.getLogger(__name__)
-WATERMARK_EVERY_S = 0.05  # the watermark gauge's most frequent record during a run
 
 __all__ = ["GroupWork", "RankTransfer", "TransferReport", "check_trainer_plan", "own_block",
            "to_device"]
 
 
 WriteErrorHook = Callable[[WriteTask, TransportError], None]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferReport:
-    """What one rank's transfer of one version did (see the module docstring)."""
-
-    rank: int
-    version: int
-    seconds: float
-    bytes_written: int  # bytes of the WRITEs that completed
-    bytes_planned: int  # bytes of the rank's tasks in the plan
-    writes: int  # WRITEs that completed
-    params_gathered: int
-    barrier_seconds: float
-    watermark_peak: int
-    spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
-    task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
-    barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
-    retries: int = 0  # WRITEs tried again after a transient error (weight_transfer.sender.retry)
-    checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
-    hash_seconds: float = 0.0  # time spent hashing them
-    dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
-    params_local: int = 0  # shard-direct parameters written from the rank's own blocks
 
 
 class RankTransfer:
@@ -167,6 +153,8 @@ class RankTransfer:
         integrity: IntegrityPolicy = IntegrityPolicy(),
         retry: RetryPolicy = RetryPolicy(),
         gather: str | None = None,
+        source: str = "auto",
+        fence: StepFence | None = None,
     ) -> None:
         if gather is not None:  # the 0.1.0 name (TransferConfig.gather means another thing)
             warnings.warn("RankTransfer(gather=...) is deprecated: write "
@@ -197,7 +185,7 @@ class RankTransfer:
         self.integrity = integrity
         self.retry = retry
         self._task_spans: list[Span] = []
-        self._watermark_at = float("-inf")  # when the watermark gauge was last recorded
+        self._watermark_changed = WatermarkGauge(metrics, rank=self.rank)
         self._run = RunLog(version=0, writer=RetryingWriter(transport, self.retry))
         self.turns = 0  # runs started since this plan: the sample integrity mode's rotation
         # The NIC reads GPU memory (rdma with dma-buf): pieces stay on the GPU.
@@ -205,7 +193,17 @@ class RankTransfer:
         # A NIC that needs no source registration (simnic) writes a piece that already is a
         # contiguous slice of the gathered tensor straight from it: no copy at all.
         self.write_from_views = not transport.registers_sources
-        self.arena = self._make_arena() if staging else None
+        self.arena = rank_arena(self.layouts, watermark_bytes=watermark_bytes,
+                                device=self.device, device_memory=self.device_memory,
+                                transport=transport, rank=self.rank) if staging else None
+        # Zero-copy pieces (static) and the per-update choice of source, with its fence.
+        # (staging=False, the baseline that allocates every piece afresh, has none)
+        self.zero_copy = zero_copy_pieces(self.layouts, self.rank) if staging else {}
+        self.sources = SourcePolicy(transport=transport, mode=source, fence=fence,
+                                    device_memory=self.device_memory,
+                                    label=f"trainer rank {self.rank}")
+        self._used = UpdateSources(mode="snapshot")
+        self._prepared = self._zero_copy_bytes = 0
         self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
@@ -215,26 +213,23 @@ class RankTransfer:
         """Per group, its items' buckets in order (a shard-direct parameter: one alone)."""
         return [[lay.bucket for lay in group] for group in self.layouts]
 
-    def _make_arena(self) -> StagingArena | None:
-        """The staging arena of this rank (None when the rank writes nothing)."""
-        need = max((sum(lay.staged for lay in group) for group in self.layouts), default=0)
-        capacity = min(self.watermark_bytes, need)
-        if capacity <= 0:
-            return None
-        on_gpu = self.device is not None and self.device.type == "cuda"
-        return StagingArena(capacity, transport=self.transport,
-                            device=self.device if on_gpu and self.device_memory else None,
-                            pinned=on_gpu and not self.device_memory,
-                            label=f"rank {self.rank} staging")
+    def register_sources(self) -> list[str]:
+        """Register the memory the zero-copy pieces read from, once, at setup (else at the
+        first run); ``get_param`` must answer for this rank's shard-direct parameters."""
+        return self.sources.register({n: self.get_param(n) for n in self.zero_copy})
 
-    @staticmethod
-    def _items(layouts: list[BucketLayout]) -> list[PipelineItem]:
+    def _param_work(self, meta: ParamMeta, tasks: Sequence[WriteTask]) -> ParamWork:
+        direct = meta.name in self._used.params
+        return ParamWork(meta=meta, tasks=list(tasks),
+                         zero_copy=self.zero_copy[meta.name] if direct else frozenset())
+
+    def _items(self, layouts: list[BucketLayout]) -> list[PipelineItem]:
         """Fresh per-update work for each bucket of a group (the layouts are static)."""
         return [
             PipelineItem(
                 key=lay.bucket.key,
                 reserve_bytes=lay.reserve,
-                payload=BucketWork(layout=lay, params=[ParamWork(meta=m, tasks=list(ts))
+                payload=BucketWork(layout=lay, params=[self._param_work(m, ts)
                                                        for m, ts in lay.params]),
                 nbytes=lay.nbytes,
             )
@@ -255,8 +250,13 @@ class RankTransfer:
         # Without autograd: the trainer's parameters require grad, and grad mode is on in
         # this thread by default, so every cut and quantization built a graph that kept
         # its float32 temporaries (0.1 GB per plan and rank, never freed in a long run).
+        for p in work.params:  # the source moved since the update began (or left for a GPU)
+            if p.zero_copy and not self.sources.registry.usable(p.meta.name,
+                                                                local_tensor(p.local)):
+                p.zero_copy = frozenset()
+        views = self.write_from_views and self._used.mode == "zero_copy"
         with torch.no_grad():
-            return prepare_bucket(work, rank=self.rank, write_from_views=self.write_from_views,
+            return prepare_bucket(work, rank=self.rank, write_from_views=views,
                                   record=record,
                                   prepare=None if delta is None else delta.prepare_into)
 
@@ -264,7 +264,11 @@ class RankTransfer:
         if self.arena is not None:  # FIFO: this stage takes one bucket at a time, in order
             work.lease = await self.arena.acquire(work.layout.staged)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
+        work = await loop.run_in_executor(self._gather_pool, self._gather_and_prepare, work)
+        self._prepared += 1
+        if self._used.mode == "snapshot" and self._prepared == self._num_items:
+            self.sources.release()  # every source byte copied: the next step may run
+        return work
 
     async def _write(self, work: BucketWork) -> BucketWork:
         pairs = [(buf, t) for p in work.params for buf, t in zip(p.prepared, p.tasks,
@@ -276,6 +280,7 @@ class RankTransfer:
         else:
             await asyncio.gather(*(self._write_task(buf, t) for buf, t in pairs))
         for p in work.params:
+            self._zero_copy_bytes += sum(t.nbytes for t in p.tasks if t.piece in p.direct)
             p.prepared = []
         if self.arena is not None:
             self.arena.release(work.lease)
@@ -335,7 +340,29 @@ class RankTransfer:
             Stage("write", self._write, concurrency=1 if self.serial else self.write_concurrency),
         ]
 
-    async def run(self, version: int) -> TransferReport:
+    async def _run_groups(self, version: int, wm: ByteWatermark, spans: list[Span],
+                          barriers: list[Span]) -> float:
+        """Every mesh group through the pipeline, then its barrier; the barriers' seconds."""
+        barrier_s = 0.0
+        for group, layouts in zip(self.groups, self.layouts, strict=True):
+            pipe = Pipeline(self._stages(), watermark=wm)
+            await pipe.run(self._items(layouts))
+            if self.delta is not None and self.delta.active and group is self.groups[-1]:
+                await self.delta.headers(self._run.writer.write,  # after every record landed
+                                         records=self._write_records)
+            spans.extend(pipe.spans)
+            if group is self.groups[-1]:
+                self.sources.release()  # this rank's writes are done: its sources are free
+            if self.barrier is not None:
+                t0 = time.perf_counter()
+                barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
+                barriers.append(Span(key=group.group, stage="barrier", start=t0,
+                                     end=time.perf_counter(), nbytes=0))
+        return barrier_s
+
+    async def run(self, version: int, *, overlap: bool = False) -> TransferReport:
+        """One update. ``overlap``: the trainer may step during it (``source="auto"`` then
+        takes a snapshot: :mod:`weight_transfer.sender.zero_copy.sources`)."""
         start = time.perf_counter()
         # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
         wm = ByteWatermark(1 if self.serial else self.watermark_bytes,
@@ -348,21 +375,17 @@ class RankTransfer:
         self.turns += 1
         if self.arena is not None:
             self.arena.reset()  # leases of a failed earlier run were never released
-        barrier_s = 0.0
         if self.collectives is not None:
             self.collectives.clear()
-        for group, layouts in zip(self.groups, self.layouts, strict=True):
-            pipe = Pipeline(self._stages(), watermark=wm)
-            await pipe.run(self._items(layouts))
-            if self.delta is not None and self.delta.active and group is self.groups[-1]:
-                await self.delta.headers(run.writer.write,  # after every record landed
-                                         records=self._write_records)
-            spans.extend(pipe.spans)
-            if self.barrier is not None:
-                t0 = time.perf_counter()
-                barrier_s += await self.barrier.wait_async(f"v{version}/g{group.group}")
-                barriers.append(Span(key=group.group, stage="barrier", start=t0,
-                                     end=time.perf_counter(), nbytes=0))
+        delta = self.delta is not None and self.delta.active
+        self._used = await self.sources.begin({n: self.get_param(n) for n in self.zero_copy},
+                                              overlap=overlap, delta=delta)
+        self._prepared = self._zero_copy_bytes = 0
+        self._num_items = sum(len(group) for group in self.layouts)
+        try:
+            barrier_s = await self._run_groups(version, wm, spans, barriers)
+        finally:
+            self.sources.release()
         self._watermark_changed(wm.held, last=True)
         report = TransferReport(
             rank=self.rank,
@@ -382,6 +405,9 @@ class RankTransfer:
             checksums=run.sums.ranges(),
             hash_seconds=run.hash_seconds,
             dest_bytes=dict(run.dest_bytes),
+            source=self._used.mode,
+            zero_copy_bytes=self._zero_copy_bytes,
+            sources_refused=self._used.refused,
         )
         if self.metrics is not None:
             self.metrics.nic_transfer(nic=str(getattr(self.transport, "nic", "?")),
@@ -389,19 +415,10 @@ class RankTransfer:
                                       seconds=report.seconds)
         return report
 
-    def _watermark_changed(self, held: int, *, last: bool = False) -> None:
-        """The watermark gauge: at most every :data:`WATERMARK_EVERY_S` (a change per
-        bucket and stage; a record costs 0.1 ms through Ray's metrics), and at the end."""
-        if self.metrics is None:
-            return
-        now = time.monotonic()
-        if last or now - self._watermark_at >= WATERMARK_EVERY_S:
-            self._watermark_at = now
-            self.metrics.watermark_in_use(rank=self.rank, nbytes=held)
-
     def close(self) -> None:
         self._gather_pool.shutdown(wait=False)
         self.attach_delta(None)
+        self.sources.close()
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -145,23 +145,24 @@ def _copy_into(out: torch.Tensor, src: torch.Tensor, piece: Piece) -> None:
 
 def prepare_pieces_into(
     full: torch.Tensor, pieces: Sequence[Piece], outs: Sequence[torch.Tensor], *,
-    views: bool = False,
+    views: bool | Sequence[bool] = False,
 ) -> list[torch.Tensor]:
     """:func:`prepare_pieces` written into ``outs`` (flat uint8, ``piece.nbytes`` each).
 
-    Returns each piece's bytes: its ``out``, or with ``views`` a view of ``full``
-    where the piece needs no copy.
+    Returns each piece's bytes: its ``out``, or with ``views`` (for every piece, or one
+    flag per piece: the zero-copy ones) a view of ``full`` where the piece needs no copy.
     """
     if len(outs) != len(pieces):
         raise ValueError(f"{len(pieces)} pieces but {len(outs)} output buffers")
+    flags = [views] * len(pieces) if isinstance(views, bool) else list(views)
     cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     ready = []
-    for piece, out in zip(pieces, outs, strict=True):
+    for piece, out, view in zip(pieces, outs, flags, strict=True):
         _check_out(out, piece)
         ready.append(out)
         if piece.transform == Transform.COPY:
             rect = source_rect(full, piece)
-            if views and rect.dtype == _dtype(piece.dst_dtype, piece) and rect.is_contiguous():
+            if view and rect.dtype == _dtype(piece.dst_dtype, piece) and rect.is_contiguous():
                 ready[-1] = as_bytes(_finish(rect, piece))
                 continue
             _copy_into(out, rect, piece)

@@ -11,6 +11,7 @@ global coordinates (:func:`weight_transfer.layout.shard_blocks.local_rect`)::
 
     layouts = group_layouts(group, gather_unit="bucket", bucket_bytes=64 << 20)
     tensor, rect = own_block(meta, dtensor, rank)   # dtensor.to_local(), its rectangle
+    zero_copy_pieces(layouts_per_group, rank)       # name -> pieces cut with no copy
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from weight_transfer.layout.flat_blocks import flat_range, is_flat
 from weight_transfer.layout.shard_blocks import local_rect
+from weight_transfer.layout.zero_copy import zero_copy_span
 from weight_transfer.plan.check import GroupWork
 from weight_transfer.sender.flat_shard import FlatShard
 from weight_transfer.sender.gather import GatherBucket, plan_buckets, reserve_bytes
@@ -64,6 +66,21 @@ def group_layouts(group: GroupWork, *, gather_unit: str, bucket_bytes: int
              for m in group.local]
     buckets = plan_buckets(group.params, mode=gather_unit, bucket_bytes=bucket_bytes)
     return local + [bucket_layout(group, b) for b in buckets]
+
+
+def zero_copy_pieces(layouts: list[list[BucketLayout]], rank: int
+                     ) -> dict[str, frozenset[Piece]]:
+    """Per shard-direct parameter of the rank, the pieces it can write straight from its
+    own memory (:func:`weight_transfer.layout.zero_copy.zero_copy_span`); parameters with
+    none are left out."""
+    out = {}
+    for lay in (lay for group in layouts for lay in group if lay.local):
+        for meta, tasks in lay.params:
+            mine = frozenset(t.piece for t in tasks
+                             if zero_copy_span(meta, t.piece, rank) is not None)
+            if mine:
+                out[meta.name] = mine
+    return out
 
 
 def own_block(meta: ParamMeta, local: Any, rank: int) -> tuple[Any, tuple | None]:

@@ -14,6 +14,8 @@ once per run)::
     run.hash_piece(task, src, integrity_policy)   # a batched WRITE: hash now, ...
     run.landed(task, None, integrity_policy)      # ... land it without its bytes later
     run.sums.ranges(), run.dest_bytes, run.hash_seconds, run.writer.retries
+
+:class:`TransferReport` is what the run hands back (the executor fills it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_transfer.integrity.checksums import ChecksumLog, IntegrityPolicy, checksum
+from weight_transfer.integrity.checksums import ChecksumLog, IntegrityPolicy, RangeSums, checksum
+from weight_transfer.sender.pipeline import Span
 from weight_transfer.sender.retry import RetryingWriter
 from weight_transfer.types import EngineRankId, Piece, WriteTask
 
@@ -67,3 +70,29 @@ class RunLog:
             self.sums.add(replica=task.dst_replica, rank=task.dst_rank, task=task.task_id,
                           addr=task.region.addr, offset=task.region_offset, length=task.nbytes,
                           value=self.piece_sums[task.piece])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferReport:
+    """What one rank's transfer of one version did (see the module docstring)."""
+
+    rank: int
+    version: int
+    seconds: float
+    bytes_written: int  # bytes of the WRITEs that completed
+    bytes_planned: int  # bytes of the rank's tasks in the plan
+    writes: int  # WRITEs that completed
+    params_gathered: int
+    barrier_seconds: float
+    watermark_peak: int
+    spans: tuple[Span, ...]  # one per (parameter, stage): key is the parameter name
+    task_spans: tuple[Span, ...] = ()  # one per completed WRITE: key is the task id
+    barrier_spans: tuple[Span, ...] = ()  # one per mesh group's barrier: key is the group
+    retries: int = 0  # WRITEs tried again after a transient error (weight_transfer.sender.retry)
+    checksums: tuple[RangeSums, ...] = ()  # hashed WRITEs per engine rank (integrity)
+    hash_seconds: float = 0.0  # time spent hashing them
+    dest_bytes: dict[str, int] = field(default_factory=dict, hash=False)  # "engine0/tp1": B
+    params_local: int = 0  # shard-direct parameters written from the rank's own blocks
+    source: str = "snapshot"  # what the update read from: zero_copy or snapshot (sources)
+    zero_copy_bytes: int = 0  # planned bytes written straight from registered sources
+    sources_refused: tuple[str, ...] = ()  # parameters whose registered source moved

@@ -216,3 +216,19 @@ class StagingArena:
             self.transport.deregister_source(self._handle)
             self._handle = None
 
+
+def rank_arena(layouts: Sequence[Sequence[Any]], *, watermark_bytes: int,
+               device: torch.device | None, device_memory: bool, transport: Any,
+               rank: int) -> StagingArena | None:
+    """A rank's arena: ``min(watermark_bytes, the most staged bytes one mesh group needs)``
+    (``layouts``: per group, its items' ``BucketLayout``), on the GPU when the parameters
+    are there and the NIC reads device memory, pinned when only they are there; None when
+    the rank stages nothing."""
+    need = max((sum(lay.staged for lay in group) for group in layouts), default=0)
+    capacity = min(watermark_bytes, need)
+    if capacity <= 0:
+        return None
+    on_gpu = device is not None and device.type == "cuda"
+    return StagingArena(capacity, transport=transport,
+                        device=device if on_gpu and device_memory else None,
+                        pinned=on_gpu and not device_memory, label=f"rank {rank} staging")

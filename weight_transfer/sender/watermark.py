@@ -10,7 +10,8 @@ buffer) before it enters the pipeline and releases them when it leaves::
 Admission is FIFO (a large task at the head is not starved by small ones that
 arrive later), and a single reservation larger than the limit is admitted once
 nothing else is held, so it runs alone instead of deadlocking. ``peak`` records
-the largest total ever held, for tests and reports.
+the largest total ever held, for tests and reports. :class:`WatermarkGauge` records
+what it holds as a metric during a run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 BLOCKED = object()  # what a grant function returns when the head of the queue must wait
 
@@ -108,3 +111,21 @@ class ByteWatermark:
             yield
         finally:
             self.release(nbytes)
+
+
+class WatermarkGauge:
+    """Records the bytes a rank's watermark holds in ``metrics`` (a TransferMetrics, or None:
+    nothing) at most every ``every_s`` (a change per bucket and stage; a record costs 0.1 ms
+    through Ray's metrics), and at the end of a run (``last``)."""
+
+    def __init__(self, metrics: Any, *, rank: int, every_s: float = 0.05) -> None:
+        self.metrics, self.rank, self.every_s = metrics, rank, every_s
+        self._at = float("-inf")  # when the gauge was last recorded
+
+    def __call__(self, held: int, *, last: bool = False) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if last or now - self._at >= self.every_s:
+            self._at = now
+            self.metrics.watermark_in_use(rank=self.rank, nbytes=held)

@@ -4,12 +4,14 @@
 included), a contiguous numpy array, any writable or read-only buffer, or an
 explicit ``(addr, nbytes)`` byte range; :func:`target_buffer` the same for memory
 to register (writable, contiguous, not empty). Both return a :class:`SourceBuffer`
-whose ``keepalive`` holds what must outlive the address.
+whose ``keepalive`` holds what must outlive the address. :class:`SourceTable` keeps
+the sources a NIC that reads any host memory registered (simnic).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +79,43 @@ def target_buffer(buf: Any) -> SourceBuffer:
     if out.nbytes == 0:
         raise ValueError("cannot register an empty buffer")
     return out
+
+
+class SourceTable:
+    """Memory a NIC's writes read from, registered once (``register_source``), for a NIC
+    that can read any host memory but keeps the registrations honest: a handle per
+    region, refused twice, and the bytes it sent from inside a registered region
+    (``source_bytes``: zero-copy writes and staging arenas alike)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._lock = threading.Lock()
+        self._regions: dict[int, SourceBuffer] = {}
+        self._next = 1
+        self.source_bytes = 0
+
+    def add(self, buf: Any) -> int:
+        mem = source_buffer(buf)
+        if mem.nbytes == 0:
+            raise ValueError(f"{self.label}: cannot register an empty source")
+        with self._lock:
+            handle, self._next = self._next, self._next + 1
+            self._regions[handle] = mem
+        return handle
+
+    def remove(self, handle: int) -> None:
+        with self._lock:
+            if self._regions.pop(handle, None) is None:
+                raise ValueError(f"{self.label}: no source registration {handle}")
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every registered source."""
+        with self._lock:
+            return [(m.addr, m.nbytes) for m in self._regions.values()]
+
+    def sent(self, mem: SourceBuffer) -> None:
+        """Count a completed write's bytes when its source lies inside a registered one."""
+        with self._lock:
+            if any(r.addr <= mem.addr and mem.addr + mem.nbytes <= r.addr + r.nbytes
+                   for r in self._regions.values()):
+                self.source_bytes += mem.nbytes

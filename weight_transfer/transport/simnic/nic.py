@@ -14,6 +14,9 @@ One :class:`SimNic` is one NIC of one process; a process may hold several.
   the target's memory. Refused writes raise :class:`RemoteAccessError` or
   :class:`PeerUnreachableError` naming the region and peer, and write nothing.
 * ``deregister(desc)`` revokes the region: once it returns, no write lands.
+* ``register_source(buf)`` records memory the NIC's writes read from (a staging
+  arena, a trainer's zero-copy parameters); the NIC reads any host memory, so it
+  refuses nothing, but ``source_table.source_bytes`` counts what it sent from them.
 * ``disconnect(owner, nic)`` drops the connection to a peer NIC: its table and
   process handle close once no write through them is in flight; later writes to
   it raise :class:`PeerUnreachableError` saying it was disconnected.
@@ -58,6 +61,7 @@ from weight_transfer.transport.base import (
     source_buffer,
     target_buffer,
 )
+from weight_transfer.transport.buffers import SourceTable
 from weight_transfer.transport.simnic import vm as _vm
 from weight_transfer.transport.simnic.datapath import DataPath, Peer
 from weight_transfer.transport.simnic.link import LinkModel
@@ -172,6 +176,7 @@ class SimNic(TransportBase):
         if max_regions > 1 << 20:
             raise ValueError(f"SimNic: max_regions must be at most 2**20, not {max_regions}")
         self._table = RegionTable(f"{owner}-{nic}", max_regions)
+        self.source_table = SourceTable(self.label)  # register_source: what writes read from
         self._link = LinkModel(bandwidth_gbps)
         self._regions: dict[int, _Registered] = {}
         self._retired: list[Peer] = []  # replaced or disconnected, closed once unused
@@ -206,6 +211,14 @@ class SimNic(TransportBase):
     def peak_inflight(self) -> int:
         """Most writes ever admitted at once (never above ``max_inflight``)."""
         return self._link.peak_inflight
+
+    def register_source(self, buf: Any) -> int:
+        """Record ``buf`` as memory writes read from (any host memory is readable here;
+        ``source_table.source_bytes`` counts the bytes sent from registered ones)."""
+        return self.source_table.add(buf)
+
+    def deregister_source(self, handle: int) -> None:
+        self.source_table.remove(handle)
 
     # ------------------------------------------------------------------ target side
 
@@ -336,6 +349,7 @@ class SimNic(TransportBase):
             await self._write_through(peer, mem, dst, dst_offset)
         finally:
             self._unuse_peer(peer)
+        self.source_table.sent(mem)
 
     async def _write_through(self, peer: Peer, mem: Any, dst: RegionDesc,
                              dst_offset: int) -> None:
