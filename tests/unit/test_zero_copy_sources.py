@@ -3,6 +3,7 @@ that keeps the optimizer step off them until the writes complete, snapshots inst
 when an update would overlap a step, and sources that moved refused and staged."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -77,6 +78,19 @@ def test_plan_summary_splits_zero_copy_and_staged_bytes():
         s.close()
 
 
+@contextlib.contextmanager
+def _ranks(*, bandwidth_gbps=None, **kw):
+    """tiny_llama's plan over simnic engines, and one RankTransfer per trainer rank."""
+    s = Setup("tiny_llama", fp8=False, bandwidth_gbps=bandwidth_gbps)
+    transfers = [s.transfer(r.rank, **kw) for r in s.trainer_meta.ranks]
+    try:
+        yield s, transfers
+    finally:
+        for t in transfers:
+            t.close()
+        s.close()
+
+
 def _run_ranks(s, transfers, version, **kw):
     async def run_all():  # concurrently: one fence holds off the step until every rank is done
         return await asyncio.gather(*(t.run(version=version, **kw) for t in transfers))
@@ -97,9 +111,7 @@ def _check_engines(s, state):
     ("auto", True, "snapshot"), ("snapshot", False, "snapshot"),
 ])
 def test_each_update_says_what_it_wrote_from(source, overlap, want):
-    s = Setup("tiny_llama", fp8=False)
-    transfers = [s.transfer(r.rank, source=source) for r in s.trainer_meta.ranks]
-    try:
+    with _ranks(source=source) as (s, transfers):
         reports = _run_ranks(s, transfers, 1, overlap=overlap)
         _check_engines(s, s.state)
         assert {r.source for r in reports} == {want}
@@ -110,32 +122,26 @@ def test_each_update_says_what_it_wrote_from(source, overlap, want):
             assert s.writer.source_table.source_bytes >= zero > 0
             starts = {a for a, _ in s.writer.source_table.ranges()}
             assert s.state["model.embed_tokens.weight"].data_ptr() in starts
-    finally:
-        for t in transfers:
-            t.close()
-        s.close()
     assert s.writer.source_table.ranges() == []  # closing the transfers dropped every source
 
 
 def test_a_step_during_a_zero_copy_update_waits_and_the_pre_step_bytes_land():
-    s = Setup("tiny_llama", fp8=False, bandwidth_gbps=0.02)  # ~4 MB: about 0.2 s of writes
     fence = StepFence(label="trainer")
-    transfers = [s.transfer(r.rank, source="zero_copy", fence=fence)
-                 for r in s.trainer_meta.ranks]
-    before = {n: t.clone() for n, t in s.state.items()}
     stepped = {}
 
-    def step():
+    def step(state):
         while not fence.held:
             time.sleep(0.001)
         stepped["asked"] = time.perf_counter()
         with fence.step(timeout_s=30):
             stepped["ran"] = time.perf_counter()
-            for t in s.state.values():
+            for t in state.values():
                 t.add_(1.0)  # the optimizer changes every source in place
 
-    try:
-        thread = threading.Thread(target=step)
+    # ~4 MB at 0.02 GB/s: about 0.2 s of writes
+    with _ranks(bandwidth_gbps=0.02, source="zero_copy", fence=fence) as (s, transfers):
+        before = {n: t.clone() for n, t in s.state.items()}
+        thread = threading.Thread(target=step, args=(s.state,))
         thread.start()
         start = time.perf_counter()
         reports = _run_ranks(s, transfers, 1)
@@ -150,27 +156,21 @@ def test_a_step_during_a_zero_copy_update_waits_and_the_pre_step_bytes_land():
         assert fence.busy is False
         _run_ranks(s, transfers, 2)
         _check_engines(s, s.state)
-    finally:
-        for t in transfers:
-            t.close()
-        s.close()
 
 
 def test_auto_snapshots_when_a_step_is_in_flight_and_waits_for_it():
-    s = Setup("tiny_llama", fp8=False)
     fence = StepFence(label="trainer")
-    transfers = [s.transfer(r.rank, fence=fence) for r in s.trainer_meta.ranks]
     entered, finish = threading.Event(), threading.Event()
 
-    def step():
+    def step(state):
         with fence.step(timeout_s=30):
             entered.set()
             finish.wait(5)
-            for t in s.state.values():
+            for t in state.values():
                 t.mul_(2.0)
 
-    try:
-        thread = threading.Thread(target=step)
+    with _ranks(fence=fence) as (s, transfers):
+        thread = threading.Thread(target=step, args=(s.state,))
         thread.start()
         entered.wait(5)
         threading.Timer(0.2, finish.set).start()
@@ -178,17 +178,11 @@ def test_auto_snapshots_when_a_step_is_in_flight_and_waits_for_it():
         thread.join(5)
         assert {r.source for r in reports} == {"snapshot"}
         _check_engines(s, s.state)  # read only once the step was over: the stepped weights
-    finally:
-        for t in transfers:
-            t.close()
-        s.close()
 
 
 def test_a_source_that_moved_is_refused_by_name_and_staged(caplog):
-    s = Setup("tiny_llama", fp8=False)
-    transfers = [s.transfer(r.rank, source="zero_copy") for r in s.trainer_meta.ranks]
     name = "model.embed_tokens.weight"
-    try:
+    with _ranks(source="zero_copy") as (s, transfers):
         for t in transfers:
             t.register_sources()
         first = sum(r.zero_copy_bytes for r in _run_ranks(s, transfers, 1))
@@ -198,9 +192,7 @@ def test_a_source_that_moved_is_refused_by_name_and_staged(caplog):
         del old
         with caplog.at_level(logging.WARNING, logger="weight_transfer.sender.zero_copy.sources"):
             reports = _run_ranks(s, transfers, 2)
-        assert all(r.sources_refused == (name,) for r in reports if r.zero_copy_bytes or
-                   r.sources_refused)
-        assert any(r.sources_refused == (name,) for r in reports)
+        assert all(r.sources_refused == (name,) for r in reports)  # every rank holds a block
         assert f"parameter {name!r} moved" in caplog.text
         assert sum(r.zero_copy_bytes for r in reports) < first
         _check_engines(s, s.state)
@@ -209,10 +201,7 @@ def test_a_source_that_moved_is_refused_by_name_and_staged(caplog):
         assert all(r.sources_refused == () for r in reports)
         assert sum(r.zero_copy_bytes for r in reports) == first
         _check_engines(s, s.state)
-    finally:
-        for t in transfers:
-            t.close()
-        s.close()
+
 
 
 def test_fence_hold_waits_for_the_step_and_times_out_naming_the_trainer():
