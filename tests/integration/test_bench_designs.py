@@ -25,18 +25,24 @@ def test_every_design_verified_on_tiny_llama(tmp_path, monkeypatch, ray_job,
     monkeypatch.setattr(bench_designs, "RDT_PROBE_TIMEOUT_S", 5.0)  # its outcome, not its wait
     out = tmp_path / "designs.json"
     rc = run(config=smallest_demo_run, model=ROOT / "configs/models/tiny_llama.yaml",
-             nic_gbps=0.5, updates=1, designs="p2p,rank0,rpc,bucketed,rdt", bucket="1M",
+             nic_gbps=0.5, updates=1, designs="p2p,p2p_staged,rank0,rpc,bucketed,rdt",
+             bucket="1M",
              caps_off=False, timeout_s=300.0, json_path=out, png=None)
     doc = json.loads(out.read_text())
     assert rc == 0, doc
     assert {"results", "lower_bound_s", "passes", "memcpy_gbps", "bytes"} <= set(doc)
-    assert set(doc["results"]) == {"p2p", "rank0", "rpc", "bucketed", "rdt"}
+    assert set(doc["results"]) == {"p2p", "p2p_staged", "rank0", "rpc", "bucketed", "rdt"}
     details = doc["passes"]["caps_on"]["results"]
-    for design in ("p2p", "rank0", "rpc", "bucketed"):
+    for design in ("p2p", "p2p_staged", "rank0", "rpc", "bucketed"):
         assert details[design]["ok"], details[design]
         assert details[design]["problems"] == []
         assert math.isfinite(doc["results"][design]) and doc["results"][design] > 0
         assert details[design]["busiest_nic_bytes"] > 0
+    # ours writes zero-copy where it may; p2p_staged copies every byte into staging first
+    copied = doc["passes"]["caps_on"]["zero_copy"]["bytes_copied"]
+    assert copied["p2p"] < copied["p2p_staged"] == doc["bytes"]
+    assert details["p2p"]["sources"] == ["zero_copy"]
+    assert details["p2p_staged"]["sources"] == ["snapshot"]
     assert doc["results"]["rdt"] is None  # a probe's outcome, never a time
     assert details["rdt"]["error"].startswith("not run as a design"), details["rdt"]
     assert 0 < doc["lower_bound_s"] < doc["results"]["p2p"]

@@ -125,6 +125,14 @@ def test_each_update_says_what_it_wrote_from(source, overlap, want):
     assert s.writer.source_table.ranges() == []  # closing the transfers dropped every source
 
 
+def test_zero_copy_pieces_hold_no_watermark_bytes():
+    peaks = {}
+    for source in ("zero_copy", "snapshot"):
+        with _ranks(source=source) as (s, transfers):
+            peaks[source] = max(r.watermark_peak for r in _run_ranks(s, transfers, 1))
+    assert peaks["zero_copy"] < peaks["snapshot"]
+
+
 def test_a_step_during_a_zero_copy_update_waits_and_the_pre_step_bytes_land():
     fence = StepFence(label="trainer")
     stepped = {}

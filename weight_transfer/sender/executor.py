@@ -223,12 +223,20 @@ class RankTransfer:
         return ParamWork(meta=meta, tasks=list(tasks),
                          zero_copy=self.zero_copy[meta.name] if direct else frozenset())
 
+    def _zero_copy_bytes_of(self, lay: BucketLayout) -> int:
+        """Bytes of the item's pieces this update writes zero-copy: no temporary memory
+        (serial mode keeps the whole reservation: each item must stay oversized, alone)."""
+        if self.serial:
+            return 0
+        return sum(q.nbytes for m, _ in lay.params if m.name in self._used.params
+                   for q in self.zero_copy[m.name])
+
     def _items(self, layouts: list[BucketLayout]) -> list[PipelineItem]:
         """Fresh per-update work for each bucket of a group (the layouts are static)."""
         return [
             PipelineItem(
                 key=lay.bucket.key,
-                reserve_bytes=lay.reserve,
+                reserve_bytes=lay.reserve - self._zero_copy_bytes_of(lay),
                 payload=BucketWork(layout=lay, params=[self._param_work(m, ts)
                                                        for m, ts in lay.params]),
                 nbytes=lay.nbytes,

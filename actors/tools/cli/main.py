@@ -223,9 +223,10 @@ def bench_designs(
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
-    designs: str = typer.Option("p2p,p2p_gather,rank0,rpc,bucketed,rdt",
-                                help="Which designs to run (p2p: shard-direct pieces; "
-                                     "p2p_gather: ours gathering every parameter)."),
+    designs: str = typer.Option("p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt",
+                                help="Which designs to run (p2p: shard-direct pieces, "
+                                     "zero-copy where they may; p2p_staged: every piece "
+                                     "staged; p2p_gather: ours gathering every parameter)."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
     caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
     timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),

@@ -8,6 +8,9 @@ that a change in the machine's load hits every design alike):
 * ``p2p`` (ours): ``controller.update(v)``, the static plan, pipelined, with
   shard-direct pieces (``TransferConfig.gather="shard_direct"``: a parameter
   whose pieces its owners' shards cover is written from them, no gather);
+* ``p2p_staged`` (ours before zero-copy sources): ``p2p`` with ``source="snapshot"``,
+  every piece copied into the staging arena before its WRITE; the JSON gives, for
+  each of ours, the bytes copied per update and the peak temporary bytes per rank;
 * ``p2p_gather`` (ours before shard-direct pieces): the same with
   ``gather="full"``, every parameter gathered first (a second controller on the
   same actors; whichever of the two runs is set up again, untimed, first);
@@ -86,7 +89,7 @@ from actors.tools.demo.fleet import fleet_session
 from actors.tools.demo.run_config import load_run_config, parse_run_config
 from actors.tools.engine_tools import engine_tool, has_tool
 
-DESIGNS = ("p2p", "p2p_gather", "rank0", "rpc", "bucketed", "rdt")
+DESIGNS = ("p2p", "p2p_staged", "p2p_gather", "rank0", "rpc", "bucketed", "rdt")
 RDT_PROBE_TIMEOUT_S = 30.0
 
 
@@ -165,8 +168,20 @@ def _verified(bench: DesignBench, design: str, seconds: list[float],
     out = {"ok": not problems, "problems": problems, "seconds": seconds,
            "median_s": statistics.median(seconds), "busiest_nic_bytes": busiest}
     if design in P2P_MODES and bench.last_report is not None:
-        out["stages_s"] = dict(bench.last_report.stages)  # busy s of the slowest rank
+        out.update(p2p_numbers(bench.last_report))
     return out
+
+
+def p2p_numbers(report: Any) -> dict[str, Any]:
+    """Of one update of ours: the slowest rank's busy seconds per stage, the bytes the
+    ranks copied into staging before their WRITEs (the rest went zero-copy), the most
+    temporary bytes one rank held (its watermark's peak) and each rank's source."""
+    ranks = [r.transfer for r in report.per_rank]
+    return {"stages_s": dict(report.stages),
+            "bytes_copied": sum(t.bytes_planned - t.zero_copy_bytes for t in ranks),
+            "zero_copy_bytes": sum(t.zero_copy_bytes for t in ranks),
+            "peak_temp_bytes_per_rank": max((t.watermark_peak for t in ranks), default=0),
+            "sources": sorted({t.source for t in ranks})}
 
 
 def shard_direct_speedup(results: dict[str, Any]) -> float | None:
@@ -175,6 +190,19 @@ def shard_direct_speedup(results: dict[str, Any]) -> float | None:
     if not (a.get("ok") and b.get("ok")):
         return None
     return b["median_s"] / a["median_s"]
+
+
+def zero_copy_gain(results: dict[str, Any]) -> dict[str, Any] | None:
+    """p2p (zero-copy where it may) against p2p_staged (every piece staged), where both ran
+    and verified: the ratios of their medians and of their slowest ranks' prepare busy
+    seconds, and the bytes each copied per update."""
+    a, b = results.get("p2p", {}), results.get("p2p_staged", {})
+    if not (a.get("ok") and b.get("ok")):
+        return None
+    prep_a, prep_b = (r.get("stages_s", {}).get("prepare", 0.0) for r in (a, b))
+    return {"speedup": b["median_s"] / a["median_s"],
+            "prepare_speedup": prep_b / prep_a if prep_a > 0 else None,
+            "bytes_copied": {"p2p": a.get("bytes_copied"), "p2p_staged": b.get("bytes_copied")}}
 
 
 def gather_floor(bench: DesignBench, updates: int) -> float:
@@ -263,6 +291,14 @@ def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float
             doc["passes"][key]["shard_direct_speedup"] = ratio
             console.print(f"shard-direct (p2p) against gather-everything (p2p_gather): "
                           f"{ratio:.2f}x faster")
+        gain = zero_copy_gain(results)
+        if gain is not None:
+            doc["passes"][key]["zero_copy"] = gain
+            prep = gain["prepare_speedup"]
+            console.print(f"zero-copy (p2p) against every piece staged (p2p_staged): "
+                          f"{gain['speedup']:.2f}x faster, prepare "
+                          f"{'-' if prep is None else f'{prep:.2f}x'}; bytes copied per "
+                          f"update {gain['bytes_copied']}")
     return doc
 
 
@@ -285,7 +321,7 @@ def release(bench: DesignBench) -> None:
 def hand_back(bench: DesignBench) -> None:
     """The fleet's own controller set up again where the other one of ours replaced its
     plan in the trainers: the caller's fleet goes on with it."""
-    bench.controller(mode_of(bench.fleet.config.gather))  # no set-up if it ran last
+    bench.controller(mode_of(bench.fleet.config))  # no set-up if it ran last
 
 
 def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int, designs: str,

@@ -29,14 +29,19 @@ from actors.tools.demo.checks import byte_problems
 from actors.tools.demo.verify import _engine_digests, _trainer_digests
 from weight_transfer.types import EngineRankId
 
-# ours: p2p (shard-direct pieces, no gather where the owner's shard covers a piece) and
+# ours, each design the TransferConfig fields it sets: p2p (shard-direct pieces, no gather
+# where the owner's shard covers a piece; zero-copy where the bytes already match),
+# p2p_staged (the same with every piece copied into the staging arena first) and
 # p2p_gather (every parameter gathered first: the mode before shard-direct pieces)
-P2P_MODES = {"p2p": "shard_direct", "p2p_gather": "full"}
+P2P_MODES = {"p2p": {"gather": "shard_direct", "source": "auto"},
+             "p2p_staged": {"gather": "shard_direct", "source": "snapshot"},
+             "p2p_gather": {"gather": "full", "source": "auto"}}
 
 
-def mode_of(gather: str) -> str:
-    """The p2p design of a ``TransferConfig.gather`` mode."""
-    return next(d for d, m in P2P_MODES.items() if m == gather)
+def mode_of(config: Any) -> str:
+    """The p2p design a transfer config runs (``p2p`` for a gather/source pair none has)."""
+    pair = {"gather": config.gather, "source": config.source}
+    return next((d for d, m in P2P_MODES.items() if m == pair), "p2p")
 
 
 class DesignBench(ABC):
@@ -60,8 +65,8 @@ class DesignBench(ABC):
         self.last_report: Any = None
         # ours in each gather mode (P2P_MODES): the fleet's controller for its own mode, a
         # second one on the same actors for the other, set up again whenever it takes over
-        self.controllers = {mode_of(fleet.config.gather): fleet.controller}
-        self.active = mode_of(fleet.config.gather)
+        self.controllers = {mode_of(fleet.config): fleet.controller}
+        self.active = mode_of(fleet.config)
 
     def controller(self, design: str) -> Any:
         """The controller of p2p ``design``, set up (untimed) if another one ran last."""
@@ -70,7 +75,7 @@ class DesignBench(ABC):
         if design not in self.controllers:
             self.controllers[design] = WeightTransferController(
                 trainers=self.trainers, engines=list(self.fleet.replicas.values()),
-                config=self.fleet.config.replace(gather=P2P_MODES[design]))
+                config=self.fleet.config.replace(**P2P_MODES[design]))
             self.active = None
         ctl = self.controllers[design]
         if self.active != design:
