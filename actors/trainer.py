@@ -303,15 +303,19 @@ class TrainerMixin(TrainerDeltaMixin):
                                 metrics=actor_metrics(options.metrics),
                                 integrity=options.integrity, retry=options.retry,
                                 source=options.source, fence=self._wt_fence)
-        self._wt_params = source.tensors()
-        try:  # the memory zero-copy pieces read from, registered once
-            transfer.register_sources()
-        finally:
-            self._wt_params = {}
+        self._wt_register_sources(transfer, source)
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",
                  self._wt_rank, len(plan.tasks), rank_info.nic, len(peers))
         return len(plan.tasks)
+
+    def _wt_register_sources(self, transfer: RankTransfer, source: TrainerSource) -> None:
+        """The memory zero-copy pieces read from, registered once, at setup."""
+        self._wt_params = source.tensors()
+        try:
+            transfer.register_sources()
+        finally:
+            self._wt_params = {}
 
     def _wt_param(self, name: str) -> Any:
         return self._wt_params[name]

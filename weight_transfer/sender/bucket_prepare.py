@@ -21,7 +21,8 @@ piece of the rank's own block does where it is zero-copy, ``ParamWork.zero_copy`
                                              for m, ts in layout.params])
     prepare_bucket(work, rank=0, write_from_views=True)   # fills each ParamWork.prepared
 
-:func:`to_device` is the ``h2d`` stage's copy of a local shard to the GPU.
+:func:`bucket_items` makes a group's pipeline items for one update; :func:`to_device`
+is the ``h2d`` stage's copy of a local shard to the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from weight_transfer.layout.shard_blocks import shifted
 from weight_transfer.sender.flat_shard import FlatShard, flat_view
 from weight_transfer.sender.gather import GatherBucket, gather_bucket
+from weight_transfer.sender.pipeline import PipelineItem
 from weight_transfer.sender.prepare import prepare_pieces, prepare_pieces_into
 from weight_transfer.sender.rank_items import BucketLayout, own_block
 from weight_transfer.sender.staging import Lease
@@ -129,6 +131,23 @@ def _views(work: BucketWork, p: ParamWork, pieces: list[Piece], gathered: bool
     if not p.zero_copy:
         return False
     return [q in p.zero_copy for q in pieces]
+
+
+def bucket_items(layouts: list[BucketLayout], *, direct: dict[str, frozenset[Piece]],
+                 full_reserve: bool = False) -> list[PipelineItem]:
+    """Fresh per-update work for each bucket of a group (the layouts are static):
+    ``direct`` the pieces each parameter writes zero-copy this update, which reserve no
+    watermark bytes (``full_reserve``: they do, as in serial mode, where every item must
+    stay oversized to run alone)."""
+    items = []
+    for lay in layouts:
+        params = [ParamWork(meta=m, tasks=list(ts), zero_copy=direct.get(m.name, frozenset()))
+                  for m, ts in lay.params]
+        free = 0 if full_reserve else sum(q.nbytes for p in params for q in p.zero_copy)
+        items.append(PipelineItem(key=lay.bucket.key, reserve_bytes=lay.reserve - free,
+                                  payload=BucketWork(layout=lay, params=params),
+                                  nbytes=lay.nbytes))
+    return items
 
 
 def piece_sources(full: Any, block: tuple | None, pieces: list[Piece]):

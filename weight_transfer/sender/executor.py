@@ -98,7 +98,12 @@ from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.observe.metrics import TransferMetrics
 from weight_transfer.plan.check import GroupWork, check_trainer_plan
 from weight_transfer.plan.types import TrainerPlan
-from weight_transfer.sender.bucket_prepare import BucketWork, ParamWork, prepare_bucket, to_device
+from weight_transfer.sender.bucket_prepare import (
+    BucketWork,
+    bucket_items,
+    prepare_bucket,
+    to_device,
+)
 from weight_transfer.sender.delta.executor import tasks_for_resend, write_records
 from weight_transfer.sender.delta.send import RecordRun
 from weight_transfer.sender.delta.write import DeltaStage
@@ -196,14 +201,7 @@ class RankTransfer:
         self.arena = rank_arena(self.layouts, watermark_bytes=watermark_bytes,
                                 device=self.device, device_memory=self.device_memory,
                                 transport=transport, rank=self.rank) if staging else None
-        # Zero-copy pieces (static) and the per-update choice of source, with its fence.
-        # (staging=False, the baseline that allocates every piece afresh, has none)
-        self.zero_copy = zero_copy_pieces(self.layouts, self.rank) if staging else {}
-        self.sources = SourcePolicy(transport=transport, mode=source, fence=fence,
-                                    device_memory=self.device_memory,
-                                    label=f"trainer rank {self.rank}")
-        self._used = UpdateSources(mode="snapshot")
-        self._prepared = self._zero_copy_bytes = 0
+        self._init_sources(source, fence, staging=staging)
         self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
@@ -213,36 +211,25 @@ class RankTransfer:
         """Per group, its items' buckets in order (a shard-direct parameter: one alone)."""
         return [[lay.bucket for lay in group] for group in self.layouts]
 
+    def _init_sources(self, source: str, fence: StepFence | None, *, staging: bool) -> None:
+        """Zero-copy pieces (static; none with ``staging=False``, the baseline that allocates
+        every piece afresh) and the per-update choice of source, with its fence."""
+        self.zero_copy = zero_copy_pieces(self.layouts, self.rank) if staging else {}
+        self.sources = SourcePolicy(transport=self.transport, mode=source, fence=fence,
+                                    device_memory=self.device_memory,
+                                    label=f"trainer rank {self.rank}")
+        self._used = UpdateSources(mode="snapshot")
+        self._prepared = self._zero_copy_bytes = self._num_items = 0
+
     def register_sources(self) -> list[str]:
         """Register the memory the zero-copy pieces read from, once, at setup (else at the
         first run); ``get_param`` must answer for this rank's shard-direct parameters."""
         return self.sources.register({n: self.get_param(n) for n in self.zero_copy})
 
-    def _param_work(self, meta: ParamMeta, tasks: Sequence[WriteTask]) -> ParamWork:
-        direct = meta.name in self._used.params
-        return ParamWork(meta=meta, tasks=list(tasks),
-                         zero_copy=self.zero_copy[meta.name] if direct else frozenset())
-
-    def _zero_copy_bytes_of(self, lay: BucketLayout) -> int:
-        """Bytes of the item's pieces this update writes zero-copy: no temporary memory
-        (serial mode keeps the whole reservation: each item must stay oversized, alone)."""
-        if self.serial:
-            return 0
-        return sum(q.nbytes for m, _ in lay.params if m.name in self._used.params
-                   for q in self.zero_copy[m.name])
-
     def _items(self, layouts: list[BucketLayout]) -> list[PipelineItem]:
         """Fresh per-update work for each bucket of a group (the layouts are static)."""
-        return [
-            PipelineItem(
-                key=lay.bucket.key,
-                reserve_bytes=lay.reserve - self._zero_copy_bytes_of(lay),
-                payload=BucketWork(layout=lay, params=[self._param_work(m, ts)
-                                                       for m, ts in lay.params]),
-                nbytes=lay.nbytes,
-            )
-            for lay in layouts
-        ]
+        direct = {n: q for n, q in self.zero_copy.items() if n in self._used.params}
+        return bucket_items(layouts, direct=direct, full_reserve=self.serial)
 
     async def _h2d(self, work: BucketWork) -> BucketWork:
         for p in work.params:
