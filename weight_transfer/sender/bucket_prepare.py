@@ -104,10 +104,10 @@ def prepare_bucket(work: BucketWork, *, rank: int, write_from_views: bool,
         for source, qs, src in piece_sources(full, block, mine):
             if work.lease is not None:
                 outs = [work.lease.buf[slot[q] : slot[q] + q.nbytes] for q in qs]
-                views = _views(work, p, qs, write_from_views and not source.is_cuda)
                 if prepare is not None and not source.is_cuda:  # (pieces and their sources)
-                    got = prepare(source, qs, src, outs, views=views)
+                    got = prepare(source, qs, src, outs, views=write_from_views)  # a delta run
                 else:
+                    views = _views(work, p, qs, write_from_views and not source.is_cuda)
                     got = prepare_pieces_into(source, src, outs, views=views)
                 p.direct.update(q for q, g, o in zip(qs, got, outs, strict=True)
                                 if q in p.zero_copy and g.data_ptr() != o.data_ptr())
