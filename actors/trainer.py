@@ -302,7 +302,8 @@ class TrainerMixin(TrainerDeltaMixin):
                                 on_write_error=guard.record,
                                 metrics=actor_metrics(options.metrics),
                                 integrity=options.integrity, retry=options.retry,
-                                source=options.source, fence=self._wt_fence)
+                                source=options.source, fence=self._wt_fence,
+                                fence_timeout_s=options.barrier_timeout_s)
         self._wt_register_sources(transfer, source)
         self._wt_link = _Link(nic=nic, store=kv, guard=guard, transfer=transfer)
         log.info("trainer rank %d connected: %d tasks, NIC %s, %d new engine peers",

@@ -160,6 +160,7 @@ class RankTransfer:
         gather: str | None = None,
         source: str = "auto",
         fence: StepFence | None = None,
+        fence_timeout_s: float | None = None,
     ) -> None:
         if gather is not None:  # the 0.1.0 name (TransferConfig.gather means another thing)
             warnings.warn("RankTransfer(gather=...) is deprecated: write "
@@ -201,7 +202,7 @@ class RankTransfer:
         self.arena = rank_arena(self.layouts, watermark_bytes=watermark_bytes,
                                 device=self.device, device_memory=self.device_memory,
                                 transport=transport, rank=self.rank) if staging else None
-        self._init_sources(source, fence, staging=staging)
+        self._init_sources(source, fence, staging=staging, timeout_s=fence_timeout_s)
         self.delta: DeltaStage | None = None  # sparse deltas (attach_delta), else dense
         # One thread for gathers: collectives must be issued in order, one at a time.
         self._gather_pool = ThreadPoolExecutor(1, thread_name_prefix=f"wt-gather-{self.rank}")
@@ -211,13 +212,16 @@ class RankTransfer:
         """Per group, its items' buckets in order (a shard-direct parameter: one alone)."""
         return [[lay.bucket for lay in group] for group in self.layouts]
 
-    def _init_sources(self, source: str, fence: StepFence | None, *, staging: bool) -> None:
+    def _init_sources(self, source: str, fence: StepFence | None, *, staging: bool,
+                      timeout_s: float | None) -> None:
         """Zero-copy pieces (static; none with ``staging=False``, the baseline that allocates
-        every piece afresh) and the per-update choice of source, with its fence."""
+        every piece afresh) and the per-update choice of source, with its fence (an update
+        waits at most ``timeout_s`` for a step in flight: TimeoutError naming the rank)."""
         self.zero_copy = zero_copy_pieces(self.layouts, self.rank) if staging else {}
         self.sources = SourcePolicy(transport=self.transport, mode=source, fence=fence,
                                     device_memory=self.device_memory,
-                                    label=f"trainer rank {self.rank}")
+                                    label=f"trainer rank {self.rank}",
+                                    fence_timeout_s=timeout_s)
         self._used = UpdateSources(mode="snapshot")
         self._prepared = self._zero_copy_bytes = self._num_items = 0
 
