@@ -94,7 +94,7 @@ def launch_engines(
     replicas = list(range(inf.replicas)) if replicas is None else list(replicas)
     out = Launched([], what="engines")
     with _closed_on_error(out):
-        for rep in replicas:
+        for rep in replicas:  # every replica's actors start at once ...
             (pg,) = node_placement_groups(1, inf.gpus_per_replica, cpus=demo.actor_cpus,
                                           timeout_s=config.setup_timeout_s, first_node=rep,
                                           pin=ENGINE_NODE_RESOURCE)
@@ -106,6 +106,8 @@ def launch_engines(
                 for local in range(inf.gpus_per_replica)
             ]
             out.absorb(Launched([actors], groups=[pg]))
+        # ... then each forms its group (the later replicas' processes started meanwhile)
+        for rep, actors in zip(replicas, out, strict=True):
             _form_group(actors, what=f"replica {rep}", timeout_s=config.setup_timeout_s)
     return out
 

@@ -142,6 +142,29 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.fixture
+def cluster_file(tmp_path: Any) -> Any:
+    """``cluster_file(trainers=, replicas=, tp=)``: ``configs/clusters/local_cpu.yaml`` on
+    one trainer node of ``trainers`` ranks -> ``replicas`` x TP ``tp``, written under
+    ``tmp_path``; for tests whose subject is not the shape (every trainer and engine actor
+    started costs a few seconds of CPU on the 2-core machines)."""
+    return lambda **shape: _cluster_file(tmp_path, **shape)
+
+
+def _cluster_file(tmp_path: Any, *, trainers: int, replicas: int, tp: int) -> Any:
+    import yaml
+
+    from actors.tools.demo.run_config import ROOT
+
+    data = yaml.safe_load((ROOT / "configs" / "clusters" / "local_cpu.yaml").read_text())
+    data["name"] = f"local_cpu_{trainers}x{replicas}x{tp}"
+    data["trainer"].update(nodes=1, gpus_per_node=trainers, expert_parallel=1)
+    data["inference"].update(replicas=replicas, gpus_per_replica=tp, tensor_parallel=tp)
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
 def smallest_demo_run(tmp_path: Any) -> Any:
     """``configs/runs/demo.yaml`` on the demo's smallest shape
     (``configs/clusters/local_cpu_small.yaml``: 2 trainer ranks -> 1 replica x TP1), written

@@ -275,11 +275,11 @@ def test_wt_soak_nothing_grows(env, fleet, tmp_path):
     from actors.tools.demo import soak
 
     out = tmp_path / "soak.json"
-    assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=20, json_path=out,
+    assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=10, json_path=out,
                     fleet=fleet, first_version=env["version"] + 1) == 0
     doc = json.loads(out.read_text())
     env["version"] = doc["last_version"]
-    assert doc["updates"] == 20 and doc["ok"] and doc["verified"]
+    assert doc["updates"] == 10 and doc["ok"] and doc["verified"]
     assert ctl_versions(env) == {n: doc["last_version"] for n in env["ctl"].replicas}
     procs = doc["actors"]
     assert {"controller", "scheduler", "trainer0", "trainer3", "engine0/tp0",

@@ -20,9 +20,16 @@ def test_reward_and_advantages():
     assert advantages_of([1.0, 0.0, 0.5]) == [0.5, -0.5, 0.0]
 
 
-def test_two_iterations_advance_the_replicas_version(ray_job):  # on the shared cluster
+def rl_run(cluster_file, **rl):
+    """configs/runs/rl_loop.yaml on 2 trainer ranks -> 2 replicas x TP1 (the loop, not the
+    shape, is the subject: two replicas keep what "every replica's version" means)."""
     run = load_run_config("configs/runs/rl_loop.yaml")
-    run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 2})
+    return run.with_overrides(rl={**run.rl.model_dump(), **rl},
+                              cluster=str(cluster_file(trainers=2, replicas=2, tp=1)))
+
+
+def test_two_iterations_advance_the_replicas_version(ray_job, cluster_file):  # shared cluster
+    run = rl_run(cluster_file, iterations=2)
     console = Console(record=True, width=160)
     history = run_rl(run, console)
     assert [h["iteration"] for h in history] == [1, 2]
@@ -34,12 +41,10 @@ def test_two_iterations_advance_the_replicas_version(ray_job):  # on the shared 
     assert "iteration 2: mean reward" in console.export_text()
 
 
-def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job):
+def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job, cluster_file):
     """Rollouts sampled during the policy step and the update (``overlap``) start at the
     version before it; with ``max_lag=0`` exactly those are dropped, the count printed."""
-    run = load_run_config("configs/runs/rl_loop.yaml")
-    run = run.with_overrides(rl={**run.rl.model_dump(), "iterations": 3, "overlap": True,
-                                 "max_lag": 0})
+    run = rl_run(cluster_file, iterations=3, overlap=True, max_lag=0)
     console = Console(record=True, width=200)
     history = run_rl(run, console)
     text = console.export_text()
