@@ -32,13 +32,34 @@ import torch
 
 from weight_transfer.layout.flat_blocks import partition_numel, rect_span
 
-__all__ = ["FlatShard", "flat_view", "gather_flat"]
+__all__ = ["FlatShard", "OverData", "flat_view", "gather_flat"]
 
 _ALIGN = 16
 
 
+class OverData:
+    """What the pipeline asks of a source's block over a tensor ``data`` (the mixin of a
+    frozen dataclass with a ``data`` field): its dtype, whether it is on a GPU, and the
+    same block moved to a device (the h2d stage)."""
+
+    __slots__ = ()
+    data: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.data.is_cuda
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        """The same block over ``data`` moved to ``device``."""
+        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FlatShard:
+class FlatShard(OverData):
     """One rank's range of a flattened parameter: ``data`` (1-D, at least ``valid``
     elements; ZeRO-3 pads the last partition), the full ``shape``, the element ``start``
     of the range, the partition ``group`` (a process group; None: the default one) and
@@ -59,17 +80,6 @@ class FlatShard:
         """Elements of the parameter in the range (the rest of ``data`` is padding)."""
         return max(0, min(self.data.numel(), self.numel - self.start))
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.data.is_cuda
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> FlatShard:
-        """The same range on ``device`` (the h2d stage, for a partition offloaded to the host)."""
-        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole parameter: a collective over the partition group."""

@@ -38,13 +38,14 @@ their parts, TP and DP groups that are not Megatron's rank grid, and a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from weight_transfer.model.arch.megatron_gpt import Bands
 from weight_transfer.model.live_metadata import dtype_name
+from weight_transfer.sender.flat_shard import OverData
 from weight_transfer.sources.megatron_layout import (
     HfPart,
     LocalParam,
@@ -68,7 +69,7 @@ def cut_bands(shard: torch.Tensor, bands: Bands) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TpBlock:
+class TpBlock(OverData):
     """A rank's block of one Hugging Face parameter: ``bands`` of its Megatron shard
     ``data``; ``shape`` is the parameter's global shape, ``dim`` the tensor dim TP cuts
     (None: whole on every TP rank), ``group`` the TP group (a process group) of
@@ -81,21 +82,9 @@ class TpBlock:
     group: Any
     world: int
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.data.is_cuda
-
     def to_local(self) -> torch.Tensor:
         """The rank's block (the rows of the Hugging Face parameter it holds)."""
         return cut_bands(self.data, self.bands)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> TpBlock:
-        """The same block of the shard moved to ``device`` (the h2d stage)."""
-        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole parameter: an ``all_gather`` over the TP group (a collective)."""
