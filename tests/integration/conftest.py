@@ -141,13 +141,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _SHARED.stop()
 
 
-@pytest.fixture
-def cluster_file(tmp_path: Any) -> Any:
+@pytest.fixture(scope="session")
+def cluster_file(tmp_path_factory: Any) -> Any:
     """``cluster_file(trainers=, replicas=, tp=)``: ``configs/clusters/local_cpu.yaml`` on
-    one trainer node of ``trainers`` ranks -> ``replicas`` x TP ``tp``, written under
-    ``tmp_path``; for tests whose subject is not the shape (every trainer and engine actor
+    one trainer node of ``trainers`` ranks -> ``replicas`` x TP ``tp``, in a temporary
+    directory; for tests whose subject is not the shape (every trainer and engine actor
     started costs a few seconds of CPU on the 2-core machines)."""
-    return lambda **shape: _cluster_file(tmp_path, **shape)
+    return lambda **shape: _cluster_file(tmp_path_factory.mktemp("clusters"), **shape)
 
 
 def _cluster_file(tmp_path: Any, *, trainers: int, replicas: int, tp: int) -> Any:
@@ -156,10 +156,9 @@ def _cluster_file(tmp_path: Any, *, trainers: int, replicas: int, tp: int) -> An
     from actors.tools.demo.run_config import ROOT
 
     data = yaml.safe_load((ROOT / "configs" / "clusters" / "local_cpu.yaml").read_text())
-    data["name"] = f"local_cpu_{trainers}x{replicas}x{tp}"
     data["trainer"].update(nodes=1, gpus_per_node=trainers, expert_parallel=1)
     data["inference"].update(replicas=replicas, gpus_per_replica=tp, tensor_parallel=tp)
-    path = tmp_path / f"{data['name']}.yaml"
+    path = tmp_path / f"local_cpu_{trainers}x{replicas}x{tp}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 

@@ -34,11 +34,10 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-import yaml
 
 from actors import WeightTransferController
 from actors.tools.demo.fleet import start_fleet, token_batch
-from actors.tools.demo.run_config import ROOT, load_run_config, parse_run_config
+from actors.tools.demo.run_config import load_run_config, parse_run_config
 from actors.tools.demo.verify import _flip_byte as flip_live_byte
 from actors.tools.demo.verify import check_bytes
 from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
@@ -49,12 +48,9 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_job, tmp_path_factory):  # a Ray job of its own on the shared cluster
+def fleet(ray_job, cluster_file):  # a Ray job of its own on the shared cluster
     # 2 trainer ranks (one node, a NIC each) -> the demo's 2 replicas x TP2.
-    data = yaml.safe_load((ROOT / "configs" / "clusters" / "local_cpu.yaml").read_text())
-    data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
-    cluster = tmp_path_factory.mktemp("delta") / "two_trainers.yaml"
-    cluster.write_text(yaml.safe_dump(data))
+    cluster = cluster_file(trainers=2, replicas=2, tp=2)
     data = load_run_config("configs/runs/demo.yaml").model_dump(by_alias=True)
     data["cluster"] = str(cluster)
     data["train"]["lr"] = 1e-5

@@ -2,7 +2,7 @@
 the other replicas keep the new version, torn replicas never serve, and the next setup,
 re-sync or update heals them.
 
-One module-wide cluster (tiny_llama, 4 FSDP2 trainer actors -> 2 replicas x TP2, NICs
+One module-wide cluster (tiny_llama, 2 FSDP2 trainer actors -> 2 replicas x TP2, NICs
 capped so that an update's writes last long enough to be hit) goes through, in order:
 an engine rank killed before an update, one killed during an update (both replicas
 come back through ``add_replica``), ``remove_replica``, an engine rank stopped with
@@ -45,9 +45,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def env(ray_job):  # a Ray job of its own on the shared cluster
-    cfg = TransferConfig.from_files(
-        CONFIGS / "models" / "tiny_llama.yaml", CONFIGS / "clusters" / "local_cpu.yaml",
+def env(ray_job, cluster_file):  # a Ray job of its own on the shared cluster
+    cfg = TransferConfig.from_files(  # 2 trainer ranks: the faults are the engines' or one rank's
+        CONFIGS / "models" / "tiny_llama.yaml", cluster_file(trainers=2, replicas=2, tp=2),
         update_timeout_s=UPDATE_TIMEOUT_S, barrier_timeout_s=10,  # setup: 300 s, slow starts
         nic_gbps=0.01)  # about 0.2-0.5 s of writes per update: long enough to hit one
     trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # actors.tools.testkit hooks
@@ -275,14 +275,14 @@ def test_wt_soak_nothing_grows(env, fleet, tmp_path):
     from actors.tools.demo import soak
 
     out = tmp_path / "soak.json"
-    assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=10, json_path=out,
+    assert soak.run(config=CONFIGS / "runs" / "demo.yaml", updates=20, json_path=out,
                     fleet=fleet, first_version=env["version"] + 1) == 0
     doc = json.loads(out.read_text())
     env["version"] = doc["last_version"]
-    assert doc["updates"] == 10 and doc["ok"] and doc["verified"]
+    assert doc["updates"] == 20 and doc["ok"] and doc["verified"]
     assert ctl_versions(env) == {n: doc["last_version"] for n in env["ctl"].replicas}
     procs = doc["actors"]
-    assert {"controller", "scheduler", "trainer0", "trainer3", "engine0/tp0",
+    assert {"controller", "scheduler", "trainer0", "trainer1", "engine0/tp0",
             "engine1/tp1"} <= set(procs)
     for row in procs.values():
         assert all(row["start"][k] > 0 and row["end"][k] > 0

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import yaml
 
 from actors import TransferConfig, UpdateError, WeightTransferController
 from actors.controller.audit import read_audit
@@ -35,12 +34,9 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, ray_job):  # a Ray job of its own on the shared cluster
+def env(tmp_path_factory, ray_job, cluster_file):  # a Ray job of its own on the shared cluster
     tmp = tmp_path_factory.mktemp("integrity")
-    data = yaml.safe_load((CONFIGS / "clusters" / "local_cpu.yaml").read_text())
-    data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
-    cluster = tmp / "two_trainers.yaml"
-    cluster.write_text(yaml.safe_dump(data))
+    cluster = cluster_file(trainers=2, replicas=2, tp=2)
     cfg = TransferConfig.from_files(
         CONFIGS / "models" / "tiny_llama.yaml", cluster, update_timeout_s=120,
         integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl",

@@ -1,6 +1,6 @@
 """Replica groups on one host (simnic): the trainers write the leader, a peer copy fills the rest.
 
-One fleet (4 trainer ranks -> 2 replicas x TP2) with ``replica_groups`` =
+One fleet (2 trainer ranks -> 2 replicas x TP2) with ``replica_groups`` =
 ``[["engine0", "engine1"]]``: the plan writes engine0 only (half the bytes of a
 plan over both), engine1 is filled from engine0 by the peer copy after every
 update, and every byte of both equals the reference layout of the trainers'
@@ -30,9 +30,9 @@ TOKENS = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_job):
+def fleet(ray_job, cluster_file):
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml",
+                                    cluster_file(trainers=2, replicas=2, tp=2),
                                     replica_groups=[["engine0", "engine1"]],
                                     integrity={"mode": "full"}, update_timeout_s=60,
                                     retry={"attempts": 1})

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import yaml
 
 from actors import TransferConfig, WeightTransferController
 from actors.controller.audit import read_audit
@@ -40,12 +39,9 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, ray_job):
+def env(tmp_path_factory, ray_job, cluster_file):
     tmp = tmp_path_factory.mktemp("shadow")
-    data = yaml.safe_load((CONFIGS / "clusters" / "local_cpu.yaml").read_text())
-    data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
-    cluster = tmp / "two_trainers.yaml"
-    cluster.write_text(yaml.safe_dump(data))
+    cluster = cluster_file(trainers=2, replicas=2, tp=2)
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml", cluster,
                                     apply="shadow", integrity={"mode": "full"},
                                     audit_path=tmp / "audit.jsonl")

@@ -1,6 +1,6 @@
 """A fleet over our authenticated ``tcp`` transport, and what an outsider can do to it.
 
-One fleet of the tiny model (4 trainer ranks -> 2 replicas x TP2, encrypted tcp
+One fleet of the tiny model (2 trainer ranks -> 2 replicas x TP2, encrypted tcp
 links, audit log on) serves every test of the module, in order (each fleet start
 costs tens of seconds on the 2-core machines):
 
@@ -49,10 +49,10 @@ TOKENS = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_job, tmp_path_factory):  # a Ray job of its own on the shared cluster
+def fleet(ray_job, tmp_path_factory, cluster_file):  # a Ray job of its own on the shared cluster
     audit = tmp_path_factory.mktemp("audit") / "audit.jsonl"
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml", transport="tcp",
+                                    cluster_file(trainers=2, replicas=2, tp=2), transport="tcp",
                                     transport_options={"encrypt": True, "chunk_bytes": 1 << 16},
                                     audit_path=audit, barrier_timeout_s=30)
     # What this process listened on before the fleet (other modules' leftovers in the same

@@ -214,10 +214,15 @@ def _link(up: bool) -> Callable[[Chaos], None]:
 
 def _budget(nbytes: int | None) -> Callable[[Chaos], None]:
     def run(ch: Chaos) -> None:
-        ray.get(ch.trainer(2).wt_fail_after_bytes.remote(nbytes))
+        ray.get(ch.trainer(_budget_rank(ch)).wt_fail_after_bytes.remote(nbytes))
         if nbytes is not None:
             _mark(ch)
     return run
+
+
+def _budget_rank(ch: Chaos) -> int:
+    """The rank whose NIC fails transiently: rank 2 of the demo's 4, the last of fewer."""
+    return min(2, len(ch.fleet.trainers) - 1)
 
 
 def _continue_engine(ch: Chaos) -> None:
@@ -244,7 +249,8 @@ FAULTS: dict[str, Fault] = {
     "nic-link-down": Fault(before=_link(False), after=_link(True),
                            names=lambda ch: ["trainer rank 1"]),
     "nic-transient-error": Fault(before=_budget(256 << 10), after=_budget(None),
-                                 names=lambda ch: ["trainer rank 2"], may_succeed=True),
+                                 names=lambda ch: [f"trainer rank {_budget_rank(ch)}"],
+                                 may_succeed=True),
 }
 
 
