@@ -128,10 +128,11 @@ class SourceRegistry:
             log.warning("%s: source of parameter %r moved (registered %d B at %#x, now %s): "
                         "staged for this update", self.label, name, was.nbytes, was.addr, now)
             moved.append(name)
-        for name in moved:
-            del self.params[name]
-        self._drop_unused()
-        self.register({n: tensors[n] for n in moved if n in tensors})
+        if moved:  # the usual update: nothing moved, nothing to drop or register
+            for name in moved:
+                del self.params[name]
+            self._drop_unused()
+            self.register({n: tensors[n] for n in moved if n in tensors})
         return frozenset(ok), tuple(moved)
 
     def usable(self, name: str, t: torch.Tensor | None) -> bool:
