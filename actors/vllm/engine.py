@@ -38,7 +38,7 @@ from actors.controller.live_config import check_actors
 from actors.ready.handles import Launched, ReplicaRanks
 from actors.vllm.shadow import VllmShadow
 from weight_transfer.engines.fence import KEEP, CommandFence
-from weight_transfer.engines.vllm.shm import engine_segments, remove_unmapped, unlink_at_exit
+from weight_transfer.engines.vllm.shm import engine_segments, stop_and_remove, unlink_at_exit
 
 
 class VllmEngineOwner:
@@ -311,9 +311,7 @@ class VllmEngineOwner:
             self.link.close()
         finally:
             if self.owns_engine:
-                segments = engine_segments()  # while its processes still run
-                self.link.llm.llm_engine.engine_core.shutdown()
-                remove_unmapped(segments)
+                stop_and_remove(self.link.llm.llm_engine.engine_core.shutdown)
 
 
 class _Ranked:

@@ -130,6 +130,16 @@ def test_the_stall_is_the_longest_gap_between_steps_that_overlaps_the_update():
     assert idle_gap(steps, [(0.25, 1.4)]) == pytest.approx(0.1)
 
 
+def test_a_wait_counts_only_the_part_inside_the_update():
+    from actors.tools.bench.stall.bench import wait_within
+
+    steps = [0.0, 0.1, 0.2, 1.5, 1.6, 1.7]
+    assert wait_within(steps, 1.4, 1.8) == pytest.approx(0.1)  # 0.2 -> 1.5: only 0.1 inside
+    assert wait_within(steps, 0.25, 1.4) == pytest.approx(1.15)  # no step inside: all of it
+    assert wait_within(steps, 0.15, 1.55) == pytest.approx(1.3)  # 0.2 -> 1.5 inside
+    assert wait_within([], 2.0, 3.0) == pytest.approx(1.0)  # never stepped: the whole update
+
+
 def test_the_idle_floor_is_the_median_of_the_longest_gaps_of_update_long_windows():
     from actors.tools.bench.stall.bench import idle_floor
 

@@ -7,8 +7,9 @@ no replica torn: after each faulty update every replica still in the plan serves
 weights as they were when that version was verified (the engines' digests are
 kept per version); the next update (after the fault's recovery) heals, as in
 place; and a client generating on the replica the faults spare throughout the
-faulty update never waits longer than one flip: the longest gap between two of
-its engine steps stays within :data:`WAIT_BOUND_STEPS` of its own median step gap
+faulty update never waits longer than one flip: the longest time inside the update
+with no engine step starting (a wait that began before the update counts only from its
+start) stays within :data:`WAIT_BOUND_STEPS` of its own median step gap
 (at least :data:`WAIT_BOUND_MIN_S`, or :data:`WAIT_BOUND_UPDATE_SHARE` of the update), while
 in place it would wait the whole update;
 the engine's own pause (its flip, from the step boundary to going on) is printed
@@ -22,7 +23,7 @@ from typing import Any
 
 import ray
 
-from actors.tools.bench.stall.bench import Clients, ReferenceClient, idle_gap, stall_of
+from actors.tools.bench.stall.bench import Clients, ReferenceClient, idle_gap, wait_within
 from actors.tools.demo.verify import _engine_digests, _trainer_digests, first_answer
 from weight_transfer.types import EngineRankId
 
@@ -60,7 +61,7 @@ class ServingProbe:
 
     def verdict(self) -> tuple[bool, str]:
         steps = self.client.step_times(SPARED, self.since)
-        wait = stall_of(steps, self.start, self.end)
+        wait = wait_within(steps, self.start, self.end)
         gap = idle_gap(steps, [(self.start, self.end)])
         bound = max(WAIT_BOUND_MIN_S, WAIT_BOUND_STEPS * gap,
                     WAIT_BOUND_UPDATE_SHARE * (self.end - self.start))

@@ -6,10 +6,10 @@ from the engine core to its TP workers). When the engine core is stopped from ou
 engine start at TP>1 left 160 MiB of RAM behind. Whoever started the engine owns that memory
 (:class:`~actors.vllm.engine.VllmEngineOwner`)::
 
-    segments = engine_segments()          # while the engine runs: what its processes map
-    unlink_at_exit(segments)              # after this process ends, however (ray.kill too)
-    ...                                   # stop the engine
-    removed = remove_unmapped(segments)   # those no live process maps any more
+    unlink_at_exit(engine_segments())     # after this process ends, however (ray.kill too)
+    ...
+    stop_and_remove(engine_core.shutdown) # stop it, wait for its processes to exit, then
+                                          # remove what they mapped and nothing maps now
 
 A user's own engine in a Ray actor (:mod:`actors.vllm.handle`) is usually stopped by
 ``ray.kill`` of the actor: nothing runs in it then, so :func:`unlink_at_exit` leaves the
@@ -25,8 +25,9 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,35 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def wait_exited(pids: Iterable[int], timeout_s: float) -> list[int]:
+    """Wait until each of ``pids`` has exited (a zombie counts as exited: it maps nothing),
+    at most ``timeout_s``; those still running then."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while True:
+        left = [p for p in left if (f := _stat_fields(p)) is not None and f[0] != "Z"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def engine_segments() -> set[str]:
     """The segments this process's descendants (the engine's processes) map now."""
     return mapped_segments(descendants(os.getpid()))
+
+
+def stop_and_remove(stop: Callable[[], Any], timeout_s: float = 30.0) -> list[str]:
+    """Call ``stop()`` (which stops the engine this process started), wait up to
+    ``timeout_s`` for the engine's processes to exit (a TP worker goes on exiting after
+    the engine core's ``shutdown()`` returns), then remove the segments they mapped that
+    nothing maps any more; the names removed."""
+    pids = descendants(os.getpid())
+    segments = mapped_segments(pids)
+    stop()
+    if left := wait_exited(pids, timeout_s):
+        log.warning("engine processes %s still up %g s after shutdown; their shared memory "
+                    "is left to the exit watcher", left, timeout_s)
+    return remove_unmapped(segments)
 
 
 def remove_unmapped(segments: Iterable[str]) -> list[str]:

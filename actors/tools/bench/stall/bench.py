@@ -85,6 +85,16 @@ def stall_of(steps: Sequence[float], start: float, end: float) -> float:
     return max(gaps, default=0.0)
 
 
+def wait_within(steps: Sequence[float], start: float, end: float) -> float:
+    """The longest time inside ``[start, end]`` with no step starting: each gap between
+    consecutive step starts clipped to the window, so a wait that began before the window
+    (a slow request, a process not scheduled) counts only for the part the window holds.
+    ``end - start`` when no step starts inside it and none brackets it either."""
+    times = sorted(t for t in steps)
+    inside = [start] + [t for t in times if start < t < end] + [end]
+    return max(b - a for a, b in itertools.pairwise(inside))
+
+
 def idle_floor(steps: Sequence[float], start: float, end: float, window: float) -> float:
     """The median, over consecutive windows of ``window`` seconds in ``[start, end]``, of
     the longest step gap overlapping each; when ``window`` is longer than the span (an
