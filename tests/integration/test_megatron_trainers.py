@@ -13,9 +13,17 @@ loader's layout of that state dict. At TP=2 into TP=2 every shard is written by 
 rank with no collective. Two more ranks at PP=2 (each stage one mesh, the names of
 stage 1 made global) write into the TP=1 engine.
 
+Into a real vLLM (one replica at TP=1 in float32, started once for the module by the
+test that uses it), after a real step and an update from the TP=2 trainers: every byte
+registered in the worker equals vLLM's own ``load_weights`` of the oracle's state dict
+saved as a Hugging Face checkpoint; and, black-box, vLLM's greedy tokens are the argmax
+of Megatron's own forward (a float32 ``GPTModel`` holding the trainers' weights, over
+the prompt and vLLM's tokens) at every step, their log-probabilities Megatron's within
+1e-4.
+
 One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
-replica, each with its own controller over the same trainers (the PP=2 pair starts in
-its test).
+replica of the reference engine and the vLLM replica, each with its own controller over
+the same trainers (the PP=2 pair starts in its test).
 """
 
 from __future__ import annotations
@@ -144,6 +152,31 @@ def trainer_class():
             layers = {i: n.layer_number - 1 for i, n in enumerate(self.model.decoder.layers)}
             return (full, layers) if ps.get_tensor_model_parallel_rank() == 0 else None
 
+        def megatron_logprobs(self, tokens: list[int]) -> torch.Tensor | None:
+            """Megatron's own forward over ``tokens`` in float32 (a float32 GPTModel holding
+            this one's weights): each position's next-token log-probabilities over the
+            Hugging Face vocabulary; TP rank 0 answers, every rank calls (PP=1)."""
+            from megatron.core import parallel_state as ps
+
+            from actors.tools.testkit.megatron_cpu import causal_mask, gpt_model, positions
+            from weight_transfer.model.models import load_model_config
+
+            cfg = load_model_config(MODEL)
+            model = gpt_model(cfg, vocab_rows=VOCAB_ROWS, dtype=torch.float32)
+            with torch.no_grad():
+                for (n32, p32), (n, p) in zip(model.named_parameters(),
+                                              self.model.named_parameters(), strict=True):
+                    assert n32 == n, (n32, n)
+                    p32.copy_(p)
+                x = torch.tensor([tokens])
+                logits = model(x, positions(x), causal_mask(x))[0]  # [s, this rank's vocab]
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            torch.distributed.all_gather(parts, logits.contiguous(),
+                                         group=ps.get_tensor_model_parallel_group())
+            full = torch.cat(parts, dim=-1)[:, : cfg.vocab_size]
+            return torch.log_softmax(full, dim=-1) if ps.get_tensor_model_parallel_rank() == 0 \
+                else None
+
     return ray.remote(TestTrainer)
 
 
@@ -155,6 +188,17 @@ def hf_state(trainers, cfg, tp):
             out.update(hf_from_megatron(*got, tp=tp, heads=cfg.num_attention_heads,
                                         groups=cfg.kv_heads, vocab=cfg.vocab_size))
     return out
+
+
+def save_hf(state, model_cfg, path):
+    """The oracle's state dict as a float32 Hugging Face checkpoint at ``path`` (every name
+    and shape checked by ``load_state_dict``): what vLLM's own load_weights reads."""
+    from weight_transfer.engines.reference.hf_model import build_hf_model
+
+    model = build_hf_model(model_cfg, seed=0, dtype=torch.float32)
+    model.load_state_dict({n: t.float() for n, t in state.items()})
+    model.save_pretrained(path)
+    return path
 
 
 def start(cls, *, tp, pp):
@@ -213,3 +257,62 @@ def test_pipeline_stages_write_their_own_layers(fleet):
         assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
     finally:
         kill(trainers)
+
+
+# ------------------------------------------------------------------ into a real vLLM
+
+PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+TOKENS = 6
+LOGPROB_ATOL = 1e-4  # float32 both sides; their kernels sum in other orders
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(fleet, tmp_path_factory):
+    """One vLLM replica at TP=1 in float32 (``configs/clusters/vllm_cpu_tp1.yaml``: the
+    module's 2 trainer ranks -> 1 x TP1), from a random checkpoint; its config, the
+    replicas and a scratch folder."""
+    from vllm_fleet import LLAMA, ORACLE_ENV, START_SEED, tiny_llama_config
+
+    from actors.tools.testkit.vllm_oracle import save_checkpoint
+    from actors.vllm.engine import launch_vllm_engines
+
+    root = tmp_path_factory.mktemp("megatron-vllm")
+    cfg = tiny_llama_config("vllm_cpu_tp1.yaml", update_timeout_s=120, barrier_timeout_s=60)
+    _, start_path = save_checkpoint(LLAMA, seed=START_SEED, root=root)
+    with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV) as replicas:
+        yield cfg, replicas, root
+
+
+@pytest.mark.vllm
+def test_vllm_holds_and_serves_the_weights_megatron_holds(fleet, vllm_engine):
+    """Megatron TP=2 (bf16) -> vLLM TP=1 (float32): every registered byte equals vLLM's own
+    load_weights of the oracle's checkpoint; vLLM's greedy tokens and their log-probs are
+    Megatron's own forward's (float32)."""
+    from vllm_fleet import assert_registered_equal
+
+    _, _, trainers, _ = fleet
+    cfg, replicas, root = vllm_engine
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    try:
+        summary = ctl.setup()
+        assert summary.gathered_params == 4  # o_proj and down_proj, as into the reference TP=1
+        losses = ray.get([t.train_step.remote(11) for t in trainers])
+        assert losses[0] > 0
+        ctl.update(version=1)
+        assert ctl.weights_version() == {"engine0": 1}
+        path = save_hf(hf_state(trainers, cfg.model, 2), cfg.model, root / "megatron-v1")
+        assert_registered_equal(replicas.owners[0], path, tp=1)
+
+        params = {"max_tokens": TOKENS, "temperature": 0.0, "logprobs": 0}
+        served = ray.get(replicas.owners[0].sample.remote(PROMPTS, params))
+        for prompt, (choice,) in zip(PROMPTS, served, strict=True):
+            seq = prompt + choice["token_ids"]
+            want = next(lp for lp in ray.get([t.megatron_logprobs.remote(seq)
+                                              for t in trainers]) if lp is not None)
+            steps = range(len(prompt) - 1, len(seq) - 1)  # the positions that chose a token
+            assert [int(want[i].argmax()) for i in steps] == choice["token_ids"]
+            megatron = torch.tensor([float(want[i, seq[i + 1]]) for i in steps])
+            torch.testing.assert_close(torch.tensor(choice["logprobs"]), megatron,
+                                       atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        ctl.shutdown()
