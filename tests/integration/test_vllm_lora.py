@@ -12,8 +12,9 @@ tests after it take a few seconds. The oracles live here:
    a new version is served after its flip, the previous one until then, and a rollback
    gives the previous version's tokens exactly.
 
-Bad input (rank over ``max_lora_rank``, a module without a LoRA slot, an update that
-does not match its setup, too few slots) is refused by name with nothing written. The tests
+Bad input (rank over ``max_lora_rank``, a module without a LoRA slot, an adapter of another
+base model, an update that does not match its setup, an adapter update on a base the engine
+does not hold, too few slots) is refused by name with nothing written. The tests
 run in file order on the one engine (version 1, then version 2 and the rollback).
 """
 
@@ -125,10 +126,10 @@ def oracle_tokens(ns, path: Path):
     return ns.link.generate(PROMPTS, 8, lora_request=request)
 
 
-def write(ns, tensors) -> int:
+def write(ns, tensors, base_version=None) -> int:
     from weight_transfer.sources.lora import write_adapter
 
-    slot = ns.lora.begin()
+    slot = ns.lora.begin(base_version=base_version)
     return asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, tensors))
 
 
@@ -157,6 +158,26 @@ def test_adapters_the_engine_cannot_hold_are_refused_with_nothing_written(engine
     with pytest.raises(ValueError, match=r"self_attn\.rotary\.lora_A\.weight: module "
                                          r"'model\.layers\.0\.self_attn\.rotary' has no LoRA slot"):
         engine.lora.setup(alien, nics=((ENIC,),))
+    assert slot_ids(engine.llm) == [None, None, None]  # no slot taken, none written
+
+
+def test_an_adapter_of_another_base_model_is_refused_with_nothing_written(engine):
+    """An adapter trained on a Llama with another MLP width: wider (its blocks overflow the
+    slots) or narrower (vLLM's set_lora would load it silently, zeros beside it)."""
+    from weight_transfer.engines.reference.hf_model import build_hf_model
+    from weight_transfer.model.models import load_model_config
+    from weight_transfer.sources.lora import describe_peft
+
+    cfg = load_model_config(LLAMA).model_copy(update={"torch_dtype": "float32"})
+    for width, what in ((384, r"mlp\.gate_proj\.lora_B\.weight \(384, 4\): fills 1536 of the "
+                                r"2048 elements"),
+                        (1024, r"mlp\.down_proj\.lora_A\.weight \(4, 1024\): a \(4, 1024\) "
+                               r"block into a \(4, 512\) view")):
+        other = build_hf_model(cfg.model_copy(update={"intermediate_size": width}), seed=3,
+                               dtype=torch.float32)
+        spec = describe_peft(peft_adapter(other, seed=3))
+        with pytest.raises(ValueError, match=r"(?s)LoRA adapter of another base model.*" + what):
+            engine.lora.setup(spec, nics=((ENIC,),))
     assert slot_ids(engine.llm) == [None, None, None]  # no slot taken, none written
 
 
@@ -224,18 +245,60 @@ def test_a_base_update_then_an_adapter_update(engine):
         registered_tensors,
         write_update,
     )
+    from weight_transfer.sources.lora import BaseWatch
 
     ns = engine
+    watch = BaseWatch(ns.model)  # the engine holds the trainer's base (one checkpoint)
+    assert watch.check() is None
     new_base, new_path = save_checkpoint(LLAMA, seed=12, root=ns.root)
+    held = dict(ns.model.get_base_model().named_parameters())
+    with torch.no_grad():  # the trainer's base moves on (the adapter's tensors stay)
+        for name, p in new_base.named_parameters():
+            peft_name = name if name in held else name.replace(".weight", ".base_layer.weight")
+            held[peft_name].copy_(p)
+    before = ns.link.call("stats")[0]["bytes_written"]
+    with pytest.raises(ValueError, match=r"base weights changed since the engine's copy was "
+                                         r"loaded \(\d+ parameters: base_model\.model\.lm_head"):
+        write(ns, ns.v1[0], base_version=watch.check())
+    with pytest.raises(ValueError, match="trained on base version 2, the engine serves base "
+                                         "version"):
+        write(ns, ns.v1[0], base_version=2)
+    assert ns.link.call("stats")[0]["bytes_written"] == before
+    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
     ns.link.pause()
     write_update(ns.nic, ns.base_meta, {n: p.detach() for n, p in new_base.named_parameters()})
     ns.link.resume(version=2)
+    watch.synced(2)
     actual = ns.llm.collective_rpc(registered_tensors)[0]
     assert compare_to_oracle(actual, ns.llm.collective_rpc(oracle_load,
                                                            args=(str(new_path),))[0]) == []
     tensors, path = ns.v1
-    write(ns, tensors)
+    write(ns, tensors, base_version=watch.check())
     ns.lora.flip(version=4)
     ours = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())
     assert ours == oracle_tokens(ns, path) != ns.tokens_v1  # v1 adapter, new base
     assert slot_differences(ns.llm, 1, ORACLE_ID) == []
+
+
+def test_bench_lora_smoke(engine):
+    """``wt bench lora`` on this engine: rank 8, one update per design, each verified by its
+    oracle (slot bytes against vLLM's own load; the merged model's bytes against vLLM's
+    load_weights); ours moves the fewest bytes."""
+    from dataclasses import asdict
+
+    from actors.tools.bench.lora.bench import bench_rank
+    from actors.tools.bench.lora.designs import DESIGNS, attach_rig
+    from weight_transfer.model.models import load_model_config
+
+    ns = engine
+    ns.lora.close()  # its two slots and the oracle's one serve the bench
+    ns.llm.llm_engine.remove_lora(ORACLE_ID)
+    rig = attach_rig(ns.llm, model_cfg=load_model_config(LLAMA), root=ns.root,
+                     dtype=torch.float32, link=ns.link, metas=[ns.base_meta], nics=[ns.nic])
+    runs = bench_rank(rig, 8, list(DESIGNS), 1, idle_s=0.5)
+    assert [r.design for r in runs] == ["ours", "disk", "merged"]
+    assert all(r.verified and r.seconds > 0 and r.rank == 8 and r.tp == 1 for r in runs), runs
+    by = {r.design: r for r in runs}
+    assert by["ours"].bytes == sum(m.nbytes for m in rig.lmetas) < by["merged"].bytes
+    assert set(asdict(runs[0])) == {"design", "rank", "tp", "seconds", "bytes",
+                                    "max_step_gap_s", "idle_step_gap_s", "verified"}

@@ -11,6 +11,13 @@ adapter written from memory are the same thing to vLLM::
     nbytes = asyncio.run(write_adapter(nic, metas[0], slot, adapter_tensors(peft_model)))
     lora_link.flip(version=1)
 
+The base weights the engine holds must be the ones the adapter is trained on. A
+:class:`BaseWatch` notices when the trainer's base changed since the engine got it
+(an optimizer step on unfrozen base weights, a merge) and refuses the adapter update,
+naming the parameters, until the base is synced (a full-weight update, then
+``watch.synced(version)``); ``lora_link.begin(base_version=watch.check())`` then also
+refuses an engine that does not serve that base version.
+
 With FSDP2 every parameter is a DTensor and :func:`adapter_tensors` gathers each one
 (``full_tensor()``, a collective: every trainer rank calls it); any rank then writes.
 Without ``peft`` installed, :meth:`AdapterSpec.of` builds the same description from a
@@ -76,3 +83,58 @@ async def write_adapter(nic: Any, meta: LoraRankMeta, slot: int,
         await nic.write(data, t.region, t.offset + p.dst_offset)
         total += p.nbytes
     return total
+
+
+def _fingerprint(t: torch.Tensor) -> tuple[int, int, int]:
+    """Storage address, autograd version counter and the sum of the raw words of the
+    local tensor (a DTensor's shard): any in-place step, ``.data`` write or swap of
+    storage changes one of them. One read of the tensor, no copy."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach()
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    total = int(local.contiguous().view(words).sum(dtype=torch.int64)) if local.numel() else 0
+    return local.data_ptr(), local._version, total
+
+
+def base_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """The PEFT model's parameters that are no adapter's (PEFT's ``lora_`` names aside)."""
+    return {n: p for n, p in model.named_parameters() if ".lora_" not in n}
+
+
+class BaseWatch:
+    """Whether a PEFT model's base weights are still the ones the engine holds.
+
+    Built when the engine holds the trainer's base (both loaded from one checkpoint, or
+    right after a full-weight update: ``synced(version)``). :meth:`check` before each
+    adapter update: a ValueError naming every base parameter changed since, or the base
+    version the engine should serve (None before the first sync: the engine's own load).
+    With FSDP2 each rank watches its own shards: call it on every rank."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.version: str | None = None
+        self._prints = self._now()
+
+    def _now(self) -> dict[str, tuple[int, int, int]]:
+        with torch.no_grad():
+            return {n: _fingerprint(p) for n, p in base_parameters(self.model).items()}
+
+    def synced(self, version: Any) -> None:
+        """The base as it is now reached the engine as ``version`` (a full-weight update)."""
+        self.version, self._prints = str(version), self._now()
+
+    def check(self) -> str | None:
+        """The base version the adapter update needs the engine to serve; ValueError
+        naming the base parameters changed since the engine got the base."""
+        now = self._now()
+        changed = sorted(n for n in now.keys() | self._prints.keys()
+                         if now.get(n) != self._prints.get(n))
+        if changed:
+            since = "loaded" if self.version is None else f"synced as version {self.version}"
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
+                                              if len(changed) > 5 else "")
+            raise ValueError(f"the trainer's base weights changed since the engine's copy was "
+                             f"{since} ({len(changed)} parameters: {shown}): sync the base "
+                             "(a full-weight update, then BaseWatch.synced) before the "
+                             "adapter update")
+        return self.version

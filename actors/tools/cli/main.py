@@ -326,6 +326,22 @@ def bench_stall(
                          json_out=json_path, cluster=cluster))
 
 
+@bench_app.command("lora")
+def bench_lora(
+    model: Path = typer.Option(Path("configs/models/bench_dense.yaml"), help="Model YAML."),
+    ranks: str = typer.Option("16,64", help="LoRA ranks, comma-separated."),
+    tp: str = typer.Option("1", help="vLLM tensor-parallel sizes, comma-separated."),
+    designs: str = typer.Option("ours,disk,merged", help="Designs, comma-separated."),
+    updates: int = typer.Option(3, min=1, help="Updates per design."),
+    json_path: Path | None = typer.Option(None, "--json", help=JSON_HELP),
+) -> None:
+    """A LoRA adapter update into vLLM: one-sided into its slots, from disk, or merged."""
+    from actors.tools.bench.lora import run
+
+    raise typer.Exit(run(model=model, ranks=ranks, tp=tp, designs=designs, updates=updates,
+                         json_out=json_path))
+
+
 @app.command("selftest")
 def selftest(
     device: str | None = typer.Option(None, help="RDMA device name (default: the first one)."),

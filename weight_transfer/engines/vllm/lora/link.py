@@ -7,7 +7,7 @@
     lora = LoraLink(link, name="policy", lora_int_id=1)
     metas = lora.setup(describe_peft(peft_model), nics=(("inode0/nic0",),))
     request = lora.request()                    # vLLM's LoRARequest("policy", 1, ...)
-    slot = lora.begin()                         # the free slot; the engine keeps serving
+    slot = lora.begin(base_version=watch.check())  # the free slot; the engine keeps serving
     ...                                         # the trainers write that slot one-sided
     lora.flip(version=3)                        # step boundary: "policy" -> the new slot
     lora.rollback()                             # step boundary: back to the version before
@@ -62,9 +62,19 @@ class LoraLink:
         return LoRARequest(self.name, self.lora_int_id,
                            PLACEHOLDER_PATH.format(name=self.name))
 
-    def begin(self) -> int:
+    def begin(self, base_version: Any = None) -> int:
         """The slot the trainers write the next version into (the same on every rank); the
-        engine keeps serving the current version. The previous one is no rollback target."""
+        engine keeps serving the current version. The previous one is no rollback target.
+        ``base_version``: the base weights' version the adapter was trained on
+        (:meth:`weight_transfer.sources.lora.BaseWatch.check`); refused, with nothing
+        begun, unless the engine serves that base version."""
+        if base_version is not None:
+            served = self.link.version()
+            if str(base_version) != served:
+                raise ValueError(
+                    f"adapter {self.name!r}: this update was trained on base version "
+                    f"{base_version}, the engine serves base version {served}: update the "
+                    "base weights first (a full-weight update), then the adapter")
         if self._writing:
             raise ValueError(f"adapter {self.name!r}: an update is already being written "
                              "(flip it first)")

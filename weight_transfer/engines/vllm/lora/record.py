@@ -99,7 +99,8 @@ def check_adapter(manager: Any, adapter: AdapterSpec) -> Any:
     if problems:
         targets = sorted({n.rsplit(".", 1)[-1] for n in held})
         raise ValueError(f"LoRA adapter targets modules the engine's LoRA config cannot hold "
-                         f"(slots exist for {targets}):\n  " + "\n  ".join(problems))
+                         f"(slots exist for {targets}; an adapter of another base model?):"
+                         "\n  " + "\n  ".join(problems))
     return helper
 
 
@@ -158,6 +159,31 @@ def _recording_model(manager: Any, adapter: AdapterSpec, sink: _Sink) -> Any:
     return model
 
 
+def _underfilled(tensors: dict[str, torch.Tensor], pieces: list[Piece],
+                 shapes: dict[str, tuple[int, ...]], rank: int) -> list[str]:
+    """Slot tensors the adapter fills only in part: vLLM's ``set_lora`` copies into
+    ``slot[:rows, :cols]`` of the adapter's own shape, so an adapter of a smaller base
+    (fewer input features, fewer output rows) would load silently, with zeros beside it.
+    A rank-``r`` version fills ``r`` whole rows of ``lora_a`` and ``r`` whole columns of
+    ``lora_b``."""
+    written: dict[str, int] = {}
+    source: dict[str, str] = {}
+    for p in pieces:
+        written[p.dst_tensor] = written.get(p.dst_tensor, 0) + p.nbytes
+        source.setdefault(p.dst_tensor, p.src_param)
+    out = []
+    for dst, nbytes in sorted(written.items()):
+        t = tensors[dst]
+        rows, cols = t.shape[-2:]
+        want = rank * (cols if ".lora_a_stacked." in dst else rows)
+        got = nbytes // t.element_size()
+        if got != want:
+            src = source[dst]
+            out.append(f"{src} {shapes[src]}: fills {got} of the {want} elements a rank-{rank} "
+                       f"adapter fills in {dst} (slot {rows}x{cols})")
+    return out
+
+
 def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
     """The pieces of ``adapter`` in slot ``slot``, recorded from vLLM's ``set_lora``
     (see the module docstring). Zeroes the slot."""
@@ -175,12 +201,21 @@ def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
                              f"recorded at this TP size: {exc}") from None
     shapes = {p.name: tuple(p.shape) for p in adapter.params}
     pieces: list[Piece] = []
+    misfits = []
     for dst, (src, ops), view in sink.copies:
         rect, view_shape = rect_of_chain(shapes[src], ops, name=src)
+        if [n for n in view_shape if n != 1] != [n for n in view.shape if n != 1]:
+            misfits.append(f"{src} {shapes[src]}: a {tuple(view_shape)} block into a "
+                           f"{tuple(view.shape)} view of {dst}")
+            continue
         pieces += copy_pieces(src=src, rect=rect, view_shape=view_shape, dst=dst,
                               dst_dtype=str(view.dtype).removeprefix("torch."),
                               offset=view.storage_offset(), shape=tuple(view.shape),
                               stride=tuple(view.stride()))
+    misfits += _underfilled(tensors, pieces, shapes, adapter.rank)
+    if misfits:
+        raise ValueError("LoRA adapter of another base model: its shapes do not fit this "
+                         "engine's layers (per TP rank):\n  " + "\n  ".join(misfits))
     unused = sorted(set(shapes) - sink.copied)
     if unused:
         raise ValueError(f"vLLM's set_lora writes no byte of adapter parameters {unused} "

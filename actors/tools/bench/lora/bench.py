@@ -1,0 +1,200 @@
+"""``wt bench lora``: a LoRA adapter update into vLLM, ours against the disk path and a
+full-weight update of the merged model (issue 35, item 6).
+
+Per TP size one engine (:func:`~.designs.start_rig`); per rank a PEFT adapter over a base
+of the engine's architecture; per update each design in turn (``ours``, ``disk``,
+``merged``: :mod:`.designs`), every update verified. While the updates run, a client
+generates greedily on the engine (base requests, one batch after another), and vLLM's
+own step timestamps give, per update:
+
+* ``seconds``: the update from the trainer's tensors to the new version served;
+* ``bytes``: what it moves (ours: the slots' bytes; disk: the checkpoint's files;
+  merged: every engine byte);
+* ``max_step_gap_s``: the longest gap between engine steps overlapping the update;
+* ``idle_step_gap_s``: the engine's floor for the same measure: the median, over
+  windows of the update's length while only the client runs, of the longest gap in each.
+
+::
+
+    wt bench lora --model configs/models/bench_dense.yaml --ranks 16,64 --tp 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.tools.bench.lora import designs as D
+from actors.tools.bench.stall.bench import idle_floor, stall_of
+
+IDLE_S = 3.0  # the client alone before the updates: the engine's floor
+SETTLE_S = 0.3  # the client alone around each update (the steps before and after it)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraRun:
+    design: str
+    rank: int
+    tp: int
+    seconds: float
+    bytes: int
+    max_step_gap_s: float
+    idle_step_gap_s: float
+    verified: bool
+
+
+class Client:
+    """Greedy requests on the engine, one batch after another, until stopped."""
+
+    def __init__(self, link: Any, vocab: int, *, max_new_tokens: int = 16) -> None:
+        self.link, self.max_new_tokens = link, max_new_tokens
+        self.prompts = [[(7 * i + j) % vocab for j in range(8)] for i in range(2)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lora-bench-client",
+                                        daemon=True)
+        self.error: BaseException | None = None
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.link.generate(self.prompts, self.max_new_tokens)
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def __enter__(self) -> Client:
+        self._thread.start()
+        count = self.link.clock.count
+        while self.link.clock.count < count + 2 and self.error is None:
+            time.sleep(0.05)  # steps flow
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None and exc[0] is None:
+            raise RuntimeError(f"the bench's client failed: {self.error!r}") from self.error
+
+
+def bench_rank(rig: D.Rig, rank: int, designs: list[str], updates: int, *,
+               idle_s: float = IDLE_S) -> list[LoraRun]:
+    """Every design ``updates`` times for an adapter of ``rank``, each verified
+    (``designs`` in the order of :data:`~.designs.DESIGNS`)."""
+    model = D.adapter_model(rig, rank, seed=rank)
+    if "ours" in designs:
+        D.setup_ours(rig, model)
+    windows: list[tuple[str, float, float, int]] = []
+    verified: dict[tuple[int, str], bool] = {}
+    with Client(rig.link, rig.model_cfg.vocab_size):
+        idle = (time.monotonic(), time.monotonic() + idle_s)
+        time.sleep(idle_s)
+        for u in range(updates):
+            D.train_step(model, seed=1000 * rank + u)
+            ok: dict[str, bool] = {}
+            for design in designs:  # ours, disk, merged (merged drops vLLM's adapters)
+                time.sleep(SETTLE_S)  # steps flow again after the last check
+                t0 = time.monotonic()
+                nbytes = D.DESIGNS[design](rig, model)
+                t1 = time.monotonic()
+                time.sleep(SETTLE_S)
+                windows.append((design, t0, t1, nbytes))
+                ok.update(_verify(rig, model, design, designs))
+            verified.update({(u, d): v for d, v in ok.items()})
+    steps = rig.link.clock.times()
+    return [LoraRun(design=d, rank=rank, tp=rig.tp, seconds=t1 - t0, bytes=n,
+                    max_step_gap_s=stall_of(steps, t0, t1),
+                    idle_step_gap_s=idle_floor(steps, *idle, t1 - t0),
+                    verified=verified[(i // len(designs), d)])
+            for i, (d, t0, t1, n) in enumerate(windows)]
+
+
+def _verify(rig: D.Rig, model: Any, design: str, designs: list[str]) -> dict[str, bool]:
+    """ours and disk: equal bytes in every slot tensor once both hold this version
+    (checked after disk; ours alone: against a disk load made for the check, after the
+    timing); merged: every registered byte against vLLM's load of the merged checkpoint."""
+    if design == "merged":
+        return {"merged": D.merged_equal(rig, model)}
+    if design == "ours" and "disk" in designs:
+        return {}  # checked with disk's update of the same version, just after
+    if design == "ours":
+        D.disk(rig, model)
+    if "ours" not in designs:
+        return {"disk": True}  # vLLM's own load: the oracle itself
+    same = D.slots_equal(rig)
+    return {"ours": same, "disk": same} if design == "disk" else {"ours": same}
+
+
+def summarize(runs: list[LoraRun]) -> list[dict[str, Any]]:
+    """Per (design, rank, tp): the median seconds and the worst step gap."""
+    out = []
+    keys = sorted({(r.tp, r.rank, r.design) for r in runs})
+    for tp, rank, design in keys:
+        rs = [r for r in runs if (r.tp, r.rank, r.design) == (tp, rank, design)]
+        out.append(dict(design=design, rank=rank, tp=tp,
+                        seconds=statistics.median(r.seconds for r in rs), bytes=rs[0].bytes,
+                        max_step_gap_s=max(r.max_step_gap_s for r in rs),
+                        idle_step_gap_s=statistics.median(r.idle_step_gap_s for r in rs),
+                        verified=all(r.verified for r in rs)))
+    return out
+
+
+def print_table(runs: list[LoraRun]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = summarize(runs)
+    disk = {(r["tp"], r["rank"]): r["seconds"] for r in rows if r["design"] == "disk"}
+    table = Table(title="LoRA adapter update into vLLM (median of the updates)")
+    for col in ("design", "rank", "tp", "seconds", "bytes", "vs disk", "max step gap (ms)",
+                "idle gap (ms)", "verified"):
+        table.add_column(col)
+    for r in rows:
+        ref = disk.get((r["tp"], r["rank"]))
+        table.add_row(r["design"], str(r["rank"]), str(r["tp"]), f"{r['seconds']:.4f}",
+                      f"{r['bytes']:,}", f"{ref / r['seconds']:.1f}x" if ref else "-",
+                      f"{r['max_step_gap_s'] * 1e3:.1f}", f"{r['idle_step_gap_s'] * 1e3:.1f}",
+                      "yes" if r["verified"] else "NO")
+    Console(stderr=True).print(table)
+
+
+def run(*, model: Path, ranks: str = "16,64", tp: str = "1",
+        designs: str = "ours,disk,merged", updates: int = 3,
+        json_out: Path | None = None) -> int:
+    """The bench (see the module docstring); exit status 1 when a run is not verified."""
+    rank_list = [int(r) for r in ranks.split(",")]
+    tp_list = [int(t) for t in tp.split(",")]
+    asked = {d.strip() for d in designs.split(",")}
+    design_list = [d for d in D.DESIGNS if d in asked]  # in this order (see bench_rank)
+    unknown = sorted(asked - set(D.DESIGNS))
+    if unknown:
+        raise ValueError(f"--designs: unknown {unknown} (known: {sorted(D.DESIGNS)})")
+    runs: list[LoraRun] = []
+    for size in tp_list:
+        with tempfile.TemporaryDirectory(prefix="wt-bench-lora-") as tmp:
+            rig = D.start_rig(model, tp=size, max_rank=max(rank_list), root=Path(tmp))
+            try:
+                for rank in rank_list:
+                    runs += bench_rank(rig, rank, design_list, updates)
+            finally:
+                close_rig(rig)
+    print_table(runs)
+    out = {"runs": [asdict(r) for r in runs]}
+    if json_out is not None:
+        text = json.dumps(out, indent=2)
+        if str(json_out) == "-":
+            print(text)
+        else:
+            json_out.write_text(text + "\n")
+    return 0 if all(r.verified for r in runs) else 1
+
+
+def close_rig(rig: D.Rig) -> None:
+    try:
+        rig.link.close()
+    finally:
+        rig.llm.llm_engine.engine_core.shutdown()
