@@ -76,6 +76,25 @@ def test_overrides_win_and_are_validated():
         run.with_overrides(updates=-1)
 
 
+def test_the_trainer_is_a_registered_name_fsdp2_by_default():
+    from actors.ready.trainer import TrainerActor
+    from actors.tools.demo.fleet import trainer_class
+    from actors.tools.demo.trainers import register_trainer, trainer_names
+
+    run = load_run_config("configs/runs/demo.yaml")
+    assert run.trainer == "fsdp2" and trainer_class(run) is None  # launch_trainers' own
+    assert {"fsdp2", "deepspeed"} <= set(trainer_names())
+    assert run.with_overrides(trainer="deepspeed").trainer == "deepspeed"
+    with pytest.raises(ValueError, match=r"field trainer:.*unknown trainer 'jax' \(choose "
+                                         r"from deepspeed, fsdp2"):
+        run.with_overrides(trainer="jax")
+    with pytest.raises(ValueError, match="must be 'module:attribute'"):
+        register_trainer("megatron", "no_colon")
+    from actors.tools.demo.trainers import trainer_actor
+
+    assert trainer_actor("fsdp2") is TrainerActor
+
+
 def test_wt_demo_and_launch_refuse_bad_input_before_starting_anything(tmp_path):
     import typer
     from typer.testing import CliRunner

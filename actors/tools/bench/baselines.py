@@ -12,6 +12,9 @@ no extra methods; each function's first argument is the actor instance.
   (two buckets, asynchronous gloo broadcast).
 * ``rpc``: rank 0 calls every engine rank's ``update_weight(name, tensor)``
   through Ray for every parameter (the tensor travels as the call's argument).
+* ``native`` (OpenRLHF's own, DeepSpeed ZeRO-3 trainers): ``rank0`` where each
+  parameter's gather is ``deepspeed.zero.GatheredParameters`` (every design gathers a
+  ZeRO-3 model that way: :func:`_gathered`).
 
 The engine-side load is the reference engine's layout: each received Hugging
 Face tensor is cut into this rank's fused and sharded tensors (the same
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -111,9 +115,29 @@ def _load(actor: Any, name: str, full: torch.Tensor) -> None:
 
 def _gathered(trainer: Any):
     """(canonical name, full tensor) of every parameter, in order (a collective)."""
-    for key, t in trainer._wt_require_model().state_dict().items():
+    model = trainer._wt_require_model()
+    if zero3_partitioned(model):
+        yield from _gathered_zero3(model)
+        return
+    for key, t in model.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         yield canonical_trainer_name(key), full.detach().contiguous()
+
+
+def zero3_partitioned(model: Any) -> bool:
+    """A DeepSpeed ZeRO-3 model (its parameters' ``ds_tensor`` hold the partitions)."""
+    return any(getattr(p, "ds_tensor", None) is not None for p in model.parameters())
+
+
+def _gathered_zero3(model: Any):
+    """OpenRLHF's own gather (``native``): one ``deepspeed.zero.GatheredParameters`` per
+    parameter, an all-gather of the whole parameter on every rank; the tensor is used
+    inside the context (broadcast, packed or sent), as OpenRLHF broadcasts it there."""
+    import deepspeed
+
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            yield canonical_trainer_name(name), p.data
 
 
 def _paced_broadcast(tensor: torch.Tensor, *, wait: bool = True) -> tuple[Any, float]:
@@ -256,9 +280,17 @@ def trainer_params(trainer: Any) -> dict[str, Any]:
     from weight_transfer.model.live_metadata import expert_naming_of
 
     model = trainer._wt_require_model()
-    params = [(canonical_trainer_name(k), tuple(t.shape), str(t.dtype).removeprefix("torch."),
-               t.numel() * t.element_size()) for k, t in model.state_dict().items()]
+    tensors = (model.named_parameters() if zero3_partitioned(model)
+               else model.state_dict().items())
+    params = [(canonical_trainer_name(k), tuple(_full_shape(t)),
+               str(t.dtype).removeprefix("torch."), math.prod(_full_shape(t)) * t.element_size())
+              for k, t in tensors]
     return {"params": params, "expert_naming": expert_naming_of(model)}
+
+
+def _full_shape(t: Any) -> tuple[int, ...]:
+    """A parameter's global shape (ZeRO-3's ``ds_shape``; a DTensor's own shape)."""
+    return tuple(getattr(t, "ds_shape", None) or t.shape)
 
 
 def set_simnic_cap(trainer: Any, gbps: float | None) -> None:

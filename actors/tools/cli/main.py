@@ -53,6 +53,9 @@ def demo(
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show vLLM's own INFO logs (--engine vllm) "
         "[default: WARNING and above]."),
+    trainer: str | None = typer.Option(
+        None, help="Trainer actors: fsdp2 (FSDP2) or deepspeed (DeepSpeed ZeRO-3, the "
+        "`deepspeed` extra) [default: from --config, fsdp2]."),
 ) -> None:
     """Trainers -> inference replicas over simnic (or --transport), every update verified."""
     from actors.tools.demo.fleet import run_cli
@@ -66,7 +69,7 @@ def demo(
     raise typer.Exit(run_cli(config=config, model=model, cluster=cluster, fp8=fp8,
                              updates=updates, json_path=json_path,
                              corrupt_version=corrupt_version, trace_path=trace,
-                             transport=transport, engine=engine))
+                             transport=transport, engine=engine, trainer=trainer))
 
 
 @app.command("chaos")
@@ -223,10 +226,15 @@ def bench_designs(
     nic_gbps: float = typer.Option(0.05, help="NIC cap in GB/s, ours (simnic) and baselines "
                                               "(low, so that the link binds: see the docstring)."),
     updates: int = typer.Option(3, min=1, help="Updates per design (the median is reported)."),
-    designs: str = typer.Option("p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt",
-                                help="Which designs to run (p2p: shard-direct pieces, "
-                                     "zero-copy where they may; p2p_staged: every piece "
-                                     "staged; p2p_gather: ours gathering every parameter)."),
+    designs: str | None = typer.Option(
+        None, help="Which designs to run (p2p: shard-direct pieces, zero-copy where they "
+                   "may; p2p_staged: every piece staged; p2p_gather: ours gathering every "
+                   "parameter; native: OpenRLHF's own, --trainer deepspeed) [default: "
+                   "p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt; p2p,native with "
+                   "--trainer deepspeed]."),
+    trainer: str | None = typer.Option(
+        None, help="Trainer actors: fsdp2 or deepspeed (DeepSpeed ZeRO-3, the `deepspeed` "
+                   "extra) [default: from --config, fsdp2]."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
     caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
     timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),
@@ -240,7 +248,8 @@ def bench_designs(
         config = _default_config(engine, "bench_config")
     raise typer.Exit(run(config=config, model=model, nic_gbps=nic_gbps, updates=updates,
                          designs=designs, bucket=bucket, caps_off=caps_off,
-                         timeout_s=timeout_s, json_path=json_path, png=png, engine=engine))
+                         timeout_s=timeout_s, json_path=json_path, png=png, engine=engine,
+                         trainer=trainer))
 
 
 @bench_app.command("delta")

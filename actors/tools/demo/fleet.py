@@ -1,5 +1,5 @@
-"""The main job: FSDP2 trainer actors -> TP inference replicas over the configured transport,
-verified.
+"""The main job: FSDP2 trainer actors (or DeepSpeed's, ``--trainer deepspeed``) -> TP inference
+replicas over the configured transport, verified.
 
 ``wt demo``, ``scripts/launch.py`` (``ray job submit``) and the tests all run
 :func:`run_job`. One run:
@@ -146,8 +146,8 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, *,
     handles: list[Launched] = []
     try:
         bars("start trainer ranks", 0, 1)
-        trainers = _launch(handles, launch_trainers, config, classes.get("trainer"),
-                           demo=run.demo_actors)
+        trainers = _launch(handles, launch_trainers, config,
+                           classes.get("trainer") or trainer_class(run), demo=run.demo_actors)
         bars("start trainer ranks", 1, 1)
         n = config.cluster.inference.replicas
         for i in range(n):
@@ -168,6 +168,14 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, *,
     return Fleet(run=run, config=config, trainers=list(trainers),
                  replicas=dict(zip(names, engines, strict=True)), controller=ctl,
                  setup_seconds=time.perf_counter() - start, engine=run.engine, handles=handles)
+
+
+def trainer_class(run: RunConfig) -> Any:
+    """The trainer actor class of ``run.trainer`` (None for the default: launch_trainers'
+    own ``TrainerActor``)."""
+    from actors.tools.demo.trainers import DEFAULT_TRAINER, trainer_actor
+
+    return None if run.trainer == DEFAULT_TRAINER else trainer_actor(run.trainer)
 
 
 def _launch(handles: list, launch: Callable, config: Any, actor_cls: Any, **kw: Any) -> Any:
@@ -285,13 +293,14 @@ def run_job(run: RunConfig, *, join_existing: bool = False, console: Console | N
 def run_cli(*, config: Path, model: Path | None, cluster: Path | None, fp8: bool | None,
             updates: int | None, json_path: Path | None, corrupt_version: int | None,
             trace_path: Path | None = None, transport: str | None = None,
-            engine: str | None = None) -> int:
+            engine: str | None = None, trainer: str | None = None) -> int:
     """``wt demo``: the run config with the command line's options applied."""
     console = command_console(json_path)
     try:
         run = load_run_config(config)
         run = run.with_overrides(model=model, cluster=cluster, fp8=fp8, updates=updates,
-                                 json_path=json_path, transport=transport, engine=engine)
+                                 json_path=json_path, transport=transport, engine=engine,
+                                 trainer=trainer)
         if corrupt_version is not None and not has_tool(run.engine,
                 "corrupt_one_byte"):
             raise ValueError(f"--corrupt-version: the {run.engine} engine cannot flip a byte "

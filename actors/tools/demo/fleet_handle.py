@@ -17,6 +17,7 @@ from typing import Any
 
 from actors.engine_registry import engine_spec
 from actors.tools.demo.run_config import RunConfig
+from actors.tools.demo.trainers import DEFAULT_TRAINER
 from weight_transfer.types import EngineRankId
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class Fleet:
 
     def describe(self) -> str:
         cfg, summary = self.config, self.controller.summary
-        return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} trainer ranks"
+        return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} "
+                f"{self.run.trainer} trainer ranks"
                 f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
                 f" over {cfg.transport_spec.describe()}"
                 f" ({self.engine_kind} engines); plan: {summary.num_tasks} "
@@ -74,7 +76,11 @@ class Fleet:
                 "cluster": cfg.cluster.name, "fp8": cfg.engine_fp8,
                 "setup_seconds": self.setup_seconds,
                 "plan": {"bytes": summary.bytes_total, "tasks": summary.num_tasks,
-                         "mesh_groups": summary.num_groups}}
+                         "mesh_groups": summary.num_groups},
+                # a trainer other than the default (fsdp2) is named; the default's JSON
+                # stays as it was
+                **({"trainer": self.run.trainer} if self.run.trainer != DEFAULT_TRAINER
+                   else {})}
 
     def close(self) -> None:
         """Drop the controller, then every launch handle: the engines' own processes, the

@@ -28,6 +28,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_v
 
 from actors.config import DemoActorConfig, TransferSettings
 from actors.engine_registry import DEFAULT_ENGINE, engine_spec
+from actors.tools.demo.trainers import DEFAULT_TRAINER, check_trainer
 from configs import BASE_DIR
 from weight_transfer.config_files import StrictModel, read_yaml, validate_mapping
 
@@ -124,6 +125,9 @@ class RunConfig(StrictModel):
     # The inference engine, a name of the engine registry: our reference decoder, a real
     # vLLM (the `vllm` extra), or one registered by the user.
     engine: str = DEFAULT_ENGINE
+    # The trainer actors, a name of actors.tools.demo.trainers: FSDP2 (the ready-made
+    # TrainerActor) or DeepSpeed ZeRO-3 (OpenRLHF's trainer).
+    trainer: str = DEFAULT_TRAINER
     updates: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
     train: TrainConfig = TrainConfig()
@@ -151,6 +155,11 @@ class RunConfig(StrictModel):
     @classmethod
     def _engine(cls, value: str) -> str:
         return engine_spec(value).name  # ValueError listing the registered engines
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, value: str) -> str:
+        return check_trainer(value)  # ValueError listing the registered trainers
 
     @property
     def model_path(self) -> Path:

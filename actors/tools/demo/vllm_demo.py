@@ -43,7 +43,7 @@ import ray
 from rich.progress import Progress
 
 from actors.tools.demo.checks import capped
-from actors.tools.demo.fleet import Fleet, transfer_config
+from actors.tools.demo.fleet import Fleet, trainer_class, transfer_config
 from actors.tools.demo.run_config import RunConfig
 from actors.tools.demo.verify import check_changed
 from actors.vllm.engine import launch_vllm_engines, save_trainer_checkpoint
@@ -98,7 +98,8 @@ def start_fleet(run: RunConfig, progress: Progress | None = None, **overrides: A
     handles = []
     try:
         bars("start trainer ranks", 0, 1)
-        trainers = launch_trainers(config, demo=run.demo_actors)
+        trainers = launch_trainers(config, demo=run.demo_actors,
+                                   **({"actor_cls": cls} if (cls := trainer_class(run)) else {}))
         handles.append(trainers)
         bars("start trainer ranks", 1, 1)
         bars("start vLLM engines", 0, 1)

@@ -20,7 +20,12 @@ that a change in the machine's load hits every design alike):
 * ``bucketed``: rank 0 broadcasts fixed-size buckets, gathering the next
   while one is on the wire (checkpoint-engine style);
 * ``rdt``: Ray Direct Transport: one bounded probe (:func:`rdt_outcome`), its
-  outcome reported; not run as a design.
+  outcome reported; not run as a design;
+* ``native`` (``--trainer deepspeed`` only, its default with ``p2p``): OpenRLHF's own
+  weight sync on DeepSpeed ZeRO-3 trainer actors: per parameter
+  ``deepspeed.zero.GatheredParameters``, trainer rank 0 broadcasts it, every engine rank
+  loads it (``rank0``'s path; on a ZeRO-3 trainer every baseline gathers that way).
+  The JSON names the trainer and gives ours' direct and gathered bytes (``p2p_plan``).
 
 Baselines are in :mod:`actors.tools.bench.baselines`; their NIC model (a paced, full-duplex
 NIC per process at the simnic cap, gloo's binomial tree counted) in
@@ -87,9 +92,15 @@ from actors.tools.cli.progress import command_console, emit_json
 from actors.tools.cli.sizes import parse_size
 from actors.tools.demo.fleet import fleet_session
 from actors.tools.demo.run_config import load_run_config, parse_run_config
+from actors.tools.demo.trainers import DEFAULT_TRAINER, check_trainer
 from actors.tools.engine_tools import engine_tool, has_tool
 
-DESIGNS = ("p2p", "p2p_staged", "p2p_gather", "rank0", "rpc", "bucketed", "rdt")
+DESIGNS = ("p2p", "p2p_staged", "p2p_gather", "rank0", "rpc", "bucketed", "rdt", "native")
+# the designs run when none are named, per trainer (``--trainer``)
+DEFAULT_DESIGNS = {"fsdp2": "p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt",
+                   "deepspeed": "p2p,native"}
+# designs that only a trainer of this name runs (native: OpenRLHF's own weight sync)
+TRAINER_DESIGNS = {"native": "deepspeed"}
 RDT_PROBE_TIMEOUT_S = 30.0
 
 
@@ -218,12 +229,15 @@ def lower_bound_bytes(fleet: Any) -> int:
                -(-s.bytes_total // max(1, len(s.send_nic_bytes))))
 
 
-def bench_run_config(config: Path, model: Path | None, cap: float | None, engine: str) -> Any:
-    """The run config the bench starts its fleet with: ``config`` with ``model`` (when
-    given) and ``engine``, over simnic capped at ``cap`` GB/s."""
+def bench_run_config(config: Path, model: Path | None, cap: float | None, engine: str,
+                     trainer: str | None = None) -> Any:
+    """The run config the bench starts its fleet with: ``config`` with ``model`` and
+    ``trainer`` (when given) and ``engine``, over simnic capped at ``cap`` GB/s."""
     data = load_run_config(config).model_dump(by_alias=True)
     if model is not None:
         data["model"] = str(model)
+    if trainer is not None:
+        data["trainer"] = trainer
     data["engine"] = engine
     transfer = data["transfer"]
     options = transfer.get("transport_options") if transfer["transport"] == "simnic" else None
@@ -240,8 +254,19 @@ def _bench_class(engine: str) -> tuple[Any, type[DesignBench]]:
 
 
 def _check_args(console: Any, engine: str, chosen: list[str], designs: str,
-                png: Path | None) -> bool:
+                png: Path | None, trainer: str = DEFAULT_TRAINER) -> bool:
+    try:
+        check_trainer(trainer)
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] --trainer: {exc}")
+        return False
     bad = sorted(set(chosen) - set(DESIGNS))
+    wrong = sorted(d for d in chosen if TRAINER_DESIGNS.get(d, trainer) != trainer)
+    if wrong:
+        console.print(f"[bold red]error:[/] --designs {designs!r}: "
+                      + "; ".join(f"{d} runs with --trainer {TRAINER_DESIGNS[d]}"
+                                  for d in wrong) + f", not {trainer}")
+        return False
     benches = [n for n in engine_names() if has_tool(n, "bench")]
     if engine not in benches:
         console.print(f"[bold red]error:[/] --engine {engine!r}: choose from "
@@ -302,6 +327,15 @@ def measure(bench: DesignBench, chosen: list[str], updates: int, nic_gbps: float
     return doc
 
 
+def _config_trainer(console: Any, config: Path) -> str | None:
+    """The trainer the run config ``config`` names (None, printed, when it is bad)."""
+    try:
+        return load_run_config(config).trainer
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return None
+
+
 def bench_fleet(start_fleet: Callable[[Any], Any], run_cfg: Any,
                 fleet: Any = None) -> contextlib.AbstractContextManager[Any]:
     """``fleet`` as given (the caller's, left running), or ``start_fleet(run_cfg)`` on Ray
@@ -324,30 +358,43 @@ def hand_back(bench: DesignBench) -> None:
     bench.controller(mode_of(bench.fleet.config))  # no set-up if it ran last
 
 
-def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int, designs: str,
-        bucket: str, caps_off: bool, timeout_s: float, json_path: Path | None,
-        png: Path | None, engine: str = "reference", fleet: Any = None) -> int:
+def run(*, config: Path, model: Path | None, nic_gbps: float, updates: int,
+        designs: str | None, bucket: str, caps_off: bool, timeout_s: float,
+        json_path: Path | None, png: Path | None, engine: str = "reference",
+        fleet: Any = None, trainer: str | None = None) -> int:
     """``wt bench designs``; ``fleet``: run on these actors (the caller's, left running;
     see the module docstring) instead of starting the engine's fleet from ``config`` and
-    ``model``."""
+    ``model``; ``trainer``: the trainer actors (a name of
+    :mod:`actors.tools.demo.trainers`; default: the run config's); ``designs``: None for
+    the trainer's :data:`DEFAULT_DESIGNS`."""
     console = command_console(json_path)
+    name = trainer or (fleet.run.trainer if fleet is not None else
+                       _config_trainer(console, config))
+    if name is None:
+        return 2
+    designs = DEFAULT_DESIGNS.get(name, "p2p") if designs is None else designs
     chosen = [d.strip() for d in designs.split(",") if d.strip()]
-    if not _check_args(console, engine, chosen, designs, png):
+    if not _check_args(console, engine, chosen, designs, png, name):
         return 2
     if fleet is not None:
         check_fleet(fleet, engine, "wt bench designs")
     start_fleet, bench_cls = _bench_class(engine)
-    run_cfg = bench_run_config(config, model, nic_gbps, engine)
+    run_cfg = bench_run_config(config, model, nic_gbps, engine, trainer)
     with bench_fleet(start_fleet, run_cfg, fleet) as active:
         console.print(active.describe())
         bench = bench_cls(active, parse_size(bucket), timeout_s)
         try:
             bench.version = next_version(active.controller) - 1  # 0 on a fleet just started
             doc = measure(bench, chosen, updates, nic_gbps, caps_off, console)
+            summary = active.controller.summary  # ours: what goes direct, what is gathered
+            doc["p2p_plan"] = {"direct_bytes": summary.direct_bytes,
+                               "gathered_bytes": summary.gathered_bytes}
         finally:
             release(bench)
         if fleet is not None:
             hand_back(bench)
+    if name != DEFAULT_TRAINER:  # the default trainer's JSON stays as it was
+        doc["trainer"] = name
     on = doc["passes"]["caps_on"]
     doc["results"] = {d: r.get("median_s") for d, r in on["results"].items()}
     doc["lower_bound_s"] = on["lower_bound_s"]

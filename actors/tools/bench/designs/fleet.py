@@ -38,6 +38,11 @@ P2P_MODES = {"p2p": {"gather": "shard_direct", "source": "auto"},
              "p2p_gather": {"gather": "full", "source": "auto"}}
 
 
+# the designs whose update is rank0's: native is OpenRLHF's (rank0 on DeepSpeed ZeRO-3
+# trainers, each parameter gathered by deepspeed.zero.GatheredParameters)
+RANK0_DESIGNS = ("rank0", "native")
+
+
 def mode_of(config: Any) -> str:
     """The p2p design a transfer config runs (``p2p`` for a gather/source pair none has)."""
     pair = {"gather": config.gather, "source": config.source}
@@ -141,7 +146,7 @@ class DesignBench(ABC):
     def refs(self, design: str) -> list[Any]:
         """Start one update of ``design`` on every actor."""
         t = self.trainers
-        if design == "rank0":
+        if design in RANK0_DESIGNS:
             return [x.__ray_call__.remote(B.trainer_rank0) for x in t] + self.engine_refs(design)
         if design == "bucketed":
             return ([x.__ray_call__.remote(B.trainer_bucketed, self.buckets) for x in t]
@@ -198,7 +203,7 @@ class ReferenceBench(DesignBench):
         self._get([e.__ray_call__.remote(B.engine_zero) for e in self.engines])
 
     def engine_refs(self, design: str) -> list[Any]:
-        if design == "rank0":
+        if design in RANK0_DESIGNS:
             plist = [p[:3] for p in self.params]
             return [x.__ray_call__.remote(B.engine_rank0, plist) for x in self.engines]
         return [x.__ray_call__.remote(B.engine_bucketed, self.buckets) for x in self.engines]

@@ -38,7 +38,7 @@ from typing import Any
 
 import actors.tools.bench.baselines as B
 import actors.tools.bench.baselines_vllm as V
-from actors.tools.bench.designs.fleet import DesignBench
+from actors.tools.bench.designs.fleet import RANK0_DESIGNS, DesignBench
 from weight_transfer.types import EngineRankId
 
 
@@ -83,7 +83,7 @@ class VllmBench(DesignBench):
         self._flat(V.worker_zero)
 
     def engine_refs(self, design: str) -> list[Any]:
-        if design == "rank0":
+        if design in RANK0_DESIGNS:
             args: tuple = (V.worker_rank0, ([p[:3] for p in self.params],))
         else:
             args = (V.worker_bucketed, (V.plain_buckets(self.buckets),))
