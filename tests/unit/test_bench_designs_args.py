@@ -24,7 +24,7 @@ def _run(**kw):
     ({"designs": "rank0,rpc"}, "no p2p"),
     ({"designs": "p2p,nccl"}, "unknown ['nccl']"),
     ({"designs": "p2p,native"}, "native runs with --trainer deepspeed, not fsdp2"),
-    ({"trainer": "jax"}, "unknown trainer 'jax' (choose from deepspeed, fsdp2)"),
+    ({"trainer": "jax"}, "unknown trainer 'jax' (choose from deepspeed, fsdp2"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(kw, named, capsys):
     assert _run(**kw) == 2

@@ -132,7 +132,7 @@ def test_partitions_under_a_lower_stage_are_refused():
     model = llama()
     partition(model, rank=0)
     msg = refused(Engine(model, 2), rank=0)
-    assert "ZeRO-3 partitioned" in msg and "stage 2" in msg
+    assert "ZeRO-3 partitioned" in msg and "stage 2" in msg and "trainer rank 0" in msg
 
 
 def test_a_parameter_no_name_table_maps_is_refused():
@@ -141,6 +141,7 @@ def test_a_parameter_no_name_table_maps_is_refused():
     partition(model, rank=1)
     msg = refused(model)
     assert "'v_head.weight'" in msg and "no destination in the llama name table" in msg
+    assert "trainer rank 1" in msg
 
 
 def test_parameters_swapped_to_nvme_are_refused():
@@ -153,3 +154,39 @@ def test_an_explicit_source_name_is_checked():
     with pytest.raises(ValueError, match="unknown trainer source 'colossalai'"):
         source_class("colossalai")
     assert "torch.nn.Module, not object" in refused(object(), source="deepspeed")
+
+
+def _fake_groups(monkeypatch, *, rank: int, world: int, groups: dict[str, list[int]]):
+    """torch.distributed as a ``world``-rank job at ``rank`` whose named groups hold these
+    global ranks (no process group is formed)."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: groups[g])
+    monkeypatch.setattr(dist, "get_group_rank", lambda g, r: groups[g].index(r))
+
+
+def test_a_partition_over_a_subset_of_the_ranks_is_refused(monkeypatch):
+    """MiCS (or a hierarchical partition): each parameter partitioned over 2 of 4 ranks."""
+    model = llama()
+    partition(model, rank=1)
+    for p in model.parameters():
+        p.ds_process_group = "mics-shard"
+    _fake_groups(monkeypatch, rank=1, world=4, groups={"mics-shard": [0, 1]})
+    msg = refused(model, world=4)
+    assert "trainer rank 1" in msg and "'model.embed_tokens.weight'" in msg
+    assert "partitioned over ranks [0, 1], not over every trainer rank 0..3" in msg
+    assert "MiCS" in msg
+
+
+def test_parameters_partitioned_over_different_groups_are_refused(monkeypatch):
+    model = llama()
+    partition(model, rank=1)
+    for p in model.parameters():
+        p.ds_process_group = "world"
+    model.model.norm.weight.ds_process_group = "reversed"
+    _fake_groups(monkeypatch, rank=1, world=2, groups={"world": [0, 1], "reversed": [1, 0]})
+    msg = refused(model)
+    assert "trainer rank 1" in msg and "'model.norm.weight'" in msg
+    assert "partitioned over ranks [1, 0]" in msg and "partitioned the same way" in msg

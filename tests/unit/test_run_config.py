@@ -111,6 +111,8 @@ def test_wt_demo_and_launch_refuse_bad_input_before_starting_anything(tmp_path):
     assert "bad.yaml:invalidrunconfig:fieldupdates" in "".join(result.output.split())
     result = runner.invoke(app, ["demo", "--model", "configs/models/none.yaml"])
     assert result.exit_code == 2 and "field model: no such file" in " ".join(result.output.split())
+    result = runner.invoke(app, ["demo", "--trainer", "jax"])
+    assert result.exit_code == 2 and "unknown trainer 'jax'" in " ".join(result.output.split())
     launcher = typer.Typer()
     launcher.command()(launch.main)
     result = runner.invoke(launcher, ["--config", str(bad)])
