@@ -21,6 +21,7 @@ run in file order on the one engine (version 1, then version 2 and the rollback)
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -199,18 +200,48 @@ def test_slot_bytes_and_tokens_equal_vllms_own_load(engine):
     ns.tokens_v1 = ours
 
 
+def flip_mid_request(ns, version, *, after: int = 3, max_new_tokens: int = 64):
+    """A generation under the adapter that the flip to ``version`` overtakes: the engine
+    is held at a step boundary once the first request has ``after`` tokens, the flip runs
+    there (and lets the engine go on); the generations, with their adapter versions."""
+    held, out = threading.Event(), {}
+
+    def on_step(i, n, stamp):
+        if i == 0 and n >= after and not held.is_set():
+            ns.link.gate.pause(60)  # no step of ours until the flip
+            ns.link._scheduler(pause=True)  # nor of vLLM's engine core
+            held.set()
+
+    def generate():
+        out["gens"] = ns.lora.generate_tagged(PROMPTS, max_new_tokens, on_step=on_step)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert held.wait(120)
+    ns.lora.flip(version=version)
+    thread.join(120)
+    return out["gens"]
+
+
 def test_new_version_while_serving_then_rollback(engine):
+    """A request carries the adapter versions it ran with: one version, or the two a flip
+    in the middle of it gave (its first tokens those of the version before)."""
     ns = engine
     tensors, path = ns.v2
     write(ns, tensors)  # into the free slot: the name still serves version 1
     assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
-    ns.lora.flip(version=2)
+    overtaken = flip_mid_request(ns, 2)
+    assert overtaken[0].versions == (1, 2)
+    cut = overtaken[0].spans[1].start
+    assert cut >= 3 and overtaken[0].tokens[:min(cut, 8)] == tuple(ns.tokens_v1[0][:cut])
     v2 = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())
     assert v2 == oracle_tokens(ns, path) != ns.tokens_v1
     assert slot_differences(ns.llm, 1, ORACLE_ID) == []
+    assert [g.versions for g in ns.lora.generate_tagged(PROMPTS, 8)] == [(2,)] * 3
     ns.lora.rollback()
-    assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == ns.tokens_v1
-    assert ns.lora.version == "1"
+    back = ns.lora.generate_tagged(PROMPTS, 8)
+    assert [list(g.tokens) for g in back] == ns.tokens_v1
+    assert [g.versions for g in back] == [(1,)] * 3 and ns.lora.version == "1"
     with pytest.raises(ValueError, match="no previous version held"):
         ns.lora.rollback()
 

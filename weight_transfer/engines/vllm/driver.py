@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from weight_transfer.engines.vllm.mailbox import Mailbox, SetupRequest
@@ -94,6 +94,11 @@ class StepClock:
             self._times.append(float(outputs.timestamp))
             self.count += 1
         return outputs
+
+    @property
+    def last(self) -> float | None:
+        """The latest step's timestamp (None before any)."""
+        return self._times[-1] if self._times else None
 
     def times(self, since: float = 0.0) -> list[float]:
         return [t for t in list(self._times) if t >= since]
@@ -274,9 +279,13 @@ class VllmLink:
 
     def generate_tagged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                         temperature: float = 0.0, seed: int | None = None,
-                        lora_request: Any = None) -> list[Generation]:
+                        lora_request: Any = None,
+                        on_step: Callable[[int, int, float | None], None] | None = None
+                        ) -> list[Generation]:
         """:meth:`generate`, each sequence with the weight versions that produced its tokens
-        (vLLM's own per-span ``weight_versions``)."""
+        (vLLM's own per-span ``weight_versions``). ``on_step(i, n, stamp)``: after each
+        engine step that gave prompt ``i`` tokens, ``n`` of them so far, ``stamp`` vLLM's
+        timestamp of that step (host-wide monotonic; exact while one thread generates)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -289,9 +298,13 @@ class VllmLink:
             with self._send:
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params,
                                    lora_request=lora_request)
+        index = {rid: i for i, rid in enumerate(ids)}
         done: dict[str, Generation] = {}
         while len(done) < len(ids):
             for out in self.gate.step(engine.step):
+                if on_step is not None and out.request_id in index and out.outputs:
+                    on_step(index[out.request_id], len(out.outputs[0].token_ids),
+                            self.clock.last)
                 if out.finished and out.request_id in ids:
                     c = out.outputs[0]
                     done[out.request_id] = from_vllm(c.token_ids, c.weight_versions)

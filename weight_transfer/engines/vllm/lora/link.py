@@ -25,12 +25,25 @@ next ``begin`` takes the slots again); until then requests under the name fail.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from weight_transfer.engines.vllm.lora.spec import AdapterSpec, LoraRankMeta, LoraSetup
+from weight_transfer.sync.versions import Generation, VersionSpan, parse_version
 
 log = logging.getLogger(__name__)
+
+
+def _spans(marks: list[tuple[int, str | None]], ntokens: int) -> tuple[VersionSpan, ...]:
+    """Version spans from (the first token a version made, that version), in order."""
+    spans: list[VersionSpan] = []
+    for start, version in marks:
+        v = parse_version(version)
+        if start < ntokens and (not spans or spans[-1].version != v):
+            spans.append(VersionSpan(version=v, start=start))
+    return tuple(spans)
+
 
 PLACEHOLDER_PATH = "wt-onesided://{name}"  # LoRARequest needs a path; vLLM never reads it
 
@@ -45,6 +58,7 @@ class LoraLink:
         self.version: str | None = None  # the adapter version served
         self.previous: str | None = None  # the one a rollback returns to
         self._writing = False
+        self.served: list[tuple[float, str | None]] = []  # (monotonic, version) per flip
 
     def setup(self, adapter: AdapterSpec, *, nics: Sequence[Sequence[str]], replica: str = "",
               transport: Any = None, node: str = "", address: str = "") -> list[LoraRankMeta]:
@@ -95,6 +109,7 @@ class LoraLink:
             self.link.call("lora_flip", self.name)
             self._writing = False
             self.previous, self.version = self.version, None if version is None else str(version)
+            self._served()
 
         return self.link._paused(swap, version)
 
@@ -110,8 +125,46 @@ class LoraLink:
         def back() -> None:
             self.link.call("lora_rollback", self.name)
             self.version, self.previous = self.previous, None
+            self._served()
 
         return self.link._paused(back, self.previous)
+
+    def _served(self) -> None:
+        """Log the version served from now (vLLM's scheduler is paused: every step stamped
+        before this instant ran the version before, every one after it this one)."""
+        self.served.append((time.monotonic(), self.version))
+
+    def version_at(self, stamp: float | None) -> str | None:
+        """The adapter version served at vLLM's step timestamp ``stamp``."""
+        at = None
+        for t, version in self.served:
+            if stamp is None or t > stamp:
+                break
+            at = version
+        return at
+
+    def generate_tagged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        **kw: Any) -> list[Generation]:
+        """Generations under this adapter (greedy unless ``temperature``), each with the
+        adapter versions that produced its tokens: spans as in vLLM's ``weight_versions``,
+        from the steps' own timestamps against the flips (a request that a flip overtook
+        has two). Only this thread may generate on the engine meanwhile."""
+        marks: list[list[tuple[int, str | None]]] = [[] for _ in prompts]
+        made = [0] * len(prompts)  # tokens per request before the step just taken
+        chained = kw.pop("on_step", None)
+
+        def on_step(i: int, n: int, stamp: float | None) -> None:
+            version = self.version_at(stamp)
+            if not marks[i] or marks[i][-1][1] != version:
+                marks[i].append((made[i], version))
+            made[i] = n
+            if chained is not None:
+                chained(i, n, stamp)
+
+        gens = self.link.generate_tagged(prompts, max_new_tokens, lora_request=self.request(),
+                                         on_step=on_step, **kw)
+        return [Generation(tokens=g.tokens, spans=_spans(m, len(g.tokens)))
+                for g, m in zip(gens, marks, strict=True)]
 
     def close(self) -> None:
         self.link.call("lora_close", self.name)
