@@ -13,9 +13,17 @@ The checkpoint the mixin writes (``wt_save_checkpoint``, from the partitions) is
 consolidation too; a ZeRO-2 engine (full parameters on every rank) is a replicated
 source whose writes both ranks share.
 
+A real vLLM (one replica at TP=2, float32, fed by float32 ZeRO-3 trainers): after a real
+step and an update, every registered byte equals vLLM's own ``load_weights`` of the
+checkpoint saved from DeepSpeed's consolidation, and, black-box, the DeepSpeed-wrapped
+model's forward gives vLLM's greedy tokens with their log-probabilities (within
+``LOGPROB_ATOL``). ``wt demo --trainer deepspeed`` and ``wt bench designs --trainer
+deepspeed`` (p2p beside OpenRLHF's native) run as smoke tests on one fleet of the demo's
+smallest shape.
+
 One fleet for the module: the two ZeRO-3 trainer actors, one TP=1 replica and one TP=2
-replica, each with its own controller over the same trainers (the ZeRO-2 pair starts in
-its test).
+replica, each with its own controller over the same trainers (the ZeRO-2 pair, the vLLM
+fleet and the demo's fleet start in their tests).
 """
 
 from __future__ import annotations
@@ -56,11 +64,15 @@ ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors take our classes
 
 
-def make_model():
+def make_model(dtype: str = "bfloat16"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA, dtype="bfloat16"))
+    return LlamaForCausalLM(LlamaConfig(**LLAMA, dtype=dtype))
+
+
+def make_model32():
+    return make_model("float32")
 
 
 def trainer_class():
@@ -89,6 +101,14 @@ def trainer_class():
         def zero_stage(self) -> int:
             return self.engine.zero_optimization_stage()
 
+        def log_probs(self, sequences: list[list[int]]):
+            """The DeepSpeed-wrapped model's next-token log-probabilities [B, T, vocab] in
+            float32 (every rank calls: ZeRO-3's forward gathers; rank 0 answers)."""
+            with torch.no_grad():
+                logits = self.engine(input_ids=torch.tensor(sequences)).logits
+            out = torch.log_softmax(logits.float(), dim=-1)
+            return out if self.engine.global_rank == 0 else None
+
         def full_state_dict(self):
             """The oracle: DeepSpeed's own consolidation of the current weights (every rank
             calls; rank 0 answers)."""
@@ -98,6 +118,18 @@ def trainer_class():
             with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
                 full = {n: p.data.detach().clone() for n, p in params.items()}
             return full if self.engine.global_rank == 0 else None
+
+    class Float32Trainer(TestTrainer):
+        """ZeRO-3 in float32 (vLLM on CPU computes in float32: the forwards compare)."""
+
+        def __init__(self, rank, world, port):
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            from transformers import LlamaForCausalLM  # noqa: F401  (see TestTrainer)
+
+            config = {**DS_CONFIG, "bf16": {"enabled": False}}
+            super(TestTrainer, self).__init__(rank, world, make_model32, config,
+                                              backend="gloo")
 
     class Zero2Trainer(TestTrainer):
         """ZeRO-2 (full bf16 parameters on every rank): a replicated source."""
@@ -118,12 +150,12 @@ def trainer_class():
             return ({n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
                     if self.engine.global_rank == 0 else None)
 
-    return ray.remote(TestTrainer), ray.remote(Zero2Trainer)
+    return ray.remote(TestTrainer), ray.remote(Zero2Trainer), ray.remote(Float32Trainer)
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_job):
-    zero3, zero2 = trainer_class()
+    zero3, zero2, _ = trainer_class()
     with reference_engines(CONFIGS / "models" / "tiny_llama.yaml", update_timeout_s=120,
                            barrier_timeout_s=60) as (configs, engines):
         trainers = start(zero3)
@@ -187,3 +219,111 @@ def test_zero2_engine_is_a_replicated_source(fleet):
         assert engine_mismatches(cfg.model, trainers, replicas) == []
     finally:
         kill(trainers)
+
+
+# ------------------------------------------------------------------------ a real vLLM
+# One vLLM replica at TP=2 (float32; rows cut across the ranks' partitions, so both the
+# direct writes and the gathers land in vLLM's own layout) fed by float32 ZeRO-3 trainers.
+
+PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+GREEDY = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+LOGPROB_ATOL = 1e-4  # float32 on both sides, other kernels (measured: 2.4e-6 at most)
+
+
+@pytest.fixture  # one test: its engine (two spinning TP workers) stops right after it
+def vllm_replica(ray_job, tmp_path_factory):
+    from vllm_fleet import LLAMA, ORACLE_ENV, tiny_llama_config  # tests/integration
+
+    from actors.tools.testkit.vllm_oracle import save_checkpoint
+    from actors.vllm.engine import launch_vllm_engines
+
+    root = tmp_path_factory.mktemp("deepspeed-vllm")
+    cfg = tiny_llama_config("vllm_cpu.yaml", update_timeout_s=120, barrier_timeout_s=60)
+    _, start_path = save_checkpoint(LLAMA, seed=11, root=root)  # not the trainers' weights
+    trainers = start(trainer_class()[2])
+    try:
+        with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV,
+                                 trainers=trainers) as replicas:
+            ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+            try:
+                yield cfg, trainers, replicas, ctl, root
+            finally:
+                ctl.shutdown()
+    finally:
+        kill(trainers)
+
+
+def greedy_problems(trainers, owner) -> list[str]:
+    """vLLM's greedy tokens and their log-probabilities against the DeepSpeed model's
+    forward over the same sequences (teacher-forced: equal argmax at every step is the
+    same greedy generation); prints the largest log-probability difference."""
+    problems, worst = [], 0.0
+    outs = [c[0] for c in ray.get(owner.sample.remote(PROMPTS, GREEDY))]
+    seqs = [p + o["token_ids"] for p, o in zip(PROMPTS, outs, strict=True)]
+    want = ray.get([t.log_probs.remote(seqs) for t in trainers])[0]
+    for b, (prompt, out) in enumerate(zip(PROMPTS, outs, strict=True)):
+        for j, (token, lp) in enumerate(zip(out["token_ids"], out["logprobs"], strict=True)):
+            row = want[b, len(prompt) - 1 + j]
+            if int(row.argmax()) != token:
+                problems.append(f"prompt {b} token {j}: vLLM {token}, DeepSpeed "
+                                f"{int(row.argmax())}")
+            worst = max(worst, abs(float(row[token]) - lp))
+            if abs(float(row[token]) - lp) > LOGPROB_ATOL:
+                problems.append(f"prompt {b} token {j}: log-prob vLLM {lp:.6f}, DeepSpeed "
+                                f"{float(row[token]):.6f}")
+    print(f"largest |log-prob vLLM - DeepSpeed|: {worst:.2e}")
+    return problems
+
+
+@pytest.mark.vllm
+def test_vllm_holds_the_weights_deepspeed_consolidates(vllm_replica):
+    from vllm_fleet import assert_registered_equal, trainer_checkpoint
+
+    cfg, trainers, replicas, ctl, root = vllm_replica
+    summary = ctl.setup()
+    assert 0 < summary.gathered_bytes < summary.direct_bytes  # partitions go direct
+    assert greedy_problems(trainers, replicas.owners[0])  # a random start: not the trainers'
+    ray.get([t.train_step.remote(1) for t in trainers])
+    ctl.update(version=1)
+    assert ctl.weights_version() == {"engine0": 1}
+    # every registered byte == vLLM's own load_weights of DeepSpeed's consolidation
+    _, path = trainer_checkpoint(cfg, trainers, root, 1)
+    assert_registered_equal(replicas.owners[0], path, tp=2)
+    # black box: the DeepSpeed model's forward and vLLM agree, token for token
+    assert greedy_problems(trainers, replicas.owners[0]) == []
+
+
+# ------------------------------------------------------------------------ wt demo, wt bench
+def test_demo_and_bench_designs_with_deepspeed_trainers(ray_job, smallest_demo_run, tmp_path):
+    """``wt demo --trainer deepspeed`` (train steps, an update after each, verified) and
+    ``wt bench designs --trainer deepspeed`` (p2p beside native, capped and uncapped,
+    every design verified), smoke runs on one fleet of the demo's smallest shape."""
+    import json
+
+    from rich.console import Console
+
+    from actors.tools.bench.designs.bench import run as bench_designs
+    from actors.tools.demo.fleet import run_cycles, start_fleet
+    from actors.tools.demo.run_config import load_run_config
+
+    run = load_run_config(smallest_demo_run).with_overrides(trainer="deepspeed", updates=2)
+    fleet = start_fleet(run)
+    try:
+        assert fleet.info()["trainer"] == "deepspeed"  # what --json adds
+        rows = run_cycles(fleet, Console(quiet=True))
+        assert [r.verified for r in rows] == [True, True], [r.problems for r in rows]
+        assert all(r.checks["bytes"] and r.checks["generations"] for r in rows)
+        out = tmp_path / "designs.json"
+        assert bench_designs(config=smallest_demo_run, model=None, nic_gbps=0.05, updates=1,
+                             designs=None, bucket="1M", caps_off=True, timeout_s=300.0,
+                             json_path=out, png=None, fleet=fleet) == 0
+        doc = json.loads(out.read_text())
+        assert doc["trainer"] == "deepspeed" and set(doc["results"]) == {"p2p", "native"}
+        for key in ("caps_on", "caps_off"):
+            results = doc["passes"][key]["results"]
+            assert set(results) == {"p2p", "native"}
+            assert all(r["ok"] and r["problems"] == [] for r in results.values()), results
+        plan = doc["p2p_plan"]  # ours writes the partitions, gathers only the norms
+        assert 0 < plan["gathered_bytes"] < plan["direct_bytes"]
+    finally:
+        fleet.close()
