@@ -11,7 +11,10 @@ the padding dropped), independent of the plan. After a real optimizer step and a
 update, every byte of the TP=1 engine and of the TP=2 engine equals the reference
 loader's layout of that state dict. At TP=2 into TP=2 every shard is written by its own
 rank with no collective. Two more ranks at PP=2 (each stage one mesh, the names of
-stage 1 made global) write into the TP=1 engine.
+stage 1 made global) write into the TP=1 engine. Two more at EP=2 (tiny_moe, a Qwen3-MoE:
+megatron-core's MoE layers with local experts and the allgather dispatcher run on CPU)
+each write their own 4 of the 8 experts of each MoE layer, under the model's expert
+indexes, into a TP=1 reference engine of tiny_moe.
 
 Into a real vLLM (one replica at TP=1 in float32, started once for the module by the
 test that uses it), after a real step and an update from the TP=2 trainers: every byte
@@ -23,13 +26,15 @@ the prompt and vLLM's tokens) at every step, their log-probabilities Megatron's 
 
 One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
 replica of the reference engine and the vLLM replica, each with its own controller over
-the same trainers (the PP=2 pair starts in its test).
+the same trainers (the PP=2 and EP=2 pairs start in their tests).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +50,7 @@ from actors.tools.testkit.source_fleet import free_port, kill, reference_engines
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"
 MODEL = ROOT / "configs" / "models" / "tiny_llama.yaml"
+MOE = ROOT / "configs" / "models" / "tiny_moe.yaml"  # Qwen3-MoE: layer 0 dense, 8 experts
 VOCAB_ROWS = 1024  # tiny_llama's 1000, padded to a multiple of 128 x TP
 ROW_PARALLEL_BYTES = 2 * 2 * 256 * 512 * 2  # o_proj and down_proj of 2 layers, bf16
 
@@ -57,27 +63,33 @@ ENV = {"OMP_NUM_THREADS": "1"}
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors take our classes
 
 
-def make_model():
+def make_model(model_file=MODEL):
     from actors.tools.testkit.megatron_cpu import gpt_model
     from weight_transfer.model.models import load_model_config
 
     torch.manual_seed(0)  # every rank cuts its shard from the same full weights
-    return gpt_model(load_model_config(MODEL), vocab_rows=VOCAB_ROWS)
+    return gpt_model(load_model_config(model_file), vocab_rows=VOCAB_ROWS)
 
 
 # ------------------------------------------------------------------ the oracle, plainly
 
 LAYER_NAMES = {  # Megatron suffix -> Hugging Face suffix (the unfused ones)
     "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
 
-def hf_from_megatron(full, layers, *, tp, heads, groups, vocab):
+EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+
+
+def hf_from_megatron(full, layers, first_expert, *, tp, heads, groups, vocab):
     """A Hugging Face state dict of Megatron's full tensors (gathered over TP by
-    concatenation on ``partition_dim``); ``layers``: stage layer index -> the model's."""
+    concatenation on ``partition_dim``); ``layers``: stage layer index -> the model's;
+    local expert ``j`` is the model's ``first_expert + j`` (expert TP is TP here)."""
     out = {}
     for name, t in full.items():
         if name == "embedding.word_embeddings.weight":
@@ -89,7 +101,17 @@ def hf_from_megatron(full, layers, *, tp, heads, groups, vocab):
         else:
             _, _, i, suffix = name.split(".", 3)
             p = f"model.layers.{layers[int(i)]}."
-            if suffix == "self_attention.linear_qkv.weight":
+            if (m := EXPERT.fullmatch(suffix)) is not None:
+                e = f"{p}mlp.experts.{first_expert + int(m.group(1))}."
+                if m.group(2) == "linear_fc2":
+                    out[e + "down_proj.weight"] = t
+                else:
+                    per_rank = t.view(tp, 2, -1, t.shape[1])
+                    out[e + "gate_proj.weight"] = per_rank[:, 0].reshape(-1, t.shape[1])
+                    out[e + "up_proj.weight"] = per_rank[:, 1].reshape(-1, t.shape[1])
+            elif suffix == "mlp.router.weight":
+                out[p + "mlp.gate.weight"] = t
+            elif suffix == "self_attention.linear_qkv.weight":
                 per_group = t.view(groups, heads // groups + 2, -1, t.shape[1])
                 q, k, v = per_group[:, :-2], per_group[:, -2], per_group[:, -1]
                 out[p + "self_attn.q_proj.weight"] = q.reshape(-1, t.shape[1])
@@ -104,18 +126,29 @@ def hf_from_megatron(full, layers, *, tp, heads, groups, vocab):
     return {n: t.contiguous() for n, t in out.items()}
 
 
+def first_expert(model):
+    """The model's index of this rank's local expert 0 (apart from the actor class: a method
+    reading ``.config`` beside ``torch.distributed`` makes cloudpickle take the module
+    ``torch.distributed.config`` along, which does not pickle)."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = (model.config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * per_rank
+
+
 def trainer_class():
     """The snippet's actor class, with what the test needs of it."""
     snippet = run_snippet(DOC, "megatron-trainer", {})["MegatronTrainer"]
 
     class TestTrainer(snippet.__ray_metadata__.modified_class):
-        def __init__(self, rank, world, port, tp, pp):
+        def __init__(self, rank, world, port, tp, pp, ep=1, model_file=MODEL):
             from actors.tools.testkit.megatron_cpu import patch_for_cpu
 
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(port))
             patch_for_cpu()
-            super().__init__(rank, world, make_model, tp=tp, pp=pp, backend="gloo")
+            super().__init__(rank, world, functools.partial(make_model, model_file), tp=tp,
+                             pp=pp, ep=ep, backend="gloo")
             self.tp, self.optimizer = tp, torch.optim.Adam(self.model.parameters(), lr=1e-2)
 
         def train_step(self, seed: int) -> float:
@@ -137,20 +170,26 @@ def trainer_class():
             return float(loss.detach())
 
         def megatron_state(self):
-            """Every parameter of this stage gathered over TP by the test (TP rank 0
-            answers, with the stage's global layer indexes); every rank calls."""
+            """Every parameter of this stage gathered over TP (an MoE expert's over expert
+            TP) by the test; TP rank 0 answers, with the stage's global layer indexes and
+            the model's index of its local expert 0; every rank calls."""
             from megatron.core import parallel_state as ps
 
-            group, full = ps.get_tensor_model_parallel_group(), {}
+            full = {}
             for name, p in self.model.named_parameters():
+                expert = ".mlp.experts." in name
+                group = (ps.get_expert_tensor_parallel_group() if expert
+                         else ps.get_tensor_model_parallel_group())
+                world = torch.distributed.get_world_size(group)
                 t = p.detach().contiguous()
-                if getattr(p, "tensor_model_parallel", False) and self.tp > 1:
-                    parts = [torch.empty_like(t) for _ in range(self.tp)]
+                if getattr(p, "tensor_model_parallel", False) and world > 1:
+                    parts = [torch.empty_like(t) for _ in range(world)]
                     torch.distributed.all_gather(parts, t, group=group)
                     t = torch.cat(parts, dim=p.partition_dim)
                 full[name] = t.clone()
             layers = {i: n.layer_number - 1 for i, n in enumerate(self.model.decoder.layers)}
-            return (full, layers) if ps.get_tensor_model_parallel_rank() == 0 else None
+            first = first_expert(self.model)
+            return (full, layers, first) if ps.get_tensor_model_parallel_rank() == 0 else None
 
         def megatron_logprobs(self, tokens: list[int]) -> torch.Tensor | None:
             """Megatron's own forward over ``tokens`` in float32 (a float32 GPTModel holding
@@ -181,12 +220,15 @@ def trainer_class():
 
 
 def hf_state(trainers, cfg, tp):
-    """The oracle's Hugging Face state dict of every stage's weights."""
+    """The oracle's Hugging Face state dict of every stage's (and EP rank's) weights; what
+    several ranks hold (replicated over data parallel) must be equal."""
     out = {}
     for got in ray.get([t.megatron_state.remote() for t in trainers]):
         if got is not None:
-            out.update(hf_from_megatron(*got, tp=tp, heads=cfg.num_attention_heads,
-                                        groups=cfg.kv_heads, vocab=cfg.vocab_size))
+            for n, t in hf_from_megatron(*got, tp=tp, heads=cfg.num_attention_heads,
+                                         groups=cfg.kv_heads, vocab=cfg.vocab_size).items():
+                assert n not in out or torch.equal(out[n], t), f"data-parallel ranks differ: {n}"
+                out[n] = t
     return out
 
 
@@ -201,9 +243,10 @@ def save_hf(state, model_cfg, path):
     return path
 
 
-def start(cls, *, tp, pp):
-    port, world = free_port(), tp * pp
-    return start_trainers(cls, [(r, world, port, tp, pp) for r in range(world)], env=ENV)
+def start(cls, *, tp, pp, dp=1, ep=1, model_file=MODEL):
+    port, world = free_port(), tp * pp * dp  # EP splits the data-parallel ranks
+    return start_trainers(cls, [(r, world, port, tp, pp, ep, model_file) for r in range(world)],
+                          env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +298,37 @@ def test_pipeline_stages_write_their_own_layers(fleet):
         ctl.update(version=7)
         state = hf_state(trainers, cfg.model, 1)
         assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
+    finally:
+        kill(trainers)
+
+
+def test_moe_experts_move_from_their_expert_parallel_ranks(fleet):
+    """Qwen3-MoE (layer 0 dense, 8 experts in layers 1-2) at EP=2 on the 2 ranks (TP=1):
+    each EP rank holds and writes 4 experts of each MoE layer under the model's expert
+    indexes, with no collective; after a real step every reference engine byte equals
+    the plain conversion of what the ranks hold."""
+    from actors import TransferConfig, launch_engines
+    from configs import CONFIGS_DIR
+
+    cls = fleet[0]
+    cfg = TransferConfig.from_files(MOE, CONFIGS_DIR / "clusters" / "local_cpu_small.yaml",
+                                    update_timeout_s=120, barrier_timeout_s=60)
+    trainers = start(cls, tp=1, pp=1, dp=2, ep=2, model_file=MOE)
+    try:
+        with launch_engines(cfg) as replicas:
+            metas = ray.get([t.wt_param_metas.remote() for t in trainers])
+            experts = [sorted({int(m.name.split(".")[5]) for m in rank.params
+                               if ".experts." in m.name}) for rank in metas]
+            assert experts == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+            summary = ctl.setup()
+            assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+            losses = ray.get([t.train_step.remote(5) for t in trainers])
+            assert len(set(losses)) == 1 and losses[0] > 0
+            ctl.update(version=1)
+            state = hf_state(trainers, cfg.model, 1)
+            assert sum(".experts." in n for n in state) == 2 * 8 * 3  # every expert, once
+            assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
     finally:
         kill(trainers)
 

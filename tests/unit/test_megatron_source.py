@@ -127,7 +127,7 @@ NAMES = [
      ("model.layers.4.post_attention_layernorm.weight",)),
     ("decoder.final_layernorm.weight", {}, ("model.norm.weight",)),
     ("output_layer.weight", {}, ("lm_head.weight",)),
-    # no rule: MoE experts, learned positions, a layer the stage does not know
+    # no dense rule (megatron_moe maps experts), learned positions, a layer the stage lacks
     ("decoder.layers.0.mlp.experts.linear_fc1.weight0", {0: 0}, None),
     ("embedding.position_embeddings.weight", {}, None),
     ("decoder.layers.7.input_layernorm.weight", {0: 0}, None),
@@ -246,8 +246,9 @@ REFUSED = [
                 partition_dim=1), DIMS2, "partition_dim 1, the Megatron name table says 0"),
     (LocalParam(name="decoder.final_layernorm.weight", shape=(8,), dtype="bfloat16",
                 tensor_parallel=True, partition_dim=0), DIMS2, "holds it whole"),
-    (LocalParam(name="decoder.layers.0.mlp.router.weight", shape=(4, 8), dtype="bfloat16"),
-     DIMS2, "'decoder.layers.0.mlp.router.weight' has no destination"),
+    (LocalParam(name="decoder.layers.0.mlp.shared_experts.linear_fc1.weight", shape=(4, 8),
+                dtype="bfloat16"),
+     DIMS2, "'decoder.layers.0.mlp.shared_experts.linear_fc1.weight' has no destination"),
     (LocalParam(name=QKV, shape=(64, 8), dtype="bfloat16", tensor_parallel=True,
                 partition_dim=0), MegatronDims(tp=2, heads=3, query_groups=3),
      "TP the groups"),

@@ -13,7 +13,11 @@ Each Megatron parameter becomes the Hugging Face parameters it holds
 global layer indexes, cut over the TP group as ``Shard(partition_dim)`` on the
 stage's ``(dp, tp)`` mesh (replicated over DP), so the plan writes every rank's own
 shard where it covers an engine rank's bytes and gathers over the TP group only
-elsewhere; pipeline stages are disjoint meshes that write at the same time. At an
+elsewhere; pipeline stages are disjoint meshes that write at the same time. MoE
+layers (Qwen3-MoE's: a router, local experts; :mod:`weight_transfer.model.arch.megatron_moe`)
+put each expert under the model's expert index (its EP rank's first plus its local
+one), on the expert mesh (the ``expt_dp`` x ``expt_tp`` groups of ``pg_collection``),
+cut over expert TP: EP ranks hold disjoint experts and write them at once. At an
 update each is read from the live parameter as a :class:`TpBlock`: its rows of the
 rank's Megatron shard (a grouped QKV shard's q, k or v heads; a ``linear_fc1`` shard's
 gate or up half), a view of the shard, or a copy when a QKV shard holds several query
@@ -30,15 +34,16 @@ sizes come from the transfer's model file (``TransferConfig.model``): a Megatron
 has no Hugging Face ``.config``. With tied embeddings the last stage's copy of the
 embedding (``output_layer.weight``) is not sent. Refused when attached (ValueError
 naming the parameter, the rank and what is missing; nothing is registered or written):
-a parameter no name table maps (MoE layers, learned position embeddings), a TP-cut
+a parameter no name table maps (shared experts, learned position embeddings), a TP-cut
 parameter without ``partition_dim`` when TP > 1, fused rows that do not split into
-their parts, TP and DP groups that are not Megatron's rank grid, and a
+their parts, TP and DP groups that are not Megatron's rank grid, experts that do
+not divide over the EP group, and a
 ``torch.distributed`` rank other than the one attached.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -150,6 +155,9 @@ class MegatronSource:
             raise ValueError(f"{self._where()}: its TP group holds ranks {list(tp_ranks)}, the "
                              f"model's config says tensor_model_parallel_size {self.dims.tp}")
         self.mesh = stage_mesh(rank, tp_ranks, dp_ranks)
+        self.etp_group, self.expert_mesh = self.tp_group, None
+        if getattr(cfg, "num_moe_experts", None):
+            self._experts(int(cfg.num_moe_experts))
         self._parts: list[tuple[HfPart, torch.Tensor]] | None = None
 
     @classmethod
@@ -183,6 +191,29 @@ class MegatronSource:
                              "dp groups (every megatron-core 0.14+ GPTModel keeps one)")
         return tp, _group_ranks(tp), _group_ranks(dp)
 
+    def _experts(self, experts: int) -> None:
+        """The MoE layers' groups: expert TP, expert data parallel (the expert mesh) and EP
+        (which of the model's experts this rank holds)."""
+        pgs = getattr(self.module, "pg_collection", None)
+        groups = {f: getattr(pgs, f, None) for f in ("ep", "expt_tp", "expt_dp")}
+        if not torch.distributed.is_initialized():
+            ep_ranks = etp_ranks = edp_ranks = (self.rank,)
+        elif None in groups.values():
+            missing = [f for f, g in groups.items() if g is None]
+            raise ValueError(f"{self._where()}: the model has MoE layers and its "
+                             f"pg_collection lacks the groups {missing}")
+        else:
+            self.etp_group = groups["expt_tp"]
+            ep_ranks, etp_ranks, edp_ranks = (_group_ranks(groups[f])
+                                              for f in ("ep", "expt_tp", "expt_dp"))
+        if experts % len(ep_ranks):
+            raise ValueError(f"{self._where()}: {experts} experts do not divide over its EP "
+                             f"group of {len(ep_ranks)} ranks {list(ep_ranks)}")
+        per_rank = experts // len(ep_ranks)
+        self.dims = replace(self.dims, etp=len(etp_ranks), experts_per_rank=per_rank,
+                            first_expert=ep_ranks.index(self.rank) * per_rank)
+        self.expert_mesh = stage_mesh(self.rank, etp_ranks, edp_ranks)
+
     def check(self) -> None:
         """Every refusal of the module docstring, before anything is set up."""
         self._described()
@@ -197,7 +228,8 @@ class MegatronSource:
                                      partition_dim=getattr(p, "partition_dim", None))
                           for n, p in live.items()]
                 parts = describe(params, dims=self.dims, mesh=self.mesh,
-                                 global_layer=_global_layers(chunk), where=self._where())
+                                 global_layer=_global_layers(chunk), where=self._where(),
+                                 expert_mesh=self.expert_mesh)
                 out += [(part, live[part.source]) for part in parts]
             unique_names([(part.meta.name, part.source) for part, _ in out], self._where())
             self._parts = out
@@ -213,10 +245,12 @@ class MegatronSource:
         out: dict[str, Any] = {}
         for part, p in self._described():
             b = part.bands
-            whole = b.groups == 1 and b.period == 1 and (part.dim is None or self.dims.tp == 1)
+            group, tp = ((self.etp_group, self.dims.etp) if part.expert
+                         else (self.tp_group, self.dims.tp))
+            whole = b.groups == 1 and b.period == 1 and (part.dim is None or tp == 1)
             out[part.meta.name] = p.detach() if whole else TpBlock(
                 data=p.detach(), bands=b, shape=part.meta.shape, dim=part.dim,
-                group=self.tp_group, world=self.dims.tp)
+                group=group, world=tp)
         return out
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -8,10 +8,12 @@ the Hugging Face parameters it holds (:mod:`weight_transfer.model.arch.megatron_
 each an :class:`HfPart`:
 
 * its :class:`~weight_transfer.types.ParamMeta`: the Hugging Face name (global layer
-  index), the global shape (the part's rows of the local shard times TP on the cut
-  dim; the vocabulary as padded), on the stage's ``(dp, tp)`` mesh
-  (:func:`stage_mesh`) as ``(Replicate(), Shard(partition_dim))``, or
-  ``(Replicate(), Replicate())`` for what every TP rank holds whole;
+  index; an MoE expert's global expert index), the global shape (the part's rows of the
+  local shard times TP on the cut dim; the vocabulary as padded), on the stage's
+  ``(dp, tp)`` mesh (:func:`stage_mesh`) as ``(Replicate(), Shard(partition_dim))``, or
+  ``(Replicate(), Replicate())`` for what every TP rank holds whole; an expert's on the
+  expert mesh (its expert data-parallel x expert-TP ranks, the same grid), cut over
+  expert TP;
 * the :class:`~weight_transfer.model.arch.megatron_gpt.Bands` of the local shard it is
   (a grouped QKV shard's q, k or v rows; a ``linear_fc1`` shard's gate or up half).
 
@@ -33,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from weight_transfer.model.arch.megatron_gpt import Bands, Fusion, map_megatron_name, part_bands
+from weight_transfer.model.arch.megatron_moe import map_expert_name
 from weight_transfer.types import MeshDesc, ParamMeta, Placement
 
 __all__ = ["HfPart", "LocalParam", "MegatronDims", "describe", "stage_mesh", "unique_names"]
@@ -56,23 +59,30 @@ class LocalParam:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MegatronDims:
     """What of the model's config decides the parts: the TP size, attention heads and
-    query groups, and whether the output layer is the embedding's (tied)."""
+    query groups, whether the output layer is the embedding's (tied), and of MoE layers
+    the expert TP size, the experts each EP rank holds and this rank's first (the model's
+    index of its local expert 0)."""
 
     tp: int
     heads: int
     query_groups: int
     tied: bool = False
+    etp: int = 1
+    experts_per_rank: int = 0
+    first_expert: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HfPart:
     """One Hugging Face parameter of a Megatron parameter (``source``): its metadata, its
-    rows of the local shard, and the tensor dim TP cuts (None: whole on every TP rank)."""
+    rows of the local shard, the tensor dim TP cuts (None: whole on every TP rank), and
+    whether it is an MoE expert's (then cut over expert TP, not TP)."""
 
     meta: ParamMeta
     source: str
     bands: Bands
     dim: int | None
+    expert: bool = False
 
 
 def stage_mesh(rank: int, tp_ranks: Sequence[int], dp_ranks: Sequence[int]) -> MeshDesc:
@@ -92,10 +102,13 @@ def stage_mesh(rank: int, tp_ranks: Sequence[int], dp_ranks: Sequence[int]) -> M
 
 
 def describe(params: Iterable[LocalParam], *, dims: MegatronDims, mesh: MeshDesc,
-             global_layer: Mapping[int, int], where: str) -> list[HfPart]:
-    """Every Hugging Face part of ``params`` (module docstring), in their order."""
+             global_layer: Mapping[int, int], where: str,
+             expert_mesh: MeshDesc | None = None) -> list[HfPart]:
+    """Every Hugging Face part of ``params`` (module docstring), in their order;
+    ``expert_mesh``: the mesh of this rank's MoE experts (needed if it holds any)."""
     out = [part for p in params
-           for part in _parts(p, dims=dims, mesh=mesh, global_layer=global_layer, where=where)]
+           for part in _parts(p, dims=dims, mesh=mesh, global_layer=global_layer, where=where,
+                              expert_mesh=expert_mesh)]
     unique_names([(part.meta.name, part.source) for part in out], where)
     return out
 
@@ -112,16 +125,27 @@ def unique_names(names: Iterable[tuple[str, str]], where: str) -> None:
 
 
 def _parts(p: LocalParam, *, dims: MegatronDims, mesh: MeshDesc,
-           global_layer: Mapping[int, int], where: str) -> list[HfPart]:
+           global_layer: Mapping[int, int], where: str,
+           expert_mesh: MeshDesc | None) -> list[HfPart]:
     if dims.tied and p.name == TIED_OUTPUT:
         return []  # the engine's lm_head is its embedding
-    found = map_megatron_name(p.name, global_layer)
+    found = map_megatron_name(p.name, global_layer) or map_expert_name(
+        p.name, global_layer, first_expert=dims.first_expert,
+        experts_per_rank=dims.experts_per_rank)
     if found is None:
         raise ValueError(f"{where}: parameter {p.name!r} has no destination: no Megatron name "
                          "table maps it (the dense GPT layers of "
-                         "weight_transfer.model.arch.megatron_gpt)")
+                         "weight_transfer.model.arch.megatron_gpt, the MoE layers of "
+                         "weight_transfer.model.arch.megatron_moe with "
+                         f"{dims.experts_per_rank} experts per EP rank)")
     rule, names = found
-    dim = _cut_dim(p, rule.partition_dim, dims.tp, where)
+    if rule.expert:
+        if expert_mesh is None:
+            raise ValueError(f"{where}: parameter {p.name!r} is an MoE expert's, and the "
+                             "expert mesh (expert data-parallel and expert-TP groups) is "
+                             "missing")
+        mesh = expert_mesh
+    dim = _cut_dim(p, rule.partition_dim, dims.etp if rule.expert else dims.tp, where)
     groups = _local_groups(dims, where) if rule.fusion == Fusion.QKV else 1
     placements = (_REPLICATE, _REPLICATE if dim is None else Placement(kind="shard", dim=dim))
     out = []
@@ -132,12 +156,13 @@ def _parts(p: LocalParam, *, dims: MegatronDims, mesh: MeshDesc,
         except ValueError as err:
             raise ValueError(f"{where}: parameter {p.name!r} of local shape {p.shape}: "
                              f"{err}") from None
+        tp = dims.etp if rule.expert else dims.tp
         local = (bands.rows, *p.shape[1:])
         glob = local if dim is None else tuple(
-            n * dims.tp if d == dim else n for d, n in enumerate(local))
+            n * tp if d == dim else n for d, n in enumerate(local))
         meta = ParamMeta(name=name, shape=glob, dtype=p.dtype, mesh=mesh,
                          placements=placements)
-        out.append(HfPart(meta=meta, source=p.name, bands=bands, dim=dim))
+        out.append(HfPart(meta=meta, source=p.name, bands=bands, dim=dim, expert=rule.expert))
     return out
 
 

@@ -5,7 +5,11 @@ Transformer Engine) on CPU over gloo once three CUDA assumptions are side-steppe
 here and never in the transfer path (:func:`patch_for_cpu`, in processes without a
 GPU): the RoPE cache moves its frequencies to ``torch.cuda.current_device()``,
 attention forks the CUDA RNG tracker around its dropout, and the default causal mask
-is made on ``"cuda"`` (:func:`causal_mask` gives the explicit one)::
+is made on ``"cuda"`` (:func:`causal_mask` gives the explicit one). MoE layers (a
+``qwen3_moe`` model file: local experts, the allgather token dispatcher, EP from
+``parallel_state``) need one more: without Transformer Engine the router's gating
+reads ``moe_utils.te_general_gemm``, a name 0.16.1 defines only when TE imports (the
+alltoall dispatcher also makes a ``torch.cuda.Stream`` when built, so it is not used)::
 
     patch_for_cpu()
     parallel_state.initialize_model_parallel(tp, pp)         # after init_process_group
@@ -28,6 +32,7 @@ ARCH_FLAGS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"add_qkv_bias": True},
     "qwen3": {"qk_layernorm": True},
+    "qwen3_moe": {"qk_layernorm": True},
 }
 
 
@@ -36,25 +41,34 @@ def patch_for_cpu() -> None:
     if torch.cuda.is_available():
         return
     from megatron.core.tensor_parallel import random as rng
+    from megatron.core.transformer.moe import moe_utils
 
     rng.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     torch.cuda.current_device = lambda: torch.device("cpu")  # the RoPE cache's device
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the router's gating then runs torch.mm
 
 
 def gpt_model(cfg: Any, *, vocab_rows: int, dtype: torch.dtype = torch.bfloat16,
               pre_process: bool | None = None, post_process: bool | None = None) -> Any:
-    """A ``GPTModel`` of ``cfg`` (a ModelConfig of a dense llama/qwen2/qwen3) with its
-    vocabulary padded to ``vocab_rows``, on this rank's TP and PP coordinates (the
-    stage's ends from ``parallel_state`` unless given)."""
+    """A ``GPTModel`` of ``cfg`` (a ModelConfig of a dense llama/qwen2/qwen3, or a
+    qwen3_moe) with its vocabulary padded to ``vocab_rows``, on this rank's TP, PP and EP
+    coordinates (the stage's ends from ``parallel_state`` unless given)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer import TransformerConfig
 
     if cfg.architecture not in ARCH_FLAGS:
         raise ValueError(f"no Megatron GPTModel for architecture {cfg.architecture!r}; "
                          f"known: {sorted(ARCH_FLAGS)}")
-    flags = ARCH_FLAGS[cfg.architecture]
+    flags = dict(ARCH_FLAGS[cfg.architecture])
+    if cfg.n_experts:
+        flags.update(moe_flags(cfg),
+                     expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
     config = TransformerConfig(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.kv_heads,
@@ -66,8 +80,10 @@ def gpt_model(cfg: Any, *, vocab_rows: int, dtype: torch.dtype = torch.bfloat16,
         bf16=dtype == torch.bfloat16, init_method_std=0.02,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), **flags)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm",
-                                    qk_layernorm=flags.get("qk_layernorm", False))
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization="RMSNorm") if cfg.n_experts else \
+        get_gpt_layer_local_spec(normalization="RMSNorm",
+                                 qk_layernorm=flags.get("qk_layernorm", False))
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab_rows,
         max_sequence_length=cfg.max_position_embeddings or 2048,
@@ -75,6 +91,19 @@ def gpt_model(cfg: Any, *, vocab_rows: int, dtype: torch.dtype = torch.bfloat16,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta or 10000))
+
+
+def moe_flags(cfg: Any) -> dict[str, Any]:
+    """The TransformerConfig fields of ``cfg``'s MoE layers (Qwen3-MoE: a layer is MoE unless
+    listed in ``mlp_only_layers``; softmax over the top k, the experts local modules)."""
+    return {
+        "num_moe_experts": cfg.n_experts, "moe_ffn_hidden_size": cfg.moe_intermediate_size,
+        "moe_router_topk": cfg.num_experts_per_tok,
+        "moe_layer_freq": [int(i not in cfg.mlp_only_layers
+                               and (i + 1) % (cfg.decoder_sparse_step or 1) == 0)
+                           for i in range(cfg.num_hidden_layers)],
+        "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
+    }
 
 
 def positions(tokens: torch.Tensor) -> torch.Tensor:

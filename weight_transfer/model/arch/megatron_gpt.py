@@ -51,13 +51,15 @@ class Fusion(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class MegatronRule:
     """A Megatron parameter (name suffix), the Hugging Face parameters it holds (suffixes,
-    in the order of its fused parts), how it fuses them, and the dim TP cuts (None: whole
-    on every TP rank)."""
+    in the order of its fused parts), how it fuses them, the dim TP cuts (None: whole
+    on every TP rank), and whether it is an MoE expert's
+    (:mod:`weight_transfer.model.arch.megatron_moe`)."""
 
     megatron: str
     hf: tuple[str, ...]
     fusion: Fusion = Fusion.NONE
     partition_dim: int | None = None
+    expert: bool = False  # an MoE expert's: on the expert mesh, cut over expert TP
 
 
 def _qkv(suffix: str) -> tuple[str, ...]:
