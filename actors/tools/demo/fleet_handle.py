@@ -58,7 +58,8 @@ class Fleet:
     def describe(self) -> str:
         cfg, summary = self.config, self.controller.summary
         return (f"[bold]{self.run.name}[/]: {cfg.model.name}, {len(self.trainers)} "
-                f"{self.run.trainer} trainer ranks"
+                f"{'' if self.run.trainer == DEFAULT_TRAINER else self.run.trainer + ' '}"
+                "trainer ranks"
                 f" -> {len(self.replicas)} replicas x TP{cfg.cluster.inference.gpus_per_replica}"
                 f" over {cfg.transport_spec.describe()}"
                 f" ({self.engine_kind} engines); plan: {summary.num_tasks} "
