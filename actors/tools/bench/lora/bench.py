@@ -1,9 +1,12 @@
 """``wt bench lora``: a LoRA adapter update into vLLM, ours against the disk path and a
 full-weight update of the merged model (issue 35, item 6).
 
-Per TP size one engine (:func:`~.designs.start_rig`); per rank a PEFT adapter over a base
-of the engine's architecture; per update each design in turn (``ours``, ``disk``,
-``merged``: :mod:`.designs`), every update verified. While the updates run, a client
+Per TP size and rank one engine (:func:`~.designs.start_rig`, ``max_lora_rank`` equal to
+the rank, as docs/vllm.md advises: below it vLLM's ``lora_B`` slots are wider than the
+adapter and every row is its own write) and a PEFT adapter over a base of the engine's
+architecture; each design in turn (``ours``, ``disk``, ``merged``: :mod:`.designs`),
+``--updates`` timed updates after one untimed warm-up, every update verified after its
+window. While the updates run, a client
 generates greedily on the engine (base requests, one batch after another), and vLLM's
 own step timestamps give, per update:
 
@@ -82,51 +85,50 @@ class Client:
 
 
 def bench_rank(rig: D.Rig, rank: int, designs: list[str], updates: int, *,
-               idle_s: float = IDLE_S) -> list[LoraRun]:
-    """Every design ``updates`` times for an adapter of ``rank``, each verified
-    (``designs`` in the order of :data:`~.designs.DESIGNS`)."""
+               idle_s: float = IDLE_S, warmup: bool = True) -> list[LoraRun]:
+    """Each design in turn (``designs`` in the order of :data:`~.designs.DESIGNS`: merged
+    last, as a full-weight update drops vLLM's adapters), ``updates`` timed updates each
+    after one untimed warm-up (not for merged: its cost is the full write), each verified
+    after its window (:data:`VERIFY`)."""
     model = D.adapter_model(rig, rank, seed=rank)
-    if "ours" in designs:
-        D.setup_ours(rig, model)
-    windows: list[tuple[str, float, float, int]] = []
-    verified: dict[tuple[int, str], bool] = {}
+    D.setup_ours(rig, model)  # ours, and the oracle of disk
+    windows: list[tuple[str, float, float, int, bool]] = []
     with Client(rig.link, rig.model_cfg.vocab_size):
         idle = (time.monotonic(), time.monotonic() + idle_s)
         time.sleep(idle_s)
-        for u in range(updates):
-            D.train_step(model, seed=1000 * rank + u)
-            ok: dict[str, bool] = {}
-            for design in designs:  # ours, disk, merged (merged drops vLLM's adapters)
+        for design in designs:
+            warm = int(warmup and design != "merged")
+            for u in range(updates + warm):
+                D.train_step(model, seed=1000 * rank + 10 * u + len(windows))
                 time.sleep(SETTLE_S)  # steps flow again after the last check
                 t0 = time.monotonic()
                 nbytes = D.DESIGNS[design](rig, model)
                 t1 = time.monotonic()
                 time.sleep(SETTLE_S)
-                windows.append((design, t0, t1, nbytes))
-                ok.update(_verify(rig, model, design, designs))
-            verified.update({(u, d): v for d, v in ok.items()})
+                ok = VERIFY[design](rig, model)
+                if u >= warm:
+                    windows.append((design, t0, t1, nbytes, ok))
     steps = rig.link.clock.times()
     return [LoraRun(design=d, rank=rank, tp=rig.tp, seconds=t1 - t0, bytes=n,
                     max_step_gap_s=stall_of(steps, t0, t1),
-                    idle_step_gap_s=idle_floor(steps, *idle, t1 - t0),
-                    verified=verified[(i // len(designs), d)])
-            for i, (d, t0, t1, n) in enumerate(windows)]
+                    idle_step_gap_s=idle_floor(steps, *idle, t1 - t0), verified=ok)
+            for d, t0, t1, n, ok in windows]
 
 
-def _verify(rig: D.Rig, model: Any, design: str, designs: list[str]) -> dict[str, bool]:
-    """ours and disk: equal bytes in every slot tensor once both hold this version
-    (checked after disk; ours alone: against a disk load made for the check, after the
-    timing); merged: every registered byte against vLLM's load of the merged checkpoint."""
-    if design == "merged":
-        return {"merged": D.merged_equal(rig, model)}
-    if design == "ours" and "disk" in designs:
-        return {}  # checked with disk's update of the same version, just after
-    if design == "ours":
-        D.disk(rig, model)
-    if "ours" not in designs:
-        return {"disk": True}  # vLLM's own load: the oracle itself
-    same = D.slots_equal(rig)
-    return {"ours": same, "disk": same} if design == "disk" else {"ours": same}
+def _ours_ok(rig: D.Rig, model: Any) -> bool:
+    D.disk(rig, model)  # vLLM's own load of the same version, untimed
+    return D.slots_equal(rig)
+
+
+def _disk_ok(rig: D.Rig, model: Any) -> bool:
+    D.ours(rig, model)  # ours of the same version, untimed
+    return D.slots_equal(rig)
+
+
+# Per design, after its window: ours and disk leave equal bytes in every slot tensor of
+# every rank (the other written untimed); merged: every registered byte equals vLLM's
+# load_weights of the merged checkpoint.
+VERIFY = {"ours": _ours_ok, "disk": _disk_ok, "merged": D.merged_equal}
 
 
 def summarize(runs: list[LoraRun]) -> list[dict[str, Any]]:
@@ -175,13 +177,13 @@ def run(*, model: Path, ranks: str = "16,64", tp: str = "1",
         raise ValueError(f"--designs: unknown {unknown} (known: {sorted(D.DESIGNS)})")
     runs: list[LoraRun] = []
     for size in tp_list:
-        with tempfile.TemporaryDirectory(prefix="wt-bench-lora-") as tmp:
-            rig = D.start_rig(model, tp=size, max_rank=max(rank_list), root=Path(tmp))
-            try:
-                for rank in rank_list:
+        for rank in rank_list:  # max_lora_rank = the rank: one write per slot tensor
+            with tempfile.TemporaryDirectory(prefix="wt-bench-lora-") as tmp:
+                rig = D.start_rig(model, tp=size, max_rank=rank, root=Path(tmp))
+                try:
                     runs += bench_rank(rig, rank, design_list, updates)
-            finally:
-                close_rig(rig)
+                finally:
+                    close_rig(rig)
     print_table(runs)
     out = {"runs": [asdict(r) for r in runs]}
     if json_out is not None:
