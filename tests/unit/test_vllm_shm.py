@@ -19,6 +19,7 @@ from weight_transfer.engines.vllm.shm import (
     engine_segments,
     live_pids,
     remove_unmapped,
+    stop_and_remove,
 )
 
 CHILD = """
@@ -52,6 +53,27 @@ def test_a_stopped_engines_segment_is_found_then_removed():
     assert (SHM_DIR / name).exists()  # the kill left it, as vLLM's engine core does
     assert name in remove_unmapped(found)
     assert not (SHM_DIR / name).exists()
+
+
+def test_a_stop_waits_for_a_slow_worker_but_not_for_a_process_that_maps_nothing(caplog):
+    """A TP worker still exiting after the engine core's shutdown returned: its segment is
+    removed once it is gone. A child that maps nothing (a resource tracker lives as long
+    as its parent) is not waited for: no warning, and it is still running after."""
+    slow, name = _child()
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def stop() -> None:  # returns at once; the worker exits half a second later
+            subprocess.Popen(["sh", "-c", f"sleep 0.5; kill {slow.pid}"])
+
+        removed = stop_and_remove(stop, timeout_s=30.0)
+        assert removed == [name] and not (SHM_DIR / name).exists()
+        assert slow.poll() is not None or slow.wait(5) is not None
+        assert idle.poll() is None  # never waited for
+        assert "still up" not in caplog.text
+    finally:
+        for proc in (slow, idle):
+            proc.kill()
+            proc.wait()
 
 
 def test_segments_already_gone_are_skipped():

@@ -106,13 +106,15 @@ def engine_segments() -> set[str]:
 
 def stop_and_remove(stop: Callable[[], Any], timeout_s: float = 30.0) -> list[str]:
     """Call ``stop()`` (which stops the engine this process started), wait up to
-    ``timeout_s`` for the engine's processes to exit (a TP worker goes on exiting after
-    the engine core's ``shutdown()`` returns), then remove the segments they mapped that
-    nothing maps any more; the names removed."""
-    pids = descendants(os.getpid())
-    segments = mapped_segments(pids)
+    ``timeout_s`` for the engine's processes that map shared memory to exit (a TP worker
+    goes on exiting after the engine core's ``shutdown()`` returns; a resource tracker,
+    which maps none, lives as long as this process), then remove the segments they mapped
+    that nothing maps any more; the names removed."""
+    holders = {pid: mapped_segments([pid]) for pid in descendants(os.getpid())}
+    holders = {pid: names for pid, names in holders.items() if names}  # not a resource tracker
+    segments = set().union(*holders.values())
     stop()
-    if left := wait_exited(pids, timeout_s):
+    if left := wait_exited(holders, timeout_s):
         log.warning("engine processes %s still up %g s after shutdown; their shared memory "
                     "is left to the exit watcher", left, timeout_s)
     return remove_unmapped(segments)
