@@ -1,5 +1,5 @@
 """Metrics, traces and progress of real updates on a local Ray instance (tiny_llama,
-4 FSDP2 trainer actors -> 2 replicas x TP2 over simnic).
+2 FSDP2 trainer actors -> 2 replicas x TP2 over simnic).
 
 Inside Ray the facade records through ``ray.util.metrics`` (the ``auto``
 backend). The values recorded through the facade are checked in the
@@ -43,13 +43,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(cluster_file):
     port = _free_port()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              _node_ip_address=LOCAL_NODE_IP, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 500})
     cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    CONFIGS / "clusters" / "local_cpu.yaml",
+                                    cluster_file(trainers=2, replicas=2, tp=2),
                                     update_timeout_s=120, barrier_timeout_s=60)
     trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # wt_set_link
     replicas = launch_engines(cfg)
@@ -79,7 +79,7 @@ def test_setup_reports_progress_of_every_wait(env):
     for phase in phases:
         counts = [(d, t) for p, d, t in calls if p == phase]
         assert counts[0][0] == 0 and counts[-1][0] == counts[-1][1]  # from 0 to all done
-    assert ("gather trainer metadata", 4, 4) in calls
+    assert ("gather trainer metadata", 2, 2) in calls
 
 
 def test_a_traced_update_brings_spans_back_and_a_plain_one_does_not(env, tmp_path):
@@ -93,10 +93,9 @@ def test_a_traced_update_brings_spans_back_and_a_plain_one_does_not(env, tmp_pat
     assert plain.trace is None and all(r.trace is None for r in plain.per_rank)
     doc = read_chrome_trace(path)
     procs = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
-    assert procs == {"controller", *(f"trainer rank {r} (tnode{r // 2}/nic{r % 2})"
-                                     for r in range(4))}
+    assert procs == {"controller", *(f"trainer rank {r} (tnode0/nic{r})" for r in range(2))}
     tl = timeline_of_trace(doc)
-    assert tl.rows == ("rank 0", "rank 1", "rank 2", "rank 3")
+    assert tl.rows == ("rank 0", "rank 1")
     assert {"prepare", "write", "nic", "barrier"} <= {b.stage for b in tl.bars}
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] > 0]
     assert sum(e["args"]["bytes"] for e in spans if e["cat"] == "nic") == traced.bytes
