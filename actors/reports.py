@@ -164,6 +164,9 @@ class UpdateReport:
     per_rank: tuple[RankReport, ...] = ()
     trace: UpdateTrace | None = field(default=None, hash=False, repr=False)  # update(trace=)
     integrity: IntegrityResult | None = field(default=None, hash=False)  # the checksum check
+    # the controller's wall and process CPU per step of the update (directive, begin,
+    # transfer, fence, apply, groups, check, end): {"transfer": {"wall": s, "cpu": s}, ...}
+    phases: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
 
     @property
     def gb_per_s(self) -> float:
@@ -229,6 +232,7 @@ class UpdateReport:
             "replicas": list(self.replicas),
             "retries": self.retries,
             "integrity": None if self.integrity is None else self.integrity.as_dict(),
+            "phases": {k: dict(v) for k, v in self.phases.items()},
             "per_rank": [
                 {"rank": r.rank, "seconds": r.transfer.seconds,
                  "bytes": r.transfer.bytes_written, "writes": r.transfer.writes,

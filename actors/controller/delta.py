@@ -75,6 +75,7 @@ class DeltaChain:
         self.last: DeltaRound | None = None
         self.fallback = config.delta_fallback == "time"
         self.apply_s_per_byte: float | None = None  # measured, handed to the time rule
+        self.fixed_s: float | None = None  # ... and the fixed part of a delta update
         self._most_records = 0
 
     def request_anchor(self) -> None:
@@ -120,7 +121,8 @@ class DeltaChain:
         self.anchor = self.force or self.since_anchor >= self.every
         directive = DeltaDirective(version=version, anchor=self.anchor,
                                    held=dict(self.state.versions),
-                                   apply_s_per_byte=self.apply_s_per_byte)
+                                   apply_s_per_byte=self.apply_s_per_byte,
+                                   fixed_s=self.fixed_s)
         self._get([t.wt_delta_begin.remote(directive) for t in self.state.trainers])
         return directive
 
@@ -135,6 +137,18 @@ class DeltaChain:
         old = self.apply_s_per_byte
         whole = old is None or records * 2 >= self._most_records
         self.apply_s_per_byte = rate if whole else (old + rate) / 2
+
+    def measured(self, seconds: float, transfer_seconds: float) -> None:
+        """After a successful update of ``seconds`` (the slowest trainer rank's run:
+        ``transfer_seconds``): for a delta update with most records and no repair, the
+        controller's fixed part (the update less the run and the apply fan-out) blended
+        into :attr:`fixed_s`, the time rule's ``F_update``."""
+        last = self.last
+        if (last is None or last.anchor or last.repaired_bytes
+                or last.records_applied * 2 < self._most_records):
+            return
+        got = max(0.0, seconds - transfer_seconds - last.apply_seconds)
+        self.fixed_s = got if self.fixed_s is None else (self.fixed_s + got) / 2
 
     def after(self, version: int, names: list[str]) -> DeltaRound:
         """Every rank of replicas ``names`` applies ``version`` in place; the trainers

@@ -94,6 +94,7 @@ from actors.reports import RankReport, TrainerFault, UpdateReport
 from weight_transfer.errors import BarrierRefusedError, FaultKind, UpdateError
 from weight_transfer.integrity.served import ServedSums
 from weight_transfer.observe.metrics import TransferMetrics
+from weight_transfer.observe.phases import PhaseClock
 from weight_transfer.observe.trace import write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -225,30 +226,38 @@ class UpdateSteps:
         offset, snap, start = UpdateClock.wall_offset(), ledger.snapshot(), time.perf_counter()
         deadline = time.monotonic() + timeout
         writes_end = deadline - timeout * RESUME_SHARE  # the transfer and the check
-        names = list(st.replicas)
+        names, clock = list(st.replicas), PhaseClock()  # this process's wall and CPU per step
         if delta is not None:
             delta.before(version)  # anchor or delta (actors.controller.delta)
+        clock.mark("directive")
         faults = strategy.begin(version, names, until=deadline - timeout * (1 - PAUSE_SHARE),
                                 base=delta is not None and not delta.anchor)
+        clock.mark("begin")
         begun = time.perf_counter()
         reports, errors = self.calls.go(st.trainers, version, trace=bool(trace),
                                         until=writes_end,
                                         budget_s=timeout * (1 - RESUME_SHARE))
         transferred = time.perf_counter()
+        clock.mark("transfer")
         if after_transfer is not None:
             after_transfer(version)
         failed = self._fence(names, faults, reports, errors)
+        clock.mark("fence")
         if delta is not None:
             failed |= apply_delta(delta, version, names, failed, bool(errors), faults)
+        clock.mark("apply")
         merge_faults(faults, self.replica_ops.fill_groups(  # replica groups: peers fill followers
             version, faults, reports, errors, until=writes_end))
         failed |= set(faults)
+        clock.mark("groups")
         check, sums = self._check(version, [n for n in names if n not in failed],
                                   list(reports.values()), writes_end)
         merge_faults(faults, unchecked_faults(check))  # ranks that did not answer the check
         failed |= set(check.torn)
+        clock.mark("check")
         ending = strategy.end(version, names, [n for n in names if n not in failed], failed,
                               faults, deadline=deadline)
+        clock.mark("end")
         if self.served is not None:
             self.served.commit(version, sums)
         done = UpdateOutcome(version=version, replicas=tuple(names),
@@ -261,23 +270,28 @@ class UpdateSteps:
             record_failure(self.metrics, errors, reports, ending.torn, st.versions)
             err = self._fail(version, reports, errors, faults, ending, check, auto_resync)
             return dataclasses.replace(done, error=err)
-        clock = UpdateClock(start=start, paused=begun, transferred=transferred,
+        phases, clock = clock, UpdateClock(start=start, paused=begun, transferred=transferred,
                             end=time.perf_counter(), offset=offset)
         report = self._succeeded(version, clock, reports, names, ledger.since(snap), check,
-                                 trace)
+                                 trace, phases=phases.as_dict())
+        if delta is not None:  # the time rule's fixed part of a delta update
+            delta.measured(report.seconds, report.transfer_seconds)
         return dataclasses.replace(done, report=report)
 
     def _succeeded(self, version: int, clock: UpdateClock, reports: dict[int, RankReport],
                    names: list[str], control: tuple[int, int], check: IntegrityResult | None,
-                   trace: bool | str | os.PathLike) -> UpdateReport:
+                   trace: bool | str | os.PathLike,
+                   phases: dict[str, dict[str, float]] | None = None) -> UpdateReport:
         """The report of a successful update (``control``: bytes and calls of the control
-        plane), recorded in the metrics; its trace written where ``trace`` is a path."""
+        plane; ``phases``: the controller's wall and CPU per step), recorded in the
+        metrics; its trace written where ``trace`` is a path."""
         per_rank = list(reports.values())
         report = UpdateReport.combine(
             version=version, seconds=clock.end - clock.start, per_rank=per_rank,
             pause_seconds=clock.paused - clock.start, resume_seconds=clock.end - clock.transferred,
             control_bytes=control[0], control_calls=control[1], replicas=tuple(names),
-            trace=self._trace(version, clock, per_rank) if trace else None, integrity=check)
+            trace=self._trace(version, clock, per_rank) if trace else None, integrity=check,
+            phases=phases or {})
         record_success(self.metrics, report, self.state.versions)
         if trace and not isinstance(trace, bool):
             write_chrome_trace(trace, [report.trace])

@@ -36,3 +36,18 @@ def test_quick_bench_runs_and_verifies_every_mode(tmp_path, ray_job,
     assert by["gather"]["bytes"] == pytest.approx(by["shard_direct"]["bytes"], rel=0.01)
     assert 0 < by["delta"]["changed_fraction"] < 0.5
     assert all(r["oracle"] for r in doc["rounds"])  # --oracle every (the default)
+    # where the seconds went: per step of the controller, per trainer and engine rank, wall
+    # and CPU; the time rule's estimate of the delta update holds its fixed cost
+    for row in doc["rounds"]:
+        acc = row["phases"]
+        assert set(acc["controller"]) >= {"directive", "begin", "transfer", "apply", "check",
+                                          "end"}
+        assert all(v["wall"] >= 0 and v["cpu"] >= 0 for v in acc["controller"].values())
+        assert len(acc["trainers"]) == 2 and {t["rank"] for t in acc["trainers"]} == {0, 1}
+        assert all(t["run"]["cpu"] > 0 and t["prepare"]["cpu"] >= 0 for t in acc["trainers"])
+    delta = next(r for r in doc["rounds"] if r["mode"] == "delta")
+    assert delta["phases"]["engines"] and all(e["records"] > 0
+                                              for e in delta["phases"]["engines"])
+    assert delta["est_fixed_s"] is not None and delta["est_fixed_s"] > 0
+    assert delta["est_delta_s"] > delta["est_fixed_s"]
+    assert by["delta"]["phases"]["controller"]["transfer"]["wall"] > 0

@@ -37,6 +37,31 @@ def test_choice_from_rates() -> None:
     assert sum(slow.probe(i) for i in range(10 * PROBE_SHARE)) == 10
 
 
+def test_fixed_cost_counts_in_the_estimates() -> None:
+    """The time rule's estimates hold each update's fixed cost: the rank's (a delta run's
+    wall less its encode CPU; a dense run's less its writes in flight) and the
+    controller's (handed over, paid by both); a fixed cost above what deltas save makes the
+    rank write dense."""
+    rates = DeltaRates(encode_s_per_piece=0.001)
+    rates.measured_dense(nbytes=50_000_000, seconds=1.0)
+    rates.measured_fixed(run_seconds=0.7, encode_seconds=0.1)  # F_rank 0.6 s
+    assert rates.fixed_s == pytest.approx(0.6)
+    got = rates.choose(pieces=100, written=2 * 10**8, apply_s_per_byte=1e-9, turn=0,
+                       fixed_s=0.2)
+    assert got.delta and got.fixed_s == pytest.approx(0.8)
+    assert got.est_delta_s == pytest.approx(0.1 + 0.2 + 0.8)
+    assert got.est_dense_s == pytest.approx(4.0 + 0.2)
+    assert "fixed 0.800 s" in got.reason
+    rates.measured_dense_fixed(run_seconds=4.5, write_seconds=4.0)  # a dense run's F_dense
+    assert rates.choose(pieces=100, written=2 * 10**8, apply_s_per_byte=1e-9, turn=0,
+                        fixed_s=0.2).est_dense_s == pytest.approx(4.0 + 0.5 + 0.2)
+    rates.measured_fixed(run_seconds=10.1, encode_seconds=0.1)  # blended: (0.6 + 10) / 2
+    assert rates.fixed_s == pytest.approx(5.3)
+    dense = rates.choose(pieces=100, written=2 * 10**8, apply_s_per_byte=1e-9, turn=0,
+                         fixed_s=0.2)
+    assert not dense.delta and dense.reason.startswith("dense_time")
+
+
 def _sender(rates: DeltaRates, pieces: list[Piece]) -> DeltaSender:
     region = RegionDesc(owner="e/tp0", nic="n", addr=1, length=1 << 20, rkey=1)
     return DeltaSender({"e/tp0": DeltaSlot(region=region, offset=0, size=1 << 20)},

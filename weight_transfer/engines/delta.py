@@ -67,6 +67,7 @@ class DeltaApplied:
     bytes: int = 0  # destination bytes they cover
     changed: int = 0  # elements they wrote
     seconds: float = 0.0  # the whole apply: slot checks, digests, scatters
+    cpu_seconds: float = 0.0  # ... its CPU (the applying thread's)
     stale: tuple[tuple[int, int, int], ...] = ()  # (region addr, offset, nbytes) not applied
     bad_slots: tuple[int, ...] = ()  # trainer ranks whose slot could not be read
     reasons: tuple[str, ...] = ()
@@ -113,7 +114,7 @@ class DeltaArena:
     def apply(self, *, version: int, held: int | None,
               buffers: Mapping[int, Any]) -> DeltaApplied:
         """Apply every record of ``version`` in place (see the module docstring)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         arena = self.buffer.numpy()
         views = {addr: _numpy(b) for addr, b in buffers.items()}
         stale, bad, reasons = [], [], []
@@ -138,6 +139,7 @@ class DeltaArena:
                     reasons.append(why)
         done = DeltaApplied(owner=self.owner, version=version, records=records, bytes=nbytes,
                             changed=changed, seconds=time.perf_counter() - start,
+                            cpu_seconds=time.thread_time() - cpu,
                             stale=tuple(stale), bad_slots=tuple(bad),
                             reasons=tuple(reasons[:8]))
         if not done.ok:

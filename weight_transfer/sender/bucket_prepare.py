@@ -64,6 +64,7 @@ class BucketWork:
     layout: BucketLayout
     params: list[ParamWork]
     lease: Lease | None = None  # its pieces' range of the staging arena
+    encoded: dict | None = None  # a delta run: its pieces' records, encoded where prepared
 
     @property
     def bucket(self) -> GatherBucket:

@@ -96,6 +96,7 @@ import torch
 
 from weight_transfer.integrity.checksums import IntegrityPolicy
 from weight_transfer.observe.metrics import TransferMetrics
+from weight_transfer.observe.phases import ThreadTimer
 from weight_transfer.plan.check import GroupWork, check_trainer_plan
 from weight_transfer.plan.types import TrainerPlan
 from weight_transfer.sender.bucket_prepare import (
@@ -224,6 +225,7 @@ class RankTransfer:
                                     fence_timeout_s=timeout_s)
         self._used = UpdateSources(mode="snapshot")
         self._prepared = self._zero_copy_bytes = self._num_items = 0
+        self._prepare_timer = ThreadTimer()
 
     def register_sources(self) -> list[str]:
         """Register the memory the zero-copy pieces read from, once, at setup (else at the
@@ -254,10 +256,14 @@ class RankTransfer:
                                                                 local_tensor(p.local)):
                 p.zero_copy = frozenset()
         views = self.write_from_views and self._used.mode == "zero_copy"
-        with torch.no_grad():
-            return prepare_bucket(work, rank=self.rank, write_from_views=views,
+        with torch.no_grad(), self._prepare_timer:
+            work = prepare_bucket(work, rank=self.rank, write_from_views=views,
                                   record=record,
                                   prepare=None if delta is None else delta.prepare_into)
+        if delta is not None:  # encoded on this thread too: no second hand-off per bucket
+            work.encoded = delta.encode_pairs([(self._source(b), t)
+                                               for b, t in self._pairs(work)])
+        return work
 
     async def _prepare(self, work: BucketWork) -> BucketWork:
         if self.arena is not None:  # FIFO: this stage takes one bucket at a time, in order
@@ -269,13 +275,18 @@ class RankTransfer:
             self.sources.release()  # every source byte copied: the next step may run
         return work
 
+    @staticmethod
+    def _pairs(work: BucketWork) -> list[tuple[torch.Tensor, WriteTask]]:
+        return [(buf, t) for p in work.params for buf, t in zip(p.prepared, p.tasks,
+                                                                 strict=True)]
+
     async def _write(self, work: BucketWork) -> BucketWork:
-        pairs = [(buf, t) for p in work.params for buf, t in zip(p.prepared, p.tasks,
-                                                                  strict=True)]
+        pairs = self._pairs(work)
         if self.delta is not None and self.delta.active:
             await self.delta.write([(self._source(b), t) for b, t in pairs],
                                    dense=self._write_task, known=self._piece_sum,
-                                   records=self._write_records)
+                                   records=self._write_records, encoded=work.encoded)
+            work.encoded = None
         else:
             await asyncio.gather(*(self._write_task(buf, t) for buf, t in pairs))
         for p in work.params:
@@ -362,7 +373,7 @@ class RankTransfer:
     async def run(self, version: int, *, overlap: bool = False) -> TransferReport:
         """One update. ``overlap``: the trainer may step during it (``source="auto"`` then
         takes a snapshot: :mod:`weight_transfer.sender.zero_copy.sources`)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         # Serial mode: a 1-byte watermark makes every item oversized, so each runs alone.
         wm = ByteWatermark(1 if self.serial else self.watermark_bytes,
                            on_change=self._watermark_changed)
@@ -380,6 +391,7 @@ class RankTransfer:
         self._used = await self.sources.begin({n: self.get_param(n) for n in self.zero_copy},
                                               overlap=overlap, delta=delta)
         self._prepared = self._zero_copy_bytes = 0
+        self._prepare_timer = ThreadTimer()
         self._num_items = sum(len(group) for group in self.layouts)
         try:
             barrier_s = await self._run_groups(version, wm, spans, barriers)
@@ -407,7 +419,12 @@ class RankTransfer:
             source=self._used.mode,
             zero_copy_bytes=self._zero_copy_bytes,
             sources_refused=self._used.refused,
+            cpu_seconds=time.process_time() - cpu,
+            prepare_seconds=self._prepare_timer.wall,
+            prepare_cpu_seconds=self._prepare_timer.cpu,
         )
+        if delta and self.delta is not None:  # the time rule's fixed cost of a delta run
+            self.delta.sender.measured_run(report.seconds)
         if self.metrics is not None:
             self.metrics.nic_transfer(nic=str(getattr(self.transport, "nic", "?")),
                                       rank=self.rank, nbytes=report.bytes_written,

@@ -96,3 +96,6 @@ class TransferReport:
     source: str = "snapshot"  # what the update read from: zero_copy or snapshot (sources)
     zero_copy_bytes: int = 0  # planned bytes written straight from registered sources
     sources_refused: tuple[str, ...] = ()  # parameters whose registered source moved
+    cpu_seconds: float = 0.0  # CPU of the whole process (every thread) during the run
+    prepare_seconds: float = 0.0  # the prepare thread's wall in gathers and cuts, summed
+    prepare_cpu_seconds: float = 0.0  # ... and its CPU

@@ -52,6 +52,7 @@ from typing import Any
 
 import ray
 
+from actors.tools.bench.delta_phases import accounting, line_of, median_phases, table_of_phases
 from actors.tools.cli.progress import command_console, emit_json
 from actors.tools.demo.fleet import connect_ray, engine_impl, start_fleet, token_batch
 from actors.tools.demo.run_config import load_run_config, parse_run_config
@@ -131,6 +132,7 @@ class DeltaBench:
         if sums is None or sums.mode != "full" or not sums.ok:
             problems.append(f"integrity check: {sums}")
         total = lambda key: sum(s[key] for s in stats)  # noqa: E731
+        ests = [s["est_delta_s"] for s in stats if s["est_delta_s"] is not None]
         return {**self._shadow_times(), "mode": mode, "bytes": wire, "seconds": report.seconds,
                 "verified": bool(checks.get("bytes")) and not problems, "oracle": oracle,
                 "problems": problems[:3], "anchor": last.anchor,
@@ -144,6 +146,10 @@ class DeltaBench:
                 "base_bytes": total("base_bytes"),
                 "time_dense_pieces": total("time_dense_pieces"),
                 "fallback": sorted({s["fallback"] for s in stats if s["fallback"]}),
+                "est_delta_s": max(ests) if ests else None,
+                "est_fixed_s": max((s["est_fixed_s"] for s in stats
+                                    if s.get("est_fixed_s") is not None), default=None),
+                "phases": accounting(report, stats, last.applied),
                 "encodings": _merge_counts(s["encodings"] for s in stats)}
 
     def _shadow_times(self) -> dict[str, float]:
@@ -196,8 +202,15 @@ def summarize(rows: list[dict[str, Any]], *, dtype: str, lr: float) -> list[dict
                     "base_bytes": max(r["base_bytes"] for r in mine),
                     "time_dense_pieces": sum(r["time_dense_pieces"] for r in mine),
                     "fallback": sorted({f for r in mine for f in r["fallback"]}),
+                    "est_delta_s": _median_of(r.get("est_delta_s") for r in mine),
+                    "phases": median_phases(mine),
                     "rounds": len(mine)})
     return out
+
+
+def _median_of(values: Any) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 def goals(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -280,6 +293,7 @@ def _rounds(bench: DeltaBench, mine: list, order: list[str], *, dtype: str, lr: 
                       f"in {row['seconds']:.3f} s (CPU s: diff {row['diff_s']:.3f}, "
                       f"encode {row['encode_s']:.3f}, apply {row['apply_s']:.3f}),{shadow} "
                       f"{'verified' if row['verified'] else 'NOT verified'}")
+        console.print(line_of(row["phases"]))
         if row["fallback"]:
             console.print(f"    time rule ({row['time_dense_pieces']} pieces dense by time): "
                           + "; ".join(row["fallback"]))
@@ -291,7 +305,7 @@ def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
     cap = f"{nic_gbps:g} GB/s per NIC" if nic_gbps else "uncapped"
     table = Table(title=f"dense vs sparse delta updates ({cap}; medians)")
     shadow = any("sync_s" in r for r in runs)
-    for col in ("dtype", "lr", "mode", "MB on wire", "seconds", "bytes x", "speed x",
+    for col in ("dtype", "lr", "mode", "MB on wire", "seconds", "est s", "bytes x", "speed x",
                 "diff s", "encode s", "apply s", "changed",
                 *(("live->shadow s", "flip s") if shadow else ()), "verified"):
         table.add_column(col, justify="right")
@@ -301,7 +315,9 @@ def table_of(runs: list[dict[str, Any]], nic_gbps: float | None) -> Any:
         frac = r["changed_fraction"]
         extra = (f"{r['sync_s']:.4f}", f"{r['flip_s']:.4f}") if shadow else ()
         table.add_row(r["dtype"], f"{r['lr']:g}", r["mode"], f"{r['bytes'] / 1e6:.2f}",
-                      f"{r['seconds']:.3f}", f"{base['bytes'] / max(1, r['bytes']):.1f}",
+                      f"{r['seconds']:.3f}",
+                      "-" if r.get("est_delta_s") is None else f"{r['est_delta_s']:.3f}",
+                      f"{base['bytes'] / max(1, r['bytes']):.1f}",
                       f"{base['seconds'] / r['seconds']:.2f}", f"{r['diff_s']:.3f}",
                       f"{r['encode_s']:.3f}", f"{r['apply_s']:.3f}",
                       "-" if frac is None else f"{100 * frac:.2f}%", *extra,
@@ -353,6 +369,7 @@ def run(*, config: Path, model: Path | None, nic_gbps: float | None, updates: in
     runs = [r for r in runs if r["mode"] != "error"]
     notes += [f"{r['dtype']} lr {r['lr']:g} stopped early: {r['error']}" for r in errors]
     console.print(table_of(runs, nic_gbps))
+    console.print(table_of_phases(runs))
     verdict = goals(runs)
     for p in verdict["pairs"]:
         console.print(f"{p['dtype']} lr {p['lr']:g}: delta {p['bytes_x']:.1f}x fewer bytes, "

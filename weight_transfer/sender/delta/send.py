@@ -69,12 +69,15 @@ class DeltaSlot:
 class DeltaDirective:
     """What the controller says before an update: dense for all (``anchor``), and the
     version each replica holds completely (None: torn or never filled), and the engines'
-    measured apply seconds per destination byte (None: not measured yet)."""
+    measured apply seconds per destination byte (None: not measured yet), and the
+    controller's fixed part of a delta update (``fixed_s``, the time rule's ``F_update``;
+    None: not measured yet)."""
 
     version: int
     anchor: bool = False
     held: dict[str, int | None] = field(default_factory=dict, hash=False)
     apply_s_per_byte: float | None = None
+    fixed_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -130,9 +133,13 @@ class DeltaStats:
     fallback: str = ""  # the time rule's decision and why (delta_policy); "" without one
     est_delta_s: float | None = None
     est_dense_s: float | None = None
+    est_fixed_s: float | None = None  # of est_delta_s: the fixed cost (F_rank + F_update)
     time_dense_pieces: int = 0  # pieces written dense by the time rule, not diffed
     source_pieces: int = 0  # FP8 pieces whose changes came from the source (delta_source)
     source_s: float = 0.0  # ... the time that took (diff and quantization of changes)
+    source_cpu_s: float = 0.0  # ... and its CPU (the prepare thread's)
+    encode_thread_s: float = 0.0  # wall of the encoding thread's batches (every piece)
+    encode_thread_cpu_s: float = 0.0  # ... and its CPU
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -175,6 +182,7 @@ class DeltaSender:
         self._count: dict[str, int] = {}
         self._taken: dict[str, int] = {}  # slot offset up to which records were taken
         self._placed: dict[str, list[WriteTask]] = {}  # ... and the tasks placed after it
+        self._dense_busy: float | None = None  # a mostly dense run's writes in flight (s)
 
     # ---------------------------------------------------------------- one update
 
@@ -189,10 +197,11 @@ class DeltaSender:
             self.turn += 1
             self.choice = self.rates.choose(pieces=len(self.base), written=self.written,
                                             apply_s_per_byte=directive.apply_s_per_byte,
-                                            turn=self.turn)
+                                            turn=self.turn, fixed_s=directive.fixed_s)
             self.stats.fallback = self.choice.reason
             self.stats.est_delta_s = self.choice.est_delta_s
             self.stats.est_dense_s = self.choice.est_dense_s
+            self.stats.est_fixed_s = self.choice.fixed_s
         self._cursor = {o: SLOT_HEADER for o in self.slots}
         self._count = {o: 0 for o in self.slots}
         self._taken = dict(self._cursor)
@@ -207,9 +216,10 @@ class DeltaSender:
                 or weight in self._pre or not supported(rect)):
             return False
         with self._lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             got = fp8_changes(kept, rect, bw.data, bs.data.view(np.float32))
             self.stats.source_s += time.perf_counter() - t0
+            self.stats.source_cpu_s += time.thread_time() - c0
             if got is None:
                 return False
             self._pre[weight], self._pre[scale] = got
@@ -343,6 +353,19 @@ class DeltaSender:
                                    whole=st.diffed_pieces * 2 > len(self.base))
         if dense_bytes * 2 >= self.written:
             self.rates.measured_dense(dense_bytes, dense_seconds)
+            self._dense_busy = dense_seconds
+
+    def measured_run(self, seconds: float) -> None:
+        """After a run of ``seconds`` wall: where it diffed most pieces, its fixed cost (the
+        wall its encode CPU does not explain) into ``rates`` (the time rule's ``F_rank``);
+        where it wrote most bytes dense, the wall its dense writes do not (``F_dense``)."""
+        st, busy, self._dense_busy = self.stats, self._dense_busy, None
+        if self.rates is None:
+            return
+        if st.diffed_pieces * 2 > len(self.base):
+            self.rates.measured_fixed(seconds, st.encode_cpu_s)
+        elif busy is not None:  # mostly dense: its fixed cost, the time rule's F_dense
+            self.rates.measured_dense_fixed(seconds, busy)
 
     def finish(self) -> list[tuple[torch.Tensor, RegionDesc, int]]:
         """One slot header per engine rank (written after every record landed): the

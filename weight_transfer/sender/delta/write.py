@@ -5,9 +5,12 @@ its engine rank's slot (or write the piece dense), and write the records in batc
 ``(bytes, task)`` pairs here when a :class:`~weight_transfer.sender.delta.send.DeltaSender`
 is attached (``transfer.attach_delta(sender)``); the bytes are whatever the
 prepare stage produced (a gather or the rank's own shard), so deltas do not
-depend on how pieces are made. Encoding runs on one thread of its own (numpy
-releases the GIL in the diff and the scatter), so the next bucket's gather
-overlaps it; dense WRITEs then run concurrently as usual. Records placed back to
+depend on how pieces are made. The executor encodes a bucket on its prepare
+thread right after the bucket's prepare (:meth:`DeltaStage.encode_pairs`): a
+second thread hand-off per bucket (hundreds per update, each a wake-up and a
+GIL switch on a loaded CPU) cost more than the overlap won; a caller without
+it has them encoded on a thread of the stage's own. Dense WRITEs then run
+concurrently as usual. Records placed back to
 back in one engine rank's slot go out as one WRITE
 (:class:`~weight_transfer.sender.delta.send.RecordRun`) once :data:`FLUSH_BYTES` of them
 wait, the rest after the last bucket: a WRITE per record (hundreds of a few
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weight_transfer.delta.policy import busy_seconds
+from weight_transfer.observe.phases import ThreadTimer
 from weight_transfer.sender.delta.send import DeltaDirective, DeltaSender, Encoded, RecordRun
 from weight_transfer.sender.prepare import prepare_pieces_into, source_rect
 from weight_transfer.types import Piece, RegionDesc, Transform, WriteTask
@@ -71,7 +75,8 @@ class DeltaStage:
                      views: bool = False) -> list[torch.Tensor]:
         """:func:`~weight_transfer.sender.prepare.prepare_pieces_into` of ``pieces`` (``srcs``: the
         same pieces with sources relative to ``full``), an FP8 pair's bytes from its
-        source's changes where the sender can (copied into their ``outs``)."""
+        source's changes where the sender can (copied into their ``outs``; with ``views``,
+        a NIC that writes from any host memory, the sender's kept bytes themselves)."""
         ready: dict[int, torch.Tensor] = {}
         pairs: dict[tuple, dict[Transform, int]] = {}
         for i, p in enumerate(pieces):
@@ -84,9 +89,13 @@ class DeltaStage:
                 continue
             rect = source_rect(full, srcs[w]).detach()
             if self.sender.prepare_fp8(pieces[w], pieces[sc], rect):
-                for i in (w, sc):
-                    outs[i].numpy()[:] = self.sender.base[pieces[i]].data
-                    ready[i] = outs[i]
+                for i in (w, sc):  # the kept bytes are this update's now
+                    data = self.sender.base[pieces[i]].data
+                    if views:  # a NIC that writes from any host memory: sent from there
+                        ready[i] = torch.from_numpy(data)
+                    else:
+                        outs[i].numpy()[:] = data
+                        ready[i] = outs[i]
             else:
                 kept.append((pieces[w], rect))
         rest = [i for i in range(len(pieces)) if i not in ready]
@@ -98,18 +107,35 @@ class DeltaStage:
             self.sender.keep_fp8_source(weight, rect)
         return [ready[i] for i in range(len(pieces))]
 
+    def encode_pairs(self, pairs: Sequence[tuple[torch.Tensor, WriteTask]]
+                     ) -> dict[Piece, Encoded]:
+        """Encode the pieces of a bucket's ``(bytes, task)`` pairs now, on the calling thread
+        (the prepare stage's: one thread hand-off per bucket, not two); their result goes
+        to :meth:`write` as ``encoded``."""
+        return self._encode({t.piece: buf for buf, t in pairs})
+
     def _encode(self, pieces: dict[Piece, torch.Tensor]) -> dict[Piece, Encoded]:
-        return {p: self.sender.encode(p, buf) for p, buf in pieces.items()}
+        timer = ThreadTimer()
+        with timer:
+            out = {p: self.sender.encode(p, buf) for p, buf in pieces.items()}
+        st = self.sender.stats
+        st.encode_thread_s += timer.wall
+        st.encode_thread_cpu_s += timer.cpu
+        return out
 
     async def write(self, pairs: Sequence[tuple[torch.Tensor, WriteTask]], *,
-                    dense: DenseWrite, known: Known, records: RecordsWrite) -> None:
-        """Encode ``pairs``' pieces (``known(task, digest)``: the XXH3-64 of the piece's
+                    dense: DenseWrite, known: Known, records: RecordsWrite,
+                    encoded: dict[Piece, Encoded] | None = None) -> None:
+        """Encode ``pairs``' pieces on the encoding thread (unless ``encoded``: done by
+        :meth:`encode_pairs`) (``known(task, digest)``: the XXH3-64 of the piece's
         bytes, the sender's digest of the bytes it now keeps); write each task dense or
         place its record; write the records of engine ranks with :data:`FLUSH_BYTES`
         waiting."""
-        pieces = {t.piece: buf for buf, t in pairs}
-        loop = asyncio.get_running_loop()
-        enc = await loop.run_in_executor(self._pool, self._encode, pieces)
+        enc = encoded
+        if enc is None:
+            pieces = {t.piece: buf for buf, t in pairs}
+            loop = asyncio.get_running_loop()
+            enc = await loop.run_in_executor(self._pool, self._encode, pieces)
         jobs = []
         for buf, task in pairs:
             known(task, self.sender.base[task.piece].digest)
