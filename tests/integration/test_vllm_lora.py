@@ -112,7 +112,7 @@ def engine(tmp_path_factory):
     nic = connect_link(link, meta, DEFAULT_TRANSPORT, trainer="trainer0", nic=TNIC)
     lora = LoraLink(link, name="policy", lora_int_id=1)
     ns = SimpleNamespace(llm=llm, link=link, lora=lora, nic=nic, model=model, v1=v1, v2=v2,
-                         root=root, lmeta=None, base_meta=meta)
+                         root=root, lmeta=None, base_meta=meta, buffer=None)
     yield ns
     try:
         link.close()
@@ -127,11 +127,16 @@ def oracle_tokens(ns, path: Path):
     return ns.link.generate(PROMPTS, 8, lora_request=request)
 
 
-def write(ns, tensors, base_version=None) -> int:
-    from weight_transfer.sources.lora import write_adapter
+def write(ns, tensors, base_version=None, *, reuse: bool = True) -> int:
+    """One version written into the free slot (``reuse``: prepared into the buffer allocated
+    once, as a trainer does every step; else into new tensors)."""
+    from weight_transfer.sources.lora import adapter_buffer, write_adapter
 
     slot = ns.lora.begin(base_version=base_version)
-    return asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, tensors))
+    if reuse and getattr(ns, "buffer", None) is None:
+        ns.buffer = adapter_buffer(ns.lmeta)
+    return asyncio.run(write_adapter(ns.nic, ns.lmeta, slot, tensors,
+                                     buffer=ns.buffer if reuse else None))
 
 
 def test_too_few_slots_is_refused_naming_the_numbers():
@@ -191,7 +196,7 @@ def test_slot_bytes_and_tokens_equal_vllms_own_load(engine):
         set(dict(ns.lmeta.scaling).values()) == {16 / 4}
     base = ns.link.generate(PROMPTS, 8)
     tensors, path = ns.v1
-    assert write(ns, tensors) == ns.lmeta.nbytes > 0
+    assert write(ns, tensors, reuse=False) == ns.lmeta.nbytes > 0
     assert ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request()) == base  # not yet
     ns.lora.flip(version=1)
     ours = ns.link.generate(PROMPTS, 8, lora_request=ns.lora.request())

@@ -35,6 +35,7 @@ from weight_transfer.engines.vllm.lora.spec import (
     LoraRankMeta,
     check_tensors,
     prepare_lora_piece,
+    prepare_lora_piece_into,
 )
 
 
@@ -69,17 +70,34 @@ def describe_peft(model: Any, adapter: str = "default") -> AdapterSpec:
                                    for n, t in state.items()})
 
 
+def adapter_buffer(meta: LoraRankMeta) -> torch.Tensor:
+    """Room for one version's bytes into ``meta``'s rank: allocate once, pass to every
+    :func:`write_adapter` (the update then allocates nothing)."""
+    return torch.empty(max(sum(p.nbytes for p in ps) for ps in meta.slot_pieces),
+                       dtype=torch.uint8)
+
+
 async def write_adapter(nic: Any, meta: LoraRankMeta, slot: int,
-                        tensors: dict[str, torch.Tensor]) -> int:
+                        tensors: dict[str, torch.Tensor], *,
+                        buffer: torch.Tensor | None = None) -> int:
     """Write one adapter version into ``slot`` of one engine rank through ``nic`` (connected
     to it); returns the bytes written. Every tensor is checked against the setup first:
-    a mismatch is a ValueError and nothing is written."""
+    a mismatch is a ValueError and nothing is written. ``buffer``: from
+    :func:`adapter_buffer`, reused (without it each piece is prepared into a new tensor)."""
     check_tensors(meta, tensors)
+    pieces = meta.pieces(slot)
+    if buffer is not None and buffer.numel() < sum(p.nbytes for p in pieces):
+        raise ValueError(f"adapter {meta.name!r}: buffer of {buffer.numel()} B, one version "
+                         f"needs {sum(p.nbytes for p in pieces)} (adapter_buffer(meta))")
     where = {t.name: t for t in meta.engine.tensors}
     total = 0
-    for p in meta.pieces(slot):
+    for p in pieces:
         t = where[p.dst_tensor]
-        data = prepare_lora_piece(tensors[p.src_param], p, meta.scale(p.src_param))
+        full, scale = tensors[p.src_param], meta.scale(p.src_param)
+        if buffer is None:
+            data = prepare_lora_piece(full, p, scale)
+        else:
+            data = prepare_lora_piece_into(full, p, scale, buffer[total:total + p.nbytes])
         await nic.write(data, t.region, t.offset + p.dst_offset)
         total += p.nbytes
     return total

@@ -4,9 +4,9 @@ A :class:`Rig` is one ``LLM`` (``enable_lora=True``, ``max_loras=3``: our adapte
 slots and one for the disk path's) with our backend set up for full weights and a
 trainer NIC connected to each TP rank. Per update, the trainer side holds a PEFT model:
 
-* ``ours``: the adapter's tensors (PEFT's state dict) written one-sided into the free
-  slot, then the flip at a step boundary (:class:`~weight_transfer.engines.vllm.lora.link.
-  LoraLink`);
+* ``ours``: the adapter's tensors (PEFT's state dict) prepared into buffers allocated
+  once and written one-sided into the free slot, then the flip at a step boundary
+  (:class:`~weight_transfer.engines.vllm.lora.link.LoraLink`);
 * ``disk``: ``save_pretrained`` then vLLM's own load of that checkpoint under one id
   (``LLMEngine.add_lora`` with ``load_inplace``: what ``/v1/load_lora_adapter`` runs);
 * ``merged``: PEFT's own delta (``get_delta_weight``) added to the base, then a
@@ -43,6 +43,7 @@ class Rig:
     dtype: torch.dtype
     lora: Any = None  # the LoraLink of the adapter under test
     lmetas: list[Any] = field(default_factory=list)
+    buffers: list[Any] = field(default_factory=list)  # per rank, ours' prepare buffer
     version: int = 0
 
     @property
@@ -124,13 +125,14 @@ def train_step(model: Any, *, seed: int) -> None:
 def setup_ours(rig: Rig, model: Any) -> None:
     """Our adapter's two slots in every rank (once per adapter shape)."""
     from weight_transfer.engines.vllm.lora.link import LoraLink
-    from weight_transfer.sources.lora import describe_peft
+    from weight_transfer.sources.lora import adapter_buffer, describe_peft
 
     if rig.lora is not None:
         rig.lora.close()
     rig.lora = LoraLink(rig.link, name="bench", lora_int_id=SERVED_ID)
     rig.lmetas = rig.lora.setup(describe_peft(model),
                                 nics=tuple((m.tensors[0].region.nic,) for m in rig.metas))
+    rig.buffers = [adapter_buffer(m) for m in rig.lmetas]  # once; every update reuses them
 
 
 def ours(rig: Rig, model: Any) -> int:
@@ -142,8 +144,9 @@ def ours(rig: Rig, model: Any) -> int:
     slot = rig.lora.begin()
 
     async def every_rank() -> list[int]:
-        return await asyncio.gather(*(write_adapter(nic, meta, slot, tensors)
-                                      for nic, meta in zip(rig.nics, rig.lmetas, strict=True)))
+        return await asyncio.gather(*(
+            write_adapter(nic, meta, slot, tensors, buffer=buf)
+            for nic, meta, buf in zip(rig.nics, rig.lmetas, rig.buffers, strict=True)))
 
     written = sum(asyncio.run(every_rank()))
     rig.lora.flip(version=rig.version)

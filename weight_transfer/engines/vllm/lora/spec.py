@@ -115,6 +115,18 @@ def prepare_lora_piece(full: torch.Tensor, piece: Piece, scale: float) -> torch.
     return as_bytes(out)
 
 
+def prepare_lora_piece_into(full: torch.Tensor, piece: Piece, scale: float,
+                            out: torch.Tensor) -> torch.Tensor:
+    """:func:`prepare_lora_piece` written into ``out`` (flat uint8, ``piece.nbytes``): the
+    cast, then the scaling in place in the slot dtype (as vLLM's ``lora_b *= scaling``)."""
+    from weight_transfer.sender.prepare import prepare_pieces_into
+
+    (ready,) = prepare_pieces_into(full, [piece], [out])
+    if scale != 1.0:
+        ready.view(getattr(torch, piece.dst_dtype)).mul_(scale)
+    return ready
+
+
 def check_tensors(meta: LoraRankMeta, tensors: dict[str, torch.Tensor]) -> None:
     """ValueError naming every parameter the update lacks, adds or reshapes against the
     adapter set up (checked before anything is written)."""
