@@ -14,7 +14,8 @@ Trainer side: dense parameters are FSDP-sharded (``Shard(0)``) over every
 rank, or HSDP-placed (``(Replicate(), Shard(0))`` on the cluster's 2-D dense
 mesh) when the cluster sets ``trainer.replicate``; a per-expert parameter
 lives on the expert mesh that owns its expert; stacked 3-D expert parameters
-live on the 2-D (EP x FSDP) mesh over every rank.
+live on the 2-D (EP x FSDP) mesh over every rank. A cluster with ``trainer.megatron``
+places them as a Megatron trainer does (:mod:`scheduling.megatron_metadata`).
 Engine side: each rank's tensors (from ``engine_tensor_specs``) are laid out
 one after the other, 256-byte aligned, in one synthetic region per rank with a
 deterministic fake address and rkey.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from scheduling.build.match import layout_specs
 from scheduling.cluster.config import ClusterConfig
+from scheduling.megatron_metadata import megatron_trainer_meta
 from weight_transfer.layout.shard_geometry import gc_paused
 from weight_transfer.model.models import ModelConfig, trainer_param_specs
 from weight_transfer.types import (
@@ -52,6 +54,8 @@ def trainer_meta_from_config(
 ) -> TrainerMeta:
     """Trainer parameters of ``cfg`` placed on the cluster's meshes (see module docstring)."""
     with gc_paused():  # ~10^5 acyclic records: GC passes over them cost more than building
+        if cluster.trainer.megatron is not None:
+            return megatron_trainer_meta(cfg, cluster, expert_naming=expert_naming)
         return _trainer_meta(cfg, cluster, expert_naming)
 
 

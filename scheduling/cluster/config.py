@@ -24,7 +24,8 @@ from typing import Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from weight_transfer.config_files import StrictModel, load_yaml, validate_mapping
+from scheduling.cluster.megatron import MegatronLayout, check_world
+from weight_transfer.config_files import FieldError, StrictModel, load_yaml, validate_mapping
 from weight_transfer.types import MeshDesc, NicId, Placement, RankInfo, ShardSpec
 
 _SHARD0 = Placement(kind="shard", dim=0)
@@ -69,11 +70,22 @@ class TrainerCluster(StrictModel):
         description="HSDP: dense parameters replicated over this many groups of contiguous "
         "ranks and sharded inside each (1: FSDP over every rank)",
     )
+    megatron: MegatronLayout | None = Field(
+        default=None, description="a Megatron trainer's TP/PP/EP layout "
+        "(scheduling/cluster/megatron.py); None: FSDP (the fields above)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerCluster:
         _check_gpu_nic(self.gpu_nic, self.gpus_per_node, self.nics_per_node)
         world = self.nodes * self.gpus_per_node
+        if self.megatron is not None:
+            fsdp = sorted({"expert_parallel", "expert_mesh_layout", "replicate"}
+                          & self.model_fields_set)
+            if fsdp:
+                raise FieldError(f"{fsdp[0]} lays out an FSDP trainer; with megatron set, "
+                                 "say the layout in megatron (expert_parallel there)")
+            if (why := check_world(self.megatron, world)) is not None:
+                raise FieldError(why)
         if world % self.expert_parallel:
             raise ValueError(
                 f"expert_parallel={self.expert_parallel} does not divide the {world} trainer ranks"
