@@ -23,7 +23,7 @@ def _run(**kw):
     ({"engine": "sglang"}, "--engine 'sglang'"),
     ({"designs": "rank0,rpc"}, "no p2p"),
     ({"designs": "p2p,nccl"}, "unknown ['nccl']"),
-    ({"designs": "p2p,native"}, "native runs with --trainer deepspeed, not fsdp2"),
+    ({"designs": "p2p,native"}, "native runs with --trainer deepspeed or megatron, not fsdp2"),
     ({"trainer": "jax"}, "unknown trainer 'jax' (choose from deepspeed, fsdp2"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(kw, named, capsys):

@@ -14,7 +14,10 @@ no extra methods; each function's first argument is the actor instance.
   through Ray for every parameter (the tensor travels as the call's argument).
 * ``native`` (OpenRLHF's own, DeepSpeed ZeRO-3 trainers): ``rank0`` where each
   parameter's gather is ``deepspeed.zero.GatheredParameters`` (every design gathers a
-  ZeRO-3 model that way: :func:`_gathered`).
+  ZeRO-3 model that way: :func:`_gathered`); on Megatron-core trainers slime's own:
+  ``rank0`` where each parameter is all-gathered over TP and converted to Hugging Face
+  tensors (every design gathers a Megatron model that way:
+  :mod:`actors.tools.bench.baselines_megatron`).
 
 The engine-side load is the reference engine's layout: each received Hugging
 Face tensor is cut into this rank's fused and sharded tensors (the same
@@ -40,6 +43,9 @@ import torch
 import torch.distributed as dist
 
 from actors.groups import host_store, node_ip
+from actors.tools.bench.baselines_megatron import gathered as gathered_megatron
+from actors.tools.bench.baselines_megatron import megatron_model
+from actors.tools.bench.baselines_megatron import params as params_megatron
 from actors.tools.bench.pacing import (
     BucketEntry,
     NicPacer,
@@ -118,6 +124,9 @@ def _gathered(trainer: Any):
     model = trainer._wt_require_model()
     if zero3_partitioned(model):
         yield from _gathered_zero3(model)
+        return
+    if megatron_model(model):
+        yield from gathered_megatron(model, trainer.config.model.vocab_size, trainer._wt_rank)
         return
     for key, t in model.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -280,6 +289,9 @@ def trainer_params(trainer: Any) -> dict[str, Any]:
     from weight_transfer.model.live_metadata import expert_naming_of
 
     model = trainer._wt_require_model()
+    if megatron_model(model):
+        return {"params": params_megatron(model, trainer.config.model.vocab_size),
+                "expert_naming": "per_expert"}
     tensors = (model.named_parameters() if zero3_partitioned(model)
                else model.state_dict().items())
     params = [(canonical_trainer_name(k), tuple(_full_shape(t)),

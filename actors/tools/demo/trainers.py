@@ -5,7 +5,7 @@ A run config's ``trainer`` (default ``fsdp2``) names the actor class that
 ``"module:attribute"`` imported on first use (DeepSpeed is imported only by the run
 that asks for it)::
 
-    register_trainer("megatron", "actors.tools.demo.megatron_trainer:MegatronTrainerActor")
+    register_trainer("mine", "my_pkg.trainer:MyTrainerActor")
     trainer_actor("deepspeed")        # the Ray actor class, imported now
 
 Every class takes ``(config, rank, demo=)``, forms its group in ``init_rank(host, port)``
@@ -49,3 +49,4 @@ def trainer_actor(name: str) -> Any:
 
 register_trainer("fsdp2", "actors.ready.trainer:TrainerActor")
 register_trainer("deepspeed", "actors.tools.demo.deepspeed_trainer:DeepSpeedTrainerActor")
+register_trainer("megatron", "actors.tools.demo.megatron_trainer:MegatronTrainerActor")

@@ -26,6 +26,9 @@ that a change in the machine's load hits every design alike):
   ``deepspeed.zero.GatheredParameters``, trainer rank 0 broadcasts it, every engine rank
   loads it (``rank0``'s path; on a ZeRO-3 trainer every baseline gathers that way).
   The JSON names the trainer and gives ours' direct and gathered bytes (``p2p_plan``).
+  With ``--trainer megatron`` it is slime's own: per parameter a TP all-gather, the
+  Megatron tensor converted to Hugging Face tensors (QKV and fc1 split), trainer rank 0
+  broadcasts each, every engine rank loads it (PP 1: the demo's Megatron trainers).
 
 Baselines are in :mod:`actors.tools.bench.baselines`; their NIC model (a paced, full-duplex
 NIC per process at the simnic cap, gloo's binomial tree counted) in
@@ -98,9 +101,10 @@ from actors.tools.engine_tools import engine_tool, has_tool
 DESIGNS = ("p2p", "p2p_staged", "p2p_gather", "rank0", "rpc", "bucketed", "rdt", "native")
 # the designs run when none are named, per trainer (``--trainer``)
 DEFAULT_DESIGNS = {"fsdp2": "p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt",
-                   "deepspeed": "p2p,native"}
-# designs that only a trainer of this name runs (native: OpenRLHF's own weight sync)
-TRAINER_DESIGNS = {"native": "deepspeed"}
+                   "deepspeed": "p2p,native", "megatron": "p2p,native"}
+# designs that only trainers of these names run (native: the framework's own weight sync,
+# OpenRLHF's on DeepSpeed, slime's on Megatron)
+TRAINER_DESIGNS = {"native": ("deepspeed", "megatron")}
 RDT_PROBE_TIMEOUT_S = 30.0
 
 
@@ -261,11 +265,12 @@ def _check_args(console: Any, engine: str, chosen: list[str], designs: str,
         console.print(f"[bold red]error:[/] --trainer: {exc}")
         return False
     bad = sorted(set(chosen) - set(DESIGNS))
-    wrong = sorted(d for d in chosen if TRAINER_DESIGNS.get(d, trainer) != trainer)
+    wrong = sorted(d for d in chosen if trainer not in TRAINER_DESIGNS.get(d, (trainer,)))
     if wrong:
         console.print(f"[bold red]error:[/] --designs {designs!r}: "
-                      + "; ".join(f"{d} runs with --trainer {TRAINER_DESIGNS[d]}"
-                                  for d in wrong) + f", not {trainer}")
+                      + "; ".join(f"{d} runs with --trainer "
+                                  + " or ".join(TRAINER_DESIGNS[d]) for d in wrong)
+                      + f", not {trainer}")
         return False
     benches = [n for n in engine_names() if has_tool(n, "bench")]
     if engine not in benches:
