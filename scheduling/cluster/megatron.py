@@ -41,8 +41,13 @@ from pydantic import Field, model_validator
 from weight_transfer.config_files import FieldError, StrictModel
 from weight_transfer.types import MeshDesc
 
-__all__ = ["MegatronLayout", "check_experts", "check_world", "dense_mesh", "expert_mesh",
-           "layer_stages"]
+__all__ = ["FLAG_KEYS", "MegatronLayout", "check_experts", "check_world", "dense_mesh",
+           "expert_mesh", "layer_stages", "parse_flag"]
+
+# ``--megatron tp=8,pp=8,ep=32,etp=1,vpp=1,layers=7:8:8:8:8:8:8:6`` -> the YAML's fields
+FLAG_KEYS = {"tp": "tensor_parallel", "pp": "pipeline_parallel", "ep": "expert_parallel",
+             "etp": "expert_tensor_parallel", "vpp": "virtual_pipeline",
+             "layers": "stage_layers"}
 
 
 class MegatronLayout(StrictModel):
@@ -75,6 +80,27 @@ class MegatronLayout(StrictModel):
     @property
     def virtual_stages(self) -> int:
         return self.pipeline_parallel * self.virtual_pipeline
+
+
+def parse_flag(text: str) -> dict[str, object]:
+    """The ``trainer.megatron`` mapping a ``--megatron`` flag says (:data:`FLAG_KEYS`;
+    ``layers`` separated by ``:``); ValueError naming the flag and the bad item."""
+    out: dict[str, object] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in FLAG_KEYS:
+            raise ValueError(f"--megatron {text!r}: {item!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(FLAG_KEYS)}")
+        try:
+            out[FLAG_KEYS[key]] = ([int(n) for n in value.split(":")] if key == "layers"
+                                   else int(value))
+        except ValueError:
+            raise ValueError(f"--megatron {text!r}: {key}={value!r} is not "
+                             f"{'integers separated by :' if key == 'layers' else 'an integer'}"
+                             ) from None
+    if "tensor_parallel" not in out:
+        raise ValueError(f"--megatron {text!r}: tp=N is missing")
+    return out
 
 
 def check_world(m: MegatronLayout, world: int) -> str | None:

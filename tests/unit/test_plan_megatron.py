@@ -173,3 +173,31 @@ def test_kimi_k2_from_the_megatron_layout_on_the_perplexity_cluster():
     assert send.min() > 0  # every trainer NIC sends
     r = simulate(plan, cl, nic_model="bound")
     assert r.binding == "write" and r.seconds > 0
+
+
+def test_the_megatron_flag_lays_out_a_cluster_yamls_trainer():
+    from actors.tools.cli.plan_cmd import with_megatron
+
+    cl = load_cluster_config(ROOT / "configs/clusters/perplexity_kimi_k2.yaml")
+    got = with_megatron(cl, "tp=8, pp=8,ep=32,etp=1,vpp=1,layers=7:8:8:8:8:8:8:6")
+    m = got.trainer.megatron
+    assert (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel) == (8, 8, 32)
+    assert m.stage_layers == (7, 8, 8, 8, 8, 8, 8, 6)
+    assert got.sim.h2d_gbps is None and got.inference == cl.inference
+    with pytest.raises(ValueError, match=r"perplexity_kimi_k2.yaml with --megatron 'tp=3'.*"
+                                         r"3 x 1 = 3 does not divide the 256 trainer ranks"):
+        with_megatron(cl, "tp=3")
+
+
+@pytest.mark.parametrize(("flag", "needle"), [
+    ("tp=8,pq=2", "'pq=2' is not KEY=VALUE with KEY one of tp, pp, ep, etp, vpp, layers"),
+    ("tp=eight", "tp='eight' is not an integer"),
+    ("tp=1,layers=1;2", "layers='1;2' is not integers separated by :"),
+    ("pp=2", "tp=N is missing"),
+])
+def test_bad_megatron_flags_name_the_flag_and_item(flag, needle):
+    from scheduling.cluster.megatron import parse_flag
+
+    with pytest.raises(ValueError, match="--megatron") as err:
+        parse_flag(flag)
+    assert needle in str(err.value)

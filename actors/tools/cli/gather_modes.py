@@ -37,12 +37,13 @@ def simulate_gather_modes(model: Path, cluster: Path, *, modes: tuple[str, ...] 
                           gather_order: str = "interleaved", inflight: int | None = None,
                           resolution: float = 1e-5, nic_model: str = "events",
                           piece_scale: Scale = None,
-                          step: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+                          step: Callable[[str], None] = lambda _: None,
+                          megatron: str | None = None) -> dict[str, dict]:
     """Per gather mode: the plan summary (``wt plan``'s keys) and its simulation."""
     out = {}
     for mode in modes:
         p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                  validate=False, step=step, gather=mode)
+                  validate=False, step=step, gather=mode, megatron=megatron)
         step(f"simulate {mode}")
         scale = piece_scale(p.plan) if callable(piece_scale) else piece_scale
         t0 = time.perf_counter()
@@ -89,14 +90,15 @@ def table(rows: dict[str, dict], title: str) -> Table:
 
 def run_both(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
              gather_order: str, inflight: int | None, resolution: float,
-             nic_model: str) -> int:
+             nic_model: str, megatron: str | None = None) -> int:
     console = command_console(json_path)
     try:
         with steps(console, "simulating", 2 + 4 * len(GATHER_MODES),
                    quiet=json_to_stdout(json_path)) as step:
             rows = simulate_gather_modes(model, cluster, expert_naming=expert_naming,
                                          gather_order=gather_order, inflight=inflight,
-                                         resolution=resolution, nic_model=nic_model, step=step)
+                                         resolution=resolution, nic_model=nic_model, step=step,
+                                         megatron=megatron)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2

@@ -400,13 +400,16 @@ def plan(
     validate: bool = typer.Option(True, help="Check every destination byte is written once."),
     gather: str = typer.Option("shard_direct", help="shard_direct|full: pieces from the "
                                                     "owners' shards, or every param gathered."),
+    megatron: str | None = typer.Option(
+        None, help="Lay the trainer out as Megatron: tp=8,pp=8,ep=32[,etp=1,vpp=1,"
+        "layers=7:8:...] (instead of the cluster YAML's trainer layout)."),
 ) -> None:
     """Plan a model on a cluster from configs alone: tasks, bytes per NIC, bound, time."""
     from actors.tools.cli.plan_cmd import run_plan
 
     raise typer.Exit(run_plan(model=model, cluster=cluster, json_path=json_path,
                               expert_naming=expert_naming, gather_order=gather_order,
-                              validate=validate, gather=gather))
+                              validate=validate, gather=gather, megatron=megatron))
 
 
 @app.command("simulate")
@@ -431,6 +434,9 @@ def simulate(
         "elements changed (measured: wt bench delta)."),
     gather: str = typer.Option("shard_direct", help="shard_direct|full|both (both: the two "
                                                     "side by side)."),
+    megatron: str | None = typer.Option(
+        None, help="Lay the trainer out as Megatron: tp=8,pp=8,ep=32[,etp=1,vpp=1,"
+        "layers=7:8:...] (instead of the cluster YAML's trainer layout)."),
 ) -> None:
     """Predict the transfer time of the plan (every stage, NICs as discrete events)."""
     from actors.tools.cli.plan_cmd import run_simulate
@@ -441,14 +447,14 @@ def simulate(
         raise typer.Exit(run_both(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution,
-                                  nic_model=nic_model))
+                                  nic_model=nic_model, megatron=megatron))
 
     raise typer.Exit(run_simulate(model=model, cluster=cluster, json_path=json_path,
                                   expert_naming=expert_naming, gather_order=gather_order,
                                   inflight=inflight, resolution=resolution, png=png,
                                   nic_model=nic_model, sweep=sweep, calibrate=calibrate,
                                   check=check, write_sim=write_sim, gather=gather,
-                                  delta=delta))
+                                  delta=delta, megatron=megatron))
 
 
 def main() -> None:

@@ -39,6 +39,8 @@ from rich.table import Table
 
 from actors.tools.cli.progress import command_console, emit_json, json_to_stdout, steps
 from scheduling import ClusterConfig, Plan, compute_plan, load_cluster_config, simulate
+from scheduling.cluster.config import cluster_from_dict
+from scheduling.cluster.megatron import parse_flag
 from scheduling.config_metadata import engine_metas_from_config, trainer_meta_from_config
 from scheduling.flip import flip_seconds, shadow_need, sync_seconds
 from scheduling.sim.simulate import lower_bounds
@@ -61,16 +63,31 @@ def _gb(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def with_megatron(cl: ClusterConfig, flag: str) -> ClusterConfig:
+    """``cl`` with the trainer laid out as ``--megatron`` says: its FSDP fields dropped, and
+    the host-to-device stage (Megatron keeps its weights on the GPU); errors name the file
+    and the flag."""
+    data = cl.model_dump(exclude_unset=True)
+    for key in ("expert_parallel", "expert_mesh_layout", "replicate"):
+        data["trainer"].pop(key, None)
+    data.get("sim", {}).pop("h2d_gbps", None)
+    data["trainer"]["megatron"] = parse_flag(flag)
+    return cluster_from_dict(data, source=f"{cl.source or cl.name} with --megatron {flag!r}")
+
+
 def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
           validate: bool, step: Callable[[str], None] = lambda _: None,
-          gather: str = "shard_direct") -> Planned:
+          gather: str = "shard_direct", megatron: str | None = None) -> Planned:
     """Load configs, build metadata, compute (and validate) the plan, timing each step.
 
-    ``step(name)`` is called as each step starts (a progress bar).
+    ``step(name)`` is called as each step starts (a progress bar); ``megatron``: a
+    ``--megatron`` flag laying the trainer out instead of the cluster YAML's trainer layout.
     """
     step("read configs")
     cfg = load_model_config(model)
     cl = load_cluster_config(cluster)
+    if megatron is not None:
+        cl = with_megatron(cl, megatron)
     t0, c0 = time.perf_counter(), time.process_time()
     with gc_paused():  # one pause over both steps: no full GC pass between them
         step("trainer and engine metadata")
@@ -163,13 +180,14 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
 
 
 def run_plan(*, model: Path, cluster: Path, json_path: Path | None, expert_naming: str,
-             gather_order: str, validate: bool, gather: str = "shard_direct") -> int:
+             gather_order: str, validate: bool, gather: str = "shard_direct",
+             megatron: str | None = None) -> int:
     console = command_console(json_path)
     try:
         with steps(console, "planning", 4 if validate else 3,
                    quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=validate, step=step, gather=gather)
+                      validate=validate, step=step, gather=gather, megatron=megatron)
     except ValueError as err:
         console.print(f"[red]cannot plan:[/red] {err}")
         return 2
@@ -254,7 +272,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
                  png: Path | None = None, nic_model: str = "events", sweep: bool = False,
                  calibrate: bool = False, check: bool = False,
                  write_sim: Path | None = None, gather: str = "shard_direct",
-                 delta: float | None = None) -> int:
+                 delta: float | None = None, megatron: str | None = None) -> int:
     console = command_console(json_path)
     calibration = _calibrate(console, cluster, check, write_sim) if calibrate else None
     if png is not None:
@@ -268,7 +286,7 @@ def run_simulate(*, model: Path, cluster: Path, json_path: Path | None, expert_n
     try:
         with steps(console, "simulating", 4, quiet=json_to_stdout(json_path)) as step:
             p = build(model, cluster, expert_naming=expert_naming, gather_order=gather_order,
-                      validate=False, step=step, gather=gather)
+                      validate=False, step=step, gather=gather, megatron=megatron)
             step("simulate the NICs")
             t0 = time.perf_counter()
             r = simulate(p.plan, p.cluster, max_inflight=inflight, resolution=resolution,
