@@ -26,7 +26,9 @@ the prompt and vLLM's tokens) at every step, their log-probabilities Megatron's 
 
 One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
 replica of the reference engine and the vLLM replica, each with its own controller over
-the same trainers (the PP=2 and EP=2 pairs start in their tests).
+the same trainers (the PP=2 and EP=2 pairs start in their tests). ``wt demo --trainer
+megatron`` and ``wt bench designs --trainer megatron`` (ours beside slime's own sync) run
+as smoke runs on a fleet of their own, the demo's smallest shape.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ import torch
 from actors import WeightTransferController
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.engine_bytes import engine_mismatches
+from actors.tools.testkit.megatron_hf import hf_from_megatron
 from actors.tools.testkit.source_fleet import free_port, kill, reference_engines, start_trainers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,59 +74,6 @@ def make_model(model_file=MODEL):
 
 
 # ------------------------------------------------------------------ the oracle, plainly
-
-LAYER_NAMES = {  # Megatron suffix -> Hugging Face suffix (the unfused ones)
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # qwen3
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-
-
-EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
-
-
-def hf_from_megatron(full, layers, first_expert, *, tp, heads, groups, vocab):
-    """A Hugging Face state dict of Megatron's full tensors (gathered over TP by
-    concatenation on ``partition_dim``); ``layers``: stage layer index -> the model's;
-    local expert ``j`` is the model's ``first_expert + j`` (expert TP is TP here)."""
-    out = {}
-    for name, t in full.items():
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t[:vocab]
-        elif name == "output_layer.weight":
-            out["lm_head.weight"] = t[:vocab]
-        elif name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = t
-        else:
-            _, _, i, suffix = name.split(".", 3)
-            p = f"model.layers.{layers[int(i)]}."
-            if (m := EXPERT.fullmatch(suffix)) is not None:
-                e = f"{p}mlp.experts.{first_expert + int(m.group(1))}."
-                if m.group(2) == "linear_fc2":
-                    out[e + "down_proj.weight"] = t
-                else:
-                    per_rank = t.view(tp, 2, -1, t.shape[1])
-                    out[e + "gate_proj.weight"] = per_rank[:, 0].reshape(-1, t.shape[1])
-                    out[e + "up_proj.weight"] = per_rank[:, 1].reshape(-1, t.shape[1])
-            elif suffix == "mlp.router.weight":
-                out[p + "mlp.gate.weight"] = t
-            elif suffix == "self_attention.linear_qkv.weight":
-                per_group = t.view(groups, heads // groups + 2, -1, t.shape[1])
-                q, k, v = per_group[:, :-2], per_group[:, -2], per_group[:, -1]
-                out[p + "self_attn.q_proj.weight"] = q.reshape(-1, t.shape[1])
-                out[p + "self_attn.k_proj.weight"] = k.reshape(-1, t.shape[1])
-                out[p + "self_attn.v_proj.weight"] = v.reshape(-1, t.shape[1])
-            elif suffix == "mlp.linear_fc1.weight":
-                per_rank = t.view(tp, 2, -1, t.shape[1])  # each rank: its gate, its up
-                out[p + "mlp.gate_proj.weight"] = per_rank[:, 0].reshape(-1, t.shape[1])
-                out[p + "mlp.up_proj.weight"] = per_rank[:, 1].reshape(-1, t.shape[1])
-            else:
-                out[p + LAYER_NAMES[suffix]] = t
-    return {n: t.contiguous() for n, t in out.items()}
-
 
 def first_expert(model):
     """The model's index of this rank's local expert 0 (apart from the actor class: a method
@@ -390,3 +339,43 @@ def test_vllm_holds_and_serves_the_weights_megatron_holds(fleet, vllm_engine):
                                        atol=LOGPROB_ATOL, rtol=0)
     finally:
         ctl.shutdown()
+
+
+# ------------------------------------------------------------------ the demo and the bench
+
+
+def test_demo_and_bench_designs_with_megatron_trainers(ray_job, smallest_demo_run, tmp_path):
+    """``wt demo --trainer megatron`` (train steps, an update after each, verified) and
+    ``wt bench designs --trainer megatron`` (p2p beside slime's native, capped and
+    uncapped, every design verified), smoke runs on one fleet of the demo's smallest shape
+    (2 Megatron ranks at TP=2 -> 1 replica x TP1)."""
+    import json
+
+    from rich.console import Console
+
+    from actors.tools.bench.designs.bench import run as bench_designs
+    from actors.tools.demo.fleet import run_cycles, start_fleet
+    from actors.tools.demo.run_config import load_run_config
+
+    run = load_run_config(smallest_demo_run).with_overrides(trainer="megatron", updates=2)
+    fleet = start_fleet(run)
+    try:
+        assert fleet.info()["trainer"] == "megatron"  # what --json adds
+        rows = run_cycles(fleet, Console(quiet=True))
+        assert [r.verified for r in rows] == [True, True], [r.problems for r in rows]
+        assert all(r.checks["bytes"] and r.checks["generations"] for r in rows)
+        out = tmp_path / "designs.json"
+        assert bench_designs(config=smallest_demo_run, model=None, nic_gbps=0.05, updates=1,
+                             designs=None, bucket="1M", caps_off=True, timeout_s=300.0,
+                             json_path=out, png=None, fleet=fleet) == 0
+        doc = json.loads(out.read_text())
+        assert doc["trainer"] == "megatron" and set(doc["results"]) == {"p2p", "native"}
+        for key in ("caps_on", "caps_off"):
+            results = doc["passes"][key]["results"]
+            assert set(results) == {"p2p", "native"}
+            assert all(r["ok"] and r["problems"] == [] for r in results.values()), results
+        # TP=2 into TP1: ours writes every shard from its rank, gathers only the row-parallel
+        # o_proj and down_proj
+        assert doc["p2p_plan"]["gathered_bytes"] == ROW_PARALLEL_BYTES
+    finally:
+        fleet.close()
