@@ -54,8 +54,9 @@ def demo(
         False, "--verbose", help="Also show vLLM's own INFO logs (--engine vllm) "
         "[default: WARNING and above]."),
     trainer: str | None = typer.Option(
-        None, help="Trainer actors: fsdp2 (FSDP2) or deepspeed (DeepSpeed ZeRO-3, the "
-        "`deepspeed` extra) [default: from --config, fsdp2]."),
+        None, help="Trainer actors: fsdp2 (FSDP2), deepspeed (DeepSpeed ZeRO-3, the "
+        "`deepspeed` extra) or megatron (Megatron-core, the `megatron` extra) "
+        "[default: from --config, fsdp2]."),
 ) -> None:
     """Trainers -> inference replicas over simnic (or --transport), every update verified."""
     from actors.tools.demo.fleet import run_cli
@@ -229,12 +230,13 @@ def bench_designs(
     designs: str | None = typer.Option(
         None, help="Which designs to run (p2p: shard-direct pieces, zero-copy where they "
                    "may; p2p_staged: every piece staged; p2p_gather: ours gathering every "
-                   "parameter; native: OpenRLHF's own, --trainer deepspeed) [default: "
+                   "parameter; native: the trainer's own, OpenRLHF's with --trainer "
+                   "deepspeed, slime's with --trainer megatron) [default: "
                    "p2p,p2p_staged,p2p_gather,rank0,rpc,bucketed,rdt; p2p,native with "
-                   "--trainer deepspeed]."),
+                   "--trainer deepspeed or megatron]."),
     trainer: str | None = typer.Option(
-        None, help="Trainer actors: fsdp2 or deepspeed (DeepSpeed ZeRO-3, the `deepspeed` "
-                   "extra) [default: from --config, fsdp2]."),
+        None, help="Trainer actors: fsdp2, deepspeed (DeepSpeed ZeRO-3, the `deepspeed` "
+                   "extra) or megatron (Megatron-core) [default: from --config, fsdp2]."),
     bucket: str = typer.Option("64M", help="Bucket size of the bucketed design."),
     caps_off: bool = typer.Option(True, help="Also run every design uncapped (memcpy bound)."),
     timeout_s: float = typer.Option(900.0, help="Per-update timeout of every design."),
