@@ -25,6 +25,7 @@ CONFIG_MODELS = (
     "weight_transfer.model.models.ModelConfig",
     "scheduling.cluster.config.ClusterConfig",
     "scheduling.cluster.config.TrainerCluster",
+    "scheduling.cluster.megatron.MegatronLayout",
     "scheduling.cluster.config.InferenceCluster",
     "scheduling.cluster.config.SimConfig",
     "actors.tools.demo.run_config.RunConfig",
