@@ -201,3 +201,13 @@ def test_bad_megatron_flags_name_the_flag_and_item(flag, needle):
     with pytest.raises(ValueError, match="--megatron") as err:
         parse_flag(flag)
     assert needle in str(err.value)
+
+
+def test_the_plan_summary_names_the_trainer_layout():
+    from actors.tools.cli.plan_cmd import trainer_layout
+
+    assert trainer_layout(load_cluster_config(
+        ROOT / "configs/clusters/perplexity_kimi_k2_megatron.yaml")) == (
+        "megatron tp=1 pp=16 vpp=2 ep=16 etp=1 dp=16")
+    assert trainer_layout(load_cluster_config(
+        ROOT / "configs/clusters/perplexity_kimi_k2.yaml")) == "fsdp ep=8"

@@ -109,6 +109,19 @@ def build(model: Path, cluster: Path, *, expert_naming: str, gather_order: str,
     return Planned(plan=plan, cluster=cl, model=cfg, timings=timings)
 
 
+def trainer_layout(cl: ClusterConfig) -> str:
+    """The trainer's layout in one line: ``megatron tp=1 pp=16 vpp=2 ep=16 etp=1 dp=16``,
+    ``fsdp ep=8`` or ``hsdp replicate=32 ep=32``."""
+    t, world = cl.trainer, cl.trainer_world
+    if (m := t.megatron) is not None:
+        dp = world // (m.tensor_parallel * m.pipeline_parallel)
+        return (f"megatron tp={m.tensor_parallel} pp={m.pipeline_parallel} "
+                f"vpp={m.virtual_pipeline} ep={m.expert_parallel} "
+                f"etp={m.expert_tensor_parallel} dp={dp}")
+    kind = f"hsdp replicate={t.replicate}" if t.replicate > 1 else "fsdp"
+    return f"{kind} ep={t.expert_parallel}"
+
+
 def summary(p: Planned) -> dict[str, Any]:
     """The numbers both commands print and write."""
     plan = p.plan
@@ -128,6 +141,7 @@ def summary(p: Planned) -> dict[str, Any]:
             plan.params),
         "model": p.model.name or p.model.architecture,
         "cluster": p.cluster.name,
+        "trainer_layout": trainer_layout(p.cluster),
         "trainer_params": len(plan.params),
         "tensors": sum(len(e.tensors) for e in plan.engines),
         "pieces": len(plan.pieces),
@@ -154,6 +168,7 @@ def _table(s: dict[str, Any], extra: list[tuple[str, str]] = ()) -> Table:
     t.add_column(style="bold")
     t.add_column(justify="right")
     rows = [
+        ("trainer layout", s["trainer_layout"]),
         ("trainer params / engine tensors", f"{s['trainer_params']:,} / {s['tensors']:,}"),
         ("pieces / tasks / mesh groups", f"{s['pieces']:,} / {s['tasks']:,} / {s['groups']}"),
         ("bytes total", _gb(s["bytes_total"])),
