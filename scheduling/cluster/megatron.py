@@ -138,7 +138,8 @@ def expert_mesh(m: MegatronLayout, world: int, stage: int, ep_rank: int) -> Mesh
     edp = world // m.pipeline_parallel // (ep * etp)
     base = _stage_base(m, world, stage)
     ranks = tuple(base + (d * ep + ep_rank) * etp + t for d in range(edp) for t in range(etp))
-    return MeshDesc(ranks=ranks, shape=(edp, etp), dim_names=("edp", "etp"))
+    # dim names as the live source's (weight_transfer.sources.megatron_layout.stage_mesh)
+    return MeshDesc(ranks=ranks, shape=(edp, etp), dim_names=("dp", "tp"))
 
 
 def layer_stages(m: MegatronLayout, layers: int, *, where: str) -> tuple[int, ...]:

@@ -211,3 +211,27 @@ def test_the_plan_summary_names_the_trainer_layout():
         "megatron tp=1 pp=16 vpp=2 ep=16 etp=1 dp=16")
     assert trainer_layout(load_cluster_config(
         ROOT / "configs/clusters/perplexity_kimi_k2.yaml")) == "fsdp ep=8"
+
+
+@pytest.mark.parametrize(("tp", "pp", "ep", "etp"), [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 4, 2)])
+def test_meshes_are_the_live_sources(tp, pp, ep, etp):
+    """What weight_transfer.sources.megatron builds from a live rank's TP/DP and expert
+    TP/DP groups (Megatron's rank order), the config path builds from the layout."""
+    from scheduling.cluster.megatron import dense_mesh, expert_mesh
+    from weight_transfer.sources.megatron_layout import stage_mesh
+
+    world = 8
+    m = MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                       expert_tensor_parallel=etp)
+    size = world // pp
+    for rank in range(world):
+        base, local = divmod(rank, size)
+        base *= size
+        t, d = local % tp, local // tp
+        live = stage_mesh(rank, [base + d * tp + i for i in range(tp)],
+                          [base + j * tp + t for j in range(size // tp)])
+        assert live == dense_mesh(m, world, rank // size)
+        et, e, ed = local % etp, local // etp % ep, local // (etp * ep)
+        live = stage_mesh(rank, [base + (ed * ep + e) * etp + i for i in range(etp)],
+                          [base + (j * ep + e) * etp + et for j in range(size // (ep * etp))])
+        assert live == expert_mesh(m, world, rank // size, e)

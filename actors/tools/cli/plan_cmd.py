@@ -15,7 +15,8 @@ On a terminal a progress bar names the step being computed.
 
 JSON keys (both): ``tasks``, ``bytes_total``, ``nic_imbalance`` (max/mean
 bytes per NIC, the worse of the send and receive sides), ``lower_bound_s``,
-``plan_seconds`` (metadata + plan, wall clock), and more; ``simulate`` adds
+``plan_seconds`` (metadata + plan, wall clock), ``trainer_layout`` (the trainer's
+layout in one line), and more; ``simulate`` adds
 ``predicted_s``, ``barrier_lower_bound_s``, ``efficiency``, ``stages`` (stage ->
 busy seconds on the critical rank), ``binding`` (the stage that took most of
 them), ``group_binding`` (the same per mesh group), ``nic_predicted_s`` (the NIC
