@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -73,10 +72,9 @@ class Client:
 
     def __enter__(self) -> Client:
         # The client and the trainer side share this process here (not in a deployment):
-        # a thread that drops the GIL (every torch call of the prepare) would wait up to the
-        # 5 ms switch interval to get it back from the client's loop, seconds per update.
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(1e-4)
+        # a thread that drops the GIL (every torch call of the prepare) waits up to the 5 ms
+        # switch interval to get it back from the client's loop, so ours is slower here than
+        # with the client in a process of its own (docs/performance.md).
         self._thread.start()
         count = self.link.clock.count
         while self.link.clock.count < count + 2 and self.error is None:
@@ -86,7 +84,6 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        sys.setswitchinterval(self._interval)
         if self.error is not None and exc[0] is None:
             raise RuntimeError(f"the bench's client failed: {self.error!r}") from self.error
 
