@@ -58,9 +58,10 @@ class TrainerWorker(TrainerMixin, GroupMember):
                               prompt_len=prompt_len)
 
     def _reference_model(self) -> torch.nn.Module | None:
-        """Full weights in a plain model on rank 0 (a collective: every rank calls)."""
-        full = gather_full_state(self._wt_require_model())
-        if self.rank != 0:
+        """Full weights (:meth:`full_state_dict`) in a plain model on rank 0 (a collective:
+        every rank calls)."""
+        full = self.full_state_dict()
+        if full is None:
             return None
         if self._ref is None:
             from weight_transfer.engines.reference.hf_model import (

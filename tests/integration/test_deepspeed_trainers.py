@@ -301,32 +301,8 @@ def test_demo_and_bench_designs_with_deepspeed_trainers(ray_job, smallest_demo_r
     """``wt demo --trainer deepspeed`` (train steps, an update after each, verified) and
     ``wt bench designs --trainer deepspeed`` (p2p beside native, capped and uncapped,
     every design verified), smoke runs on one fleet of the demo's smallest shape."""
-    import json
+    from trainer_smoke import demo_and_bench  # tests/integration
 
-    from rich.console import Console
-
-    from actors.tools.bench.designs.bench import run as bench_designs
-    from actors.tools.demo.fleet import run_cycles, start_fleet
-    from actors.tools.demo.run_config import load_run_config
-
-    run = load_run_config(smallest_demo_run).with_overrides(trainer="deepspeed", updates=2)
-    fleet = start_fleet(run)
-    try:
-        assert fleet.info()["trainer"] == "deepspeed"  # what --json adds
-        rows = run_cycles(fleet, Console(quiet=True))
-        assert [r.verified for r in rows] == [True, True], [r.problems for r in rows]
-        assert all(r.checks["bytes"] and r.checks["generations"] for r in rows)
-        out = tmp_path / "designs.json"
-        assert bench_designs(config=smallest_demo_run, model=None, nic_gbps=0.05, updates=1,
-                             designs=None, bucket="1M", caps_off=True, timeout_s=300.0,
-                             json_path=out, png=None, fleet=fleet) == 0
-        doc = json.loads(out.read_text())
-        assert doc["trainer"] == "deepspeed" and set(doc["results"]) == {"p2p", "native"}
-        for key in ("caps_on", "caps_off"):
-            results = doc["passes"][key]["results"]
-            assert set(results) == {"p2p", "native"}
-            assert all(r["ok"] and r["problems"] == [] for r in results.values()), results
-        plan = doc["p2p_plan"]  # ours writes the partitions, gathers only the norms
-        assert 0 < plan["gathered_bytes"] < plan["direct_bytes"]
-    finally:
-        fleet.close()
+    doc = demo_and_bench("deepspeed", smallest_demo_run, tmp_path)
+    plan = doc["p2p_plan"]  # ours writes the partitions, gathers only the norms
+    assert 0 < plan["gathered_bytes"] < plan["direct_bytes"]

@@ -82,16 +82,5 @@ class DeepSpeedTrainerWorker(TrainerWorker):
             full = {n: p.data.detach().clone() for n, p in params.items()}
         return full if self.rank == 0 else None
 
-    def _reference_model(self) -> torch.nn.Module | None:
-        full = self.full_state_dict()
-        if full is None:
-            return None
-        if self._ref is None:
-            from weight_transfer.engines.reference.hf_model import build_hf_model
-
-            self._ref = build_hf_model(self.config.model, seed=self.demo.seed)
-        self._ref.load_state_dict(full)
-        return self._ref
-
 
 DeepSpeedTrainerActor = ray.remote(DeepSpeedTrainerWorker)

@@ -111,16 +111,5 @@ class MegatronTrainerWorker(TrainerWorker):
         return hf_from_megatron(full, stage_layers(self.model), first_expert(self.model),
                                 tp=d.tp, heads=d.heads, groups=d.groups, vocab=d.vocab)
 
-    def _reference_model(self) -> torch.nn.Module | None:
-        full = self.full_state_dict()
-        if full is None:
-            return None
-        if self._ref is None:
-            from weight_transfer.engines.reference.hf_model import build_hf_model
-
-            self._ref = build_hf_model(self.config.model, seed=self.demo.seed)
-        self._ref.load_state_dict(full)
-        return self._ref
-
 
 MegatronTrainerActor = ray.remote(MegatronTrainerWorker)
