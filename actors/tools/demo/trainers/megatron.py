@@ -44,14 +44,10 @@ class MegatronTrainerWorker(TrainerWorker):
         """Join the gloo group, form Megatron's groups, build the model, attach it."""
         from megatron.core import parallel_state as ps
 
-        from actors.groups import connect_store, join_gloo_group
         from actors.tools.testkit.megatron_cpu import gpt_model, patch_for_cpu
 
         cfg = self.config
-        if self._store is None:
-            self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
-        join_gloo_group(self._store, rank=self.rank, world=self.world,
-                        timeout_s=cfg.setup_timeout_s)
+        self.join_group(host, port)
         patch_for_cpu()
         tp = megatron_tp(self.world, cfg.model)
         ps.initialize_model_parallel(tp, 1)

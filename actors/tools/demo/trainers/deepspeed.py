@@ -35,15 +35,10 @@ class DeepSpeedTrainerWorker(TrainerWorker):
 
     def init_rank(self, host: str, port: int) -> str:
         """Join the gloo group, build the model and the DeepSpeed engine, attach it."""
-        from actors.groups import connect_store, join_gloo_group
-
         cfg = self.config
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if self._store is None:
-            self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
-        join_gloo_group(self._store, rank=self.rank, world=self.world,
-                        timeout_s=cfg.setup_timeout_s)
+        self.join_group(host, port)
         from weight_transfer.engines.reference.hf_model import build_hf_model
 
         model = build_hf_model(cfg.model, seed=self.demo.seed)  # before deepspeed: see module

@@ -48,5 +48,5 @@ def trainer_actor(name: str) -> Any:
 
 
 register_trainer("fsdp2", "actors.ready.trainer:TrainerActor")
-register_trainer("deepspeed", "actors.tools.demo.deepspeed_trainer:DeepSpeedTrainerActor")
-register_trainer("megatron", "actors.tools.demo.megatron_trainer:MegatronTrainerActor")
+register_trainer("deepspeed", "actors.tools.demo.trainers.deepspeed:DeepSpeedTrainerActor")
+register_trainer("megatron", "actors.tools.demo.trainers.megatron:MegatronTrainerActor")
