@@ -35,13 +35,17 @@ class TrainerWorker(TrainerMixin, GroupMember):
         self._store = None
         self._ref: torch.nn.Module | None = None
 
+    def join_group(self, host: str, port: int) -> None:
+        """Join the trainers' gloo group through the launcher's store at ``host:port``."""
+        if self._store is None:
+            self._store = connect_store(host, port, timeout_s=self.config.setup_timeout_s)
+        join_gloo_group(self._store, rank=self.rank, world=self.world,
+                        timeout_s=self.config.setup_timeout_s)
+
     def init_rank(self, host: str, port: int) -> str:
         """Join the gloo group, build and shard the model; returns this rank's node id."""
         cfg = self.config
-        if self._store is None:
-            self._store = connect_store(host, port, timeout_s=cfg.setup_timeout_s)
-        join_gloo_group(self._store, rank=self.rank, world=self.world,
-                        timeout_s=cfg.setup_timeout_s)
+        self.join_group(host, port)
         seed = self.demo.seed
         torch.manual_seed(seed + 1000 + self.rank)  # per-rank randomness stays reproducible
         model = build_sharded_model(cfg.model, cfg.cluster, seed=seed)
