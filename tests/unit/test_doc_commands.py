@@ -45,6 +45,7 @@ RUN_BY = {
     "bench staging": "tests/integration/test_bench_staging.py",
     "bench designs": "tests/integration/test_bench_designs.py",
     "bench delta": "tests/integration/test_bench_delta.py",
+    "bench lora": "tests/integration/test_vllm_lora.py",
     "bench integrity": "not run: a fleet per mode and round; the checksum modes it times are "
                        "tested in tests/integration/test_integrity_faults.py",
     "bench served": "not run: a fleet and timed idle windows; the served checks it times are "
