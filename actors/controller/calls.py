@@ -75,12 +75,15 @@ class ControlCalls:
         return pending
 
     def go(self, trainers: Sequence[Any], version: int, *, trace: bool, until: float,
-           budget_s: float) -> tuple[dict[int, RankReport], dict[int, TrainerFault]]:
+           budget_s: float, overlap: bool | None = None
+           ) -> tuple[dict[int, RankReport], dict[int, TrainerFault]]:
         """"Go" to every trainer rank (``wt_update``: only the version crosses Ray, and
-        ``trace``); wait until ``until`` (``time.monotonic()``, ``budget_s`` after the
-        update began) or the first rank that raised (the others may wait for it). The
-        ranks' reports, and the faults of those that raised or did not finish."""
-        args = (version, True) if trace else (version,)
+        ``trace`` and ``overlap`` when given); wait until ``until`` (``time.monotonic()``,
+        ``budget_s`` after the update began) or the first rank that raised (the others may
+        wait for it). The ranks' reports, and the faults of those that raised or did not
+        finish."""
+        args: tuple = (version, trace, overlap) if overlap is not None else (
+            (version, True) if trace else (version,))
         refs = {self.ledger.call(t.wt_update, *args): r for r, t in enumerate(trainers)}
         pending, reports, errors = list(refs), {}, {}
         if self.progress is not None:

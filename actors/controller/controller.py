@@ -212,11 +212,15 @@ class WeightTransferController:
                                          lock=self._busy).start()
         return summary
 
-    def update(self, version: int, *, trace: bool | str | os.PathLike = False) -> UpdateReport:
+    def update(self, version: int, *, trace: bool | str | os.PathLike = False,
+               overlap: bool | None = None) -> UpdateReport:
         """Move the trainers' current weights into every replica as ``version``.
 
         ``trace``: True brings every rank's spans back in ``report.trace``; a path
         also writes them there as a Chrome trace (Perfetto-readable JSON).
+        ``overlap``: the trainers step while this update runs (an asynchronous loop), so
+        ``source: auto`` writes from snapshots (``report.sources``); None leaves it to
+        each trainer's ``wt_overlap`` and to whether a step is in flight.
         Raises :class:`UpdateError` (see the module docstring) when a replica did
         not get the version; every attempted update leaves one audit line.
         """
@@ -227,7 +231,7 @@ class WeightTransferController:
             try:
                 strategy = strategy_for(self.state, self.calls, self.config,
                                         pause=self.pause_during_update)
-                outcome = self._updates.run(version, strategy, trace=trace,
+                outcome = self._updates.run(version, strategy, trace=trace, overlap=overlap,
                                             auto_resync=self.auto_resync,
                                             after_transfer=self.after_transfer)
             except Exception as err:  # ended before it had reports: still one audit line

@@ -217,7 +217,8 @@ class UpdateSteps:
 
     def run(self, version: int, strategy: UpdateStrategy, *,
             trace: bool | str | os.PathLike, auto_resync: bool,
-            after_transfer: Callable[[int], None] | None = None) -> UpdateOutcome:
+            after_transfer: Callable[[int], None] | None = None,
+            overlap: bool | None = None) -> UpdateOutcome:
         """Move the trainers' weights into every replica as ``version`` (checked by
         :func:`check_version` first); ``after_transfer(version)``, a test hook, runs
         between the writes and the check."""
@@ -235,7 +236,7 @@ class UpdateSteps:
         clock.mark("begin")
         begun = time.perf_counter()
         reports, errors = self.calls.go(st.trainers, version, trace=bool(trace),
-                                        until=writes_end,
+                                        overlap=overlap, until=writes_end,
                                         budget_s=timeout * (1 - RESUME_SHARE))
         transferred = time.perf_counter()
         clock.mark("transfer")

@@ -257,3 +257,18 @@ def test_both_gather_modes_land_the_reference_bytes(env):
         else:  # all but the norms: their parts would be tiny, they are gathered
             assert summary.direct_bytes > 0.95 * summary.bytes_total
             assert summary.send_imbalance < 1.2
+
+
+def test_an_update_that_overlaps_a_step_writes_from_snapshots(env):
+    """``ctl.update(v, overlap=True)`` (an asynchronous loop: the trainers step meanwhile):
+    ``source: auto`` writes every rank's pieces from snapshots; without it, from the
+    parameters themselves. Both land every reference byte."""
+    cfg, trainers, replicas, _ = env
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    ctl.setup()
+    for step, overlap, want in ((14, True, "snapshot"), (15, None, "zero_copy")):
+        train(trainers, step)
+        report = ctl.update(step, overlap=overlap)
+        assert report.sources == {0: want, 1: want}, overlap
+        assert (report.zero_copy_bytes > 0) == (want == "zero_copy")
+        assert mismatches(cfg, trainers, replicas) == [], overlap
