@@ -39,7 +39,9 @@ from weight_transfer.types import EngineRankId
 
 TOLERANCE: dict[str, float] = {"rss_abs_bytes": 32 << 20, "rss_rel": 0.05, "fds": 2,
                                "threads": 4, "store_keys": 0}
-WARMUP_UPDATES = 5
+# A trainer rank started moments before (a replaced rank) opens a few descriptors over its
+# first ~10 updates and then none (measured: 2-4 fds, the clean-clone runs' only soak failure)
+WARMUP_UPDATES = 12
 
 
 def process_stats() -> dict[str, int]:
