@@ -170,16 +170,18 @@ def test_no_token_carries_a_version_that_was_not_served_when_it_was_sampled(serv
     began: dict[str, float] = {}
     try:
         ctl.setup()
-        params = {"max_tokens": 48, "temperature": 1.0}
+        params = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
         with StreamingClient(server.url, PROMPTS, params, concurrency=3) as client:
             serving = ray.get(replicas.owners[0].vllm_version.remote()) or "default"
             client.wait_for_version(serving, timeout_s=300)  # requests are streaming now
             for version in (base + 1, base + 2):
                 _train(trainers, version)
+                # The update begins while a request has most of its tokens still to sample.
+                client.wait_mid_stream(at_most=12, timeout_s=300)
                 began[str(version)] = time.monotonic()
                 assert ctl.update(version).version == version
             done = client.wait_for_version(base + 2, timeout_s=300)
-        done += client.take()
+        done += client.take()  # closed: the requests in flight at the close finished too
         assert client.errors == []
     finally:
         ctl.shutdown()

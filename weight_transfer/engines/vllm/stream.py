@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +86,11 @@ def _events(resp: Any) -> Iterator[dict[str, Any]]:
 
 
 def stream_generate(url: str, prompt: Sequence[int], sampling_params: dict[str, Any], *,
-                    timeout_s: float = 600.0) -> list[Completion]:
-    """One streamed request: its finished choices (``n`` of them)."""
+                    timeout_s: float = 600.0,
+                    on_tokens: Callable[[int], None] | None = None) -> list[Completion]:
+    """One streamed request: its finished choices (``n`` of them). ``on_tokens`` is called
+    with the number of output tokens received so far (all choices) after each that brings
+    some."""
     body = {"token_ids": list(prompt), "stream": True,
             "sampling_params": {"detokenize": False, **sampling_params}}
     req = urllib.request.Request(url.rstrip("/") + "/inference/v1/generate",
@@ -110,6 +113,8 @@ def stream_generate(url: str, prompt: Sequence[int], sampling_params: dict[str, 
                 times.setdefault(i, []).extend([arrived] * len(new))
                 content = (ch.get("logprobs") or {}).get("content") or ()
                 logprobs.setdefault(i, []).extend(c["logprob"] for c in content)
+                if new and on_tokens is not None:
+                    on_tokens(sum(map(len, tokens.values())))
                 if ch.get("finish_reason") is not None:
                     spans = tuple(Span(version=s["version"], start=s["start"], end=s["end"])
                                   for s in ch.get("weight_versions") or ())
@@ -142,26 +147,48 @@ class StreamingClient:
         self.errors: list[str] = []
         self.requests = 0
         self.last_taken: list[Completion] = []
-        self._threads = [threading.Thread(target=self._loop, name=f"wt-stream-{i}", daemon=True)
-                         for i in range(concurrency)]
+        self._streamed = [0] * concurrency  # output tokens of each thread's request in flight
+        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"wt-stream-{i}",
+                                          daemon=True) for i in range(concurrency)]
         for t in self._threads:
             t.start()
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
+        def streamed(n: int) -> None:
+            self._streamed[index] = n
+
         while not self._stop.is_set():
             with self._lock:
                 prompt = next(self._prompts)
                 self.requests += 1
             try:
-                done = stream_generate(self.url, prompt, self.params)
+                done = stream_generate(self.url, prompt, self.params, on_tokens=streamed)
             except Exception as exc:  # kept for the report; the loop goes on
                 with self._lock:
                     self.errors.append(f"{type(exc).__name__}: {exc}")
+                    self._streamed[index] = 0
                 if self._stop.wait(0.5):
                     return
                 continue
             with self._lock:
                 self._done.extend(done)
+                self._streamed[index] = 0
+
+    def wait_mid_stream(self, *, at_most: int, timeout_s: float = 120.0) -> int:
+        """Block until a request in flight has sampled between 1 and ``at_most`` output
+        tokens (it is streaming and has more to come, for a caller that wants an update to
+        land in the middle of one); its count. TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                mid = [n for n in self._streamed if 1 <= n <= at_most]
+            if mid:
+                return mid[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}: no request in flight with 1 to {at_most} "
+                                   f"output tokens within {timeout_s:g} s (errors: "
+                                   f"{self.errors[-3:]})")
+            time.sleep(0.002)
 
     def take(self) -> list[Completion]:
         """The completions finished since the previous call."""
