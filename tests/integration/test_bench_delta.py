@@ -20,7 +20,10 @@ LR = 1e-5  # the larger of the bench's default lrs: more elements change
 def test_quick_bench_runs_and_verifies_every_mode(tmp_path, ray_job,
         smallest_demo_run):  # shared Ray
     out = tmp_path / "delta.json"
-    rc = run(config=smallest_demo_run, model=None, nic_gbps=0.05, updates=1,
+    # A NIC slow enough that deltas pay by the time rule on tiny_llama: at 0.05 GB/s a rank's
+    # 1.3 MB dense write (26 ms) is within the fixed cost of a delta update, and the rule's
+    # choice (rightly either) turned on machine noise once in CI.
+    rc = run(config=smallest_demo_run, model=None, nic_gbps=0.005, updates=1,
              lrs=str(LR), dtypes="fp8", quick=True, timeout_s=300.0, json_path=out)
     doc = json.loads(out.read_text())
     assert rc == 0, doc
