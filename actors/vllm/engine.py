@@ -80,7 +80,7 @@ class VllmEngineOwner:
     def _start(self, model_path: str | None, dtype: str, engine_kw: dict | None,
                env: dict[str, str] | None) -> Any:
         from weight_transfer.engines.vllm import BACKEND_NAME
-        from weight_transfer.engines.vllm.driver import SMALL_ENGINE, VllmLink
+        from weight_transfer.engines.vllm.driver import SMALL_ENGINE, VllmLink, executor_for
 
         if model_path is None:
             raise ValueError(f"{self.replica}: give model_path (an engine to start) or link")
@@ -92,7 +92,7 @@ class VllmEngineOwner:
 
         llm = LLM(model=model_path, dtype=dtype, tensor_parallel_size=self.tp,
                   weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-                  distributed_executor_backend="mp" if self.tp > 1 else None,
+                  distributed_executor_backend=executor_for(self.tp),
                   **{**SMALL_ENGINE, **(engine_kw or {})})
         return VllmLink(llm)
 

@@ -58,14 +58,14 @@ def start_llm(path: str | Path, *, tp: int = 1, dtype: str = "float32", **kw: An
     from vllm.config import WeightTransferConfig
 
     from weight_transfer.engines.vllm import BACKEND_NAME
-    from weight_transfer.engines.vllm.driver import SMALL_ENGINE
+    from weight_transfer.engines.vllm.driver import SMALL_ENGINE, executor_for
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     return LLM(model=str(path), dtype=dtype, tensor_parallel_size=tp,
                weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-               **{**SMALL_ENGINE, **kw})
+               **{**SMALL_ENGINE, "distributed_executor_backend": executor_for(tp), **kw})
 
 
 def registered_tensors(worker) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from typing import Any
 
 from weight_transfer.engines.vllm import BACKEND_NAME
 from weight_transfer.engines.vllm.channel import KEY_ENV
+from weight_transfer.engines.vllm.driver import executor_for
 from weight_transfer.engines.vllm.guard import IMPORT_PATH as GUARD
 from weight_transfer.engines.vllm.shm import group_pids, mapped_segments, remove_unmapped
 from weight_transfer.sync.listen import check_listen_address
@@ -74,6 +75,8 @@ def serve_command(model: str | Path, *, host: str, port: int,
     guard as its middleware."""
     args = {**SMALL_SERVER, **(engine_args or {}),
             "weight_transfer_config": {"backend": BACKEND_NAME}, "middleware": GUARD}
+    args.setdefault("distributed_executor_backend",
+                    executor_for(int(args.get("tensor_parallel_size") or 1)))
     return [sys.executable, "-m", SERVER_MODULE, "--model", str(model), "--host", host,
             "--port", str(port), *cli_flags(args)]
 
