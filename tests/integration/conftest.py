@@ -13,9 +13,11 @@ what is held if they are not).
 Modules that need a Ray of their own keep it: a ``ray.cluster_utils.Cluster`` of
 several nodes (multinode, two hosts), a ``ray start`` cluster (job submit), Ray's
 metrics agent on a known port (observability), and a ``wt`` command run as a
-subprocess. :func:`pytest_collection_modifyitems` runs the modules on the shared
-cluster first and the cluster stops after the last of them
-(:func:`pytest_runtest_teardown`), before any of those others starts.
+subprocess that starts Ray itself (a ``wt`` subprocess whose subject is not that joins the
+shared cluster as a job of its own through ``RAY_ADDRESS``).
+:func:`pytest_collection_modifyitems` runs the modules on the shared cluster first and the
+cluster stops after the last of them (:func:`pytest_runtest_teardown`), before any of those
+others starts.
 
 "Session-wide" is per pytest process: under pytest-xdist (``scripts/test.sh``: two
 workers, a whole module per worker) each worker starts its own shared cluster when

@@ -6,6 +6,9 @@ trainers' model; this test asserts the JSON says so, with the reference demo's k
 ``"engine": "vllm"`` and ``"oracle": "vllm.load_weights"``, and that vLLM's own logs
 stayed at WARNING and above (no INFO or DEBUG line of vLLM's format; ``--verbose`` shows
 them). One engine start.
+
+The command runs as a Ray job of its own on the session's shared cluster (``RAY_ADDRESS``),
+as a user's ``wt demo`` joins a running cluster: no Ray node of its own to start.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ UPDATE_KEYS = {"version", "seconds", "bytes", "gb_per_s", "stages", "verified", 
                "problems", "report"}
 
 
-def test_wt_demo_with_vllm_verifies_every_update_against_vllms_load_weights():
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VLLM_LOGGING_LEVEL")}
+def test_wt_demo_with_vllm_verifies_every_update_against_vllms_load_weights(
+        shared_ray_cluster, ray_job):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    env["RAY_ADDRESS"] = shared_ray_cluster.address  # a job of its own there
     proc = subprocess.run(
         [sys.executable, "-m", "actors.tools.cli.main", "demo", "--engine", "vllm", "--json", "-",
          "--model", "configs/models/tiny_moe.yaml",

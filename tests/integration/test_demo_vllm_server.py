@@ -5,6 +5,9 @@ backend registered with vLLM's own load_weights of the trainers' weights (in the
 worker) and vLLM's greedy tokens with the trainers' model; this test asserts the JSON says
 so, with ``"engine": "vllm-server"`` and, per update, the streaming client's
 ``versions_seen`` holding that version. One server start.
+
+The command runs as a Ray job of its own on the session's shared cluster (``RAY_ADDRESS``),
+as a user's ``wt demo`` joins a running cluster: no Ray node of its own to start.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from actors.tools.demo.run_config import ROOT
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def test_wt_demo_with_a_vllm_server_reports_the_versions_a_streaming_client_saw():
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VLLM_LOGGING_LEVEL")}
+def test_wt_demo_with_a_vllm_server_reports_the_versions_a_streaming_client_saw(
+        shared_ray_cluster, ray_job):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    env["RAY_ADDRESS"] = shared_ray_cluster.address  # a job of its own there
     proc = subprocess.run(
         [sys.executable, "-m", "actors.tools.cli.main", "demo", "--engine", "vllm-server",
          "--json", "-", "--updates", "2"],
