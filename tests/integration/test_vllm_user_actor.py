@@ -27,13 +27,17 @@ from vllm_fleet import (  # tests/integration is on sys.path
 
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.vllm_oracle import save_checkpoint
+from weight_transfer.engines.vllm.driver import IN_CORE_EXECUTOR
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+# The model inside the engine core (IN_CORE_EXECUTOR), as vLLM runs TP1 on GPU: one process
+# fewer than vLLM's CPU default; the snippet does not depend on it.
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
                "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20,
+               "distributed_executor_backend": IN_CORE_EXECUTOR,
                "worker_extension_cls": "actors.tools.testkit.vllm_oracle_ext.OracleExtension"}
 
 
