@@ -11,7 +11,8 @@ norms, whose bytes it reports apart.
 
 The checkpoint the mixin writes (``wt_save_checkpoint``, from the partitions) is that
 consolidation too; a ZeRO-2 engine (full parameters on every rank) is a replicated
-source whose writes both ranks share.
+source whose writes both ranks share. An FP8 replica at TP=2 holds the reference
+quantization of that consolidation, scales included.
 
 A real vLLM (one replica at TP=1, float32, fed by float32 ZeRO-3 trainers; the rows cut
 across the ranks' partitions are the TP=2 reference engine's subject): after a real
@@ -220,6 +221,31 @@ def test_zero2_engine_is_a_replicated_source(fleet):
         assert engine_mismatches(cfg.model, trainers, replicas) == []
     finally:
         kill(trainers)
+
+
+def test_fp8_engines_hold_the_reference_quantization_of_deepspeed_weights(fleet):
+    """An FP8 replica at TP=2 (128x128 blocks, one scale per block) fed by the ZeRO-3 ranks:
+    every engine byte, weights and scales, equals the reference quantization of what
+    DeepSpeed consolidates after a real step. Each rank quantizes the blocks its partition
+    holds: tiny_llama's 2 partitions split every matrix at a block edge, so every block
+    goes direct and only the norms are gathered (a partition that cuts a block gathers it:
+    tests/unit/test_flat_partitions.py, 3 ranks)."""
+    from actors import launch_engines
+
+    configs, trainers, _, _ = fleet
+    cfg = configs[2].replace(fp8=True)
+    with launch_engines(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        try:
+            summary = ctl.setup()
+            assert summary.gathered_bytes == NORM_BYTES * 2 and summary.gathered_params == 5
+            assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
+            ray.get([t.train_step.remote(20) for t in trainers])
+            report = ctl.update(version=20)
+            assert report.bytes == summary.bytes_total
+            assert engine_mismatches(cfg.model, trainers, replicas, fp8=True) == []
+        finally:
+            ctl.shutdown()
 
 
 # ------------------------------------------------------------------------ a real vLLM
