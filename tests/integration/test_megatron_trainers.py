@@ -6,15 +6,16 @@ The trainer actor is docs/embedding.md's ``megatron-trainer`` snippet as written
 subclassing; Megatron's CUDA assumptions are side-stepped by the test kit
 (:mod:`actors.tools.testkit.megatron_cpu`). The oracle is :func:`hf_from_megatron`: the
 weights Megatron holds, gathered over TP by the test and converted to a Hugging Face
-state dict plainly (grouped QKV split per query group, each rank's [gate; up] split,
-the padding dropped), independent of the plan. After a real optimizer step and an
-update, every byte of the TP=1 engine and of the TP=2 engine equals the reference
-loader's layout of that state dict. At TP=2 into TP=2 every shard is written by its own
-rank with no collective. Two more ranks at PP=2 (each stage one mesh, the names of
-stage 1 made global) write into the TP=1 engine. Two more at EP=2 (tiny_moe, a Qwen3-MoE:
-megatron-core's MoE layers with local experts and the allgather dispatcher run on CPU)
-each write their own 4 of the 8 experts of each MoE layer, under the model's expert
-indexes, into a TP=1 reference engine of tiny_moe.
+state dict plainly (grouped QKV split per query group, each rank's [gate; up] split, the
+padding dropped), independent of the plan. After a real optimizer step and an update,
+every byte of the TP=1 engine and of the TP=2 engine equals the reference loader's
+layout of that state dict. At TP=2 into TP=2 every shard is written by its own rank with
+no collective, also into an FP8 engine at TP=2 (each rank quantizes its own shards'
+blocks; weights and scales equal the reference quantization). Two more ranks at PP=2
+(each stage one mesh, the names of stage 1 made global) write into the TP=1 engine. Two
+more at EP=2 (tiny_moe, a Qwen3-MoE: megatron-core's MoE layers with local experts and
+the allgather dispatcher run on CPU) each write their own 4 of the 8 experts of each MoE
+layer, under the model's expert indexes, into a TP=1 reference engine of tiny_moe.
 
 Into a real vLLM (one replica at TP=1 in float32, started once for the module by the
 test that uses it), after a real step and an update from the TP=2 trainers: every byte
@@ -230,6 +231,29 @@ def test_engines_hold_the_weights_megatron_holds(fleet, tp):
     after = hf_state(trainers, cfg.model, 2)
     assert engine_mismatches(cfg.model, trainers, replicas, state=after) == []
     assert any(not torch.equal(before[n], after[n]) for n in after)  # the step moved them
+
+
+def test_fp8_engines_hold_the_reference_quantization_of_megatron_weights(fleet):
+    """The TP=2 ranks into an FP8 replica at TP=2 (128x128 blocks, one scale per block):
+    each rank quantizes the blocks of the shards it holds, with no collective, and after a
+    real step every engine byte, weights and scales, equals the reference quantization of
+    the oracle's state dict."""
+    from actors import launch_engines
+
+    _, configs, trainers, _ = fleet
+    cfg = configs[2].replace(fp8=True)
+    with launch_engines(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        try:
+            summary = ctl.setup()
+            assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+            ray.get([t.train_step.remote(20) for t in trainers])
+            report = ctl.update(version=20)
+            assert report.bytes == summary.bytes_total
+            state = hf_state(trainers, cfg.model, 2)
+            assert engine_mismatches(cfg.model, trainers, replicas, fp8=True, state=state) == []
+        finally:
+            ctl.shutdown()
 
 
 def test_pipeline_stages_write_their_own_layers(fleet):
