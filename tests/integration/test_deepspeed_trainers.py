@@ -42,7 +42,13 @@ import torch
 from actors import WeightTransferController
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.engine_bytes import engine_mismatches
-from actors.tools.testkit.source_fleet import free_port, kill, reference_engines, start_trainers
+from actors.tools.testkit.source_fleet import (
+    fp8_update,
+    free_port,
+    kill,
+    reference_engines,
+    start_trainers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"
@@ -230,22 +236,11 @@ def test_fp8_engines_hold_the_reference_quantization_of_deepspeed_weights(fleet)
     holds: tiny_llama's 2 partitions split every matrix at a block edge, so every block
     goes direct and only the norms are gathered (a partition that cuts a block gathers it:
     tests/unit/test_flat_partitions.py, 3 ranks)."""
-    from actors import launch_engines
-
     configs, trainers, _, _ = fleet
-    cfg = configs[2].replace(fp8=True)
-    with launch_engines(cfg) as replicas:
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        try:
-            summary = ctl.setup()
-            assert summary.gathered_bytes == NORM_BYTES * 2 and summary.gathered_params == 5
-            assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
-            ray.get([t.train_step.remote(20) for t in trainers])
-            report = ctl.update(version=20)
-            assert report.bytes == summary.bytes_total
-            assert engine_mismatches(cfg.model, trainers, replicas, fp8=True) == []
-        finally:
-            ctl.shutdown()
+    with fp8_update(configs[2], trainers, version=20) as (summary, replicas):
+        assert summary.gathered_bytes == NORM_BYTES * 2 and summary.gathered_params == 5
+        assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
+        assert engine_mismatches(configs[2].model, trainers, replicas, fp8=True) == []
 
 
 # ------------------------------------------------------------------------ a real vLLM

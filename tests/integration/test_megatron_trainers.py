@@ -48,7 +48,13 @@ from actors import WeightTransferController
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.engine_bytes import engine_mismatches
 from actors.tools.testkit.megatron_hf import hf_from_megatron
-from actors.tools.testkit.source_fleet import free_port, kill, reference_engines, start_trainers
+from actors.tools.testkit.source_fleet import (
+    fp8_update,
+    free_port,
+    kill,
+    reference_engines,
+    start_trainers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "embedding.md"
@@ -238,22 +244,12 @@ def test_fp8_engines_hold_the_reference_quantization_of_megatron_weights(fleet):
     each rank quantizes the blocks of the shards it holds, with no collective, and after a
     real step every engine byte, weights and scales, equals the reference quantization of
     the oracle's state dict."""
-    from actors import launch_engines
-
     _, configs, trainers, _ = fleet
-    cfg = configs[2].replace(fp8=True)
-    with launch_engines(cfg) as replicas:
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        try:
-            summary = ctl.setup()
-            assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
-            ray.get([t.train_step.remote(20) for t in trainers])
-            report = ctl.update(version=20)
-            assert report.bytes == summary.bytes_total
-            state = hf_state(trainers, cfg.model, 2)
-            assert engine_mismatches(cfg.model, trainers, replicas, fp8=True, state=state) == []
-        finally:
-            ctl.shutdown()
+    with fp8_update(configs[2], trainers, version=20) as (summary, replicas):
+        assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+        state = hf_state(trainers, configs[2].model, 2)
+        assert engine_mismatches(configs[2].model, trainers, replicas, fp8=True,
+                                 state=state) == []
 
 
 def test_pipeline_stages_write_their_own_layers(fleet):

@@ -8,6 +8,8 @@ with its own controller over the same trainers::
         trainers = start_trainers(cls, [(r, 2, free_port()) for r in range(2)], env={...})
         ...
         kill(trainers)
+
+:func:`fp8_update` adds one FP8 replica over the same trainers for one update.
 """
 
 from __future__ import annotations
@@ -49,6 +51,28 @@ def reference_engines(model: str | Path, **options: Any
     finally:
         for handle in engines.values():
             handle.close()
+
+
+@contextlib.contextmanager
+def fp8_update(cfg: TransferConfig, trainers: Sequence[Any], version: int) -> Iterator[tuple]:
+    """One FP8 replica of ``cfg`` (``fp8=True``) under a controller over ``trainers``: set
+    up, one real ``train_step(version)`` on every rank, one update; yields (the setup's
+    summary, the replica's actors) for the caller's checks; all closed after."""
+    from actors import WeightTransferController
+
+    cfg = cfg.replace(fp8=True)
+    with launch_engines(cfg) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        try:
+            summary = ctl.setup()
+            ray.get([t.train_step.remote(version) for t in trainers])
+            report = ctl.update(version=version)
+            if report.bytes != summary.bytes_total:
+                raise AssertionError(f"update {version} wrote {report.bytes} B, the plan "
+                                     f"{summary.bytes_total}")
+            yield summary, replicas
+        finally:
+            ctl.shutdown()
 
 
 def start_trainers(cls: Any, args: Iterable[Sequence[Any]], *, env: Mapping[str, str]
