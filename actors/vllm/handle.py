@@ -37,16 +37,33 @@ your replicas' NICs (the same as the controller's); without one, each rank's
 NIC is the simulated cluster's (one per engine rank), which is what a
 controller without a cluster derives. With an offline ``LLM`` in a plain
 (one-call-at-a-time) actor, an update waits for a running ``generate`` to end.
+
+A LoRA adapter served by your engine (started with ``enable_lora=True``, ``max_loras``
+>= 2) is driven through the second remote method, ``wt_lora(name, method, *args)``: one
+:class:`~weight_transfer.engines.vllm.lora.link.LoraLink` per adapter name over the
+attached link, set up on the replica's NICs (those of the full-weight registration,
+made first if the controller has not yet)::
+
+    metas = ray.get(actor.wt_lora.remote("policy", "setup", describe_peft(peft_model)))
+    request = ray.get(actor.wt_lora.remote("policy", "request"))  # your LoRARequest
+    slot = ray.get(actor.wt_lora.remote("policy", "begin", base_version))
+    ...                               # the trainers write_adapter(nic, metas[r], slot, ...)
+    ray.get(actor.wt_lora.remote("policy", "flip", 3))         # at a step boundary
+    ray.get(actor.wt_lora.remote("policy", "rollback"))
+
+``method`` is one of :data:`LORA_METHODS` (``version``: the adapter version served).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import ray
 
 from actors.config import TransferConfig
+from actors.connections import this_host
 from actors.ready.handles import Launched
 from actors.vllm.engine import VllmEngineOwner, VllmRank
 
@@ -82,28 +99,93 @@ def dispatch(owner: VllmEngineOwner | None, method: str, args: tuple, kwargs: di
         raise ValueError(f"wt_vllm: unknown method {method!r}; known: {sorted(OWNER_METHODS)}")
     if method == "tp":
         return owner.tp
+    if method == "collective_rpc":  # the owner's reaches an offline LLM only; links have one
+        return owner.link.collective_rpc(*args, **kwargs)
     return getattr(owner, method)(*args, **kwargs)
+
+
+# What ``wt_lora`` runs on an adapter: LoraLink's methods, and "version" (the one served).
+LORA_METHODS = frozenset({"setup", "request", "begin", "flip", "discard", "rollback", "close",
+                          "generate_tagged", "version"})
+
+
+class AttachedLoras:
+    """The LoRA adapters an attached engine serves: a LoraLink per name over the owner's
+    link (the mixins' ``wt_lora``; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.links: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def call(self, owner: VllmEngineOwner | None, name: str, method: str, args: tuple,
+             kwargs: dict) -> Any:
+        if owner is None:
+            raise RuntimeError("wt_lora: call self.wt_attach_vllm(engine, replica=...) first")
+        if method not in LORA_METHODS:
+            raise ValueError(f"wt_lora: unknown method {method!r}; known: "
+                             f"{sorted(LORA_METHODS)}")
+        if method == "setup":
+            return self.setup(owner, name, *args, **kwargs)
+        lora = self.links.get(name)
+        if lora is None:
+            raise ValueError(f"wt_lora: no adapter {name!r} set up on {owner.replica} (set up: "
+                             f"{sorted(self.links)}); call wt_lora({name!r}, 'setup', adapter)")
+        if method == "version":
+            return lora.version
+        out = getattr(lora, method)(*args, **kwargs)
+        if method == "close":
+            with self._lock:
+                self.links.pop(name, None)
+        return out
+
+    def setup(self, owner: VllmEngineOwner, name: str, adapter: Any, *,
+              lora_int_id: int = 1) -> list:
+        """Set ``name`` up on every TP rank (after the replica's full-weight registration,
+        whose NICs and connections it shares); one LoraRankMeta per rank."""
+        from weight_transfer.engines.vllm.lora.link import LoraLink
+
+        with self._lock:
+            lora = self.links.get(name)
+            if lora is not None and lora.lora_int_id != lora_int_id:
+                raise ValueError(f"wt_lora: adapter {name!r} is served under id "
+                                 f"{lora.lora_int_id}, not {lora_int_id} (close it first)")
+            lora = lora or LoraLink(owner.link, name=name, lora_int_id=lora_int_id)
+            for rank in range(owner.tp):
+                owner.wt_engine_meta(rank)  # the NICs the adapter's slots are registered on
+            metas = lora.setup(adapter, nics=owner.nics, replica=owner.replica,
+                               node=ray.get_runtime_context().get_node_id(),
+                               address=this_host().address)
+            self.links[name] = lora
+            return metas
 
 
 class VllmWeightsMixin:
     """For a Ray actor that holds an offline ``vllm.LLM``; see the module docstring."""
 
     _wt_vllm_owner: VllmEngineOwner | None = None
+    _wt_loras: AttachedLoras | None = None
 
     def wt_attach_vllm(self, llm: Any, *, replica: int = 0,
                        config: TransferConfig | None = None) -> None:
         from weight_transfer.engines.vllm.driver import VllmLink
 
         self._wt_vllm_owner = attached_owner(VllmLink(llm), replica, config)
+        self._wt_loras = AttachedLoras()
 
     def wt_vllm(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return dispatch(self._wt_vllm_owner, method, args, kwargs)
+
+    def wt_lora(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the served adapter ``name`` (see the module docstring)."""
+        return (self._wt_loras or AttachedLoras()).call(self._wt_vllm_owner, name, method,
+                                                        args, kwargs)
 
 
 class AsyncVllmWeightsMixin:
     """For an async Ray actor that holds an ``AsyncLLM``; see the module docstring."""
 
     _wt_vllm_owner: VllmEngineOwner | None = None
+    _wt_loras: AttachedLoras | None = None
 
     def wt_attach_vllm(self, engine: Any, *, replica: int = 0,
                        config: TransferConfig | None = None, pause_mode: str = "keep",
@@ -112,13 +194,26 @@ class AsyncVllmWeightsMixin:
 
         link = AsyncLink(engine, pause_mode=pause_mode, recompute=recompute)
         self._wt_vllm_owner = attached_owner(link, replica, config)
+        self._wt_loras = AttachedLoras()
 
-    async def wt_vllm(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _wt_owner_on_loop(self) -> VllmEngineOwner | None:
         owner = self._wt_vllm_owner
         if owner is not None and owner.link.loop is None:
             owner.link.loop = asyncio.get_running_loop()
+        return owner
+
+    async def wt_vllm(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        owner = self._wt_owner_on_loop()
         # A thread: the owner's blocking calls submit vLLM's coroutines to this loop.
         return await asyncio.to_thread(dispatch, owner, method, args, kwargs)
+
+    async def wt_lora(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the served adapter ``name`` (see the module docstring), in a
+        thread beside the loop: the actor's requests keep streaming; a flip pauses them
+        at a step boundary in mode ``keep``."""
+        owner = self._wt_owner_on_loop()
+        loras = self._wt_loras or AttachedLoras()
+        return await asyncio.to_thread(loras.call, owner, name, method, args, kwargs)
 
 
 class _Method:

@@ -3,7 +3,7 @@
 One vLLM engine for the module (tiny Llama, float32, TP=1, ``enable_lora=True``,
 ``max_loras=3``: our two slots and one for vLLM's own load of the oracle; rank 4 under
 ``max_lora_rank=8``, so lora_B lands in strided rows), about 35-60 s to start here; the
-tests after it take a few seconds. The oracles live here:
+tests after it take a few seconds. The oracles (actors/tools/testkit/lora_oracle.py):
 
 1. the served slot's bytes, after our write and the flip, equal the bytes vLLM's own
    load of a PEFT checkpoint of the same adapter (``save_pretrained``, loaded through
@@ -28,64 +28,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from actors.tools.testkit.lora_oracle import next_step, peft_adapter, snapshot
 from actors.tools.testkit.vllm_oracle import connect_link, save_checkpoint, start_llm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
 
 LLAMA = Path(__file__).parents[2] / "configs" / "models" / "tiny_llama.yaml"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 5, 9, 200], [7, 7, 3], [42]]
 ENIC, TNIC = "inode0/nic0", "tnode0/nic0"
 ORACLE_ID = 7
 
 
-def peft_adapter(base, *, seed: int, r: int = 4, alpha: int = 16):
-    """A PEFT model of ``base`` with random (non-zero) A and B, reproducible by ``seed``."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
-    model = get_peft_model(base, cfg, adapter_name="default")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
-def snapshot(model, root: Path, tag: str):
-    """The adapter's tensors now, and its PEFT checkpoint on disk (the oracle's input)."""
-    from weight_transfer.sources.lora import adapter_tensors
-
-    model.save_pretrained(root / tag)
-    return {n: t.clone() for n, t in adapter_tensors(model).items()}, root / tag
-
-
 def slot_differences(llm, served_id: int, oracle_id: int) -> list[str]:
     """Every slot tensor whose bytes in the served adapter's slot differ from the slot vLLM
-    loaded the oracle checkpoint into (run in the worker)."""
-    def differences(worker):
-        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    loaded the oracle checkpoint into (the oracle: :mod:`actors.tools.testkit.lora_oracle`)."""
+    from actors.tools.testkit.lora_oracle import slot_differences as differences
 
-        manager = worker.model_runner.model.lora_manager
-        ids = manager.lora_index_to_id
-        a, b = ids.index(served_id), ids.index(oracle_id)
-        out = []
-        for name, layer in manager.modules.items():
-            if not isinstance(layer, BaseLinearLayerWithLoRA):
-                continue  # embeddings and the head keep other tensors (not targeted here)
-            for stack in ("lora_a_stacked", "lora_b_stacked"):
-                for i, t in enumerate(getattr(layer, stack)):
-                    if not torch.equal(t[a].view(torch.uint8), t[b].view(torch.uint8)):
-                        out.append(f"{name}.{stack}.{i}")
-        return out
-
-    return llm.collective_rpc(differences)[0]
+    return llm.collective_rpc(differences, args=(served_id, oracle_id))[0]
 
 
 def slot_ids(llm) -> list:
-    return llm.collective_rpc(lambda w: list(w.model_runner.model.lora_manager.lora_index_to_id))[0]
+    from actors.tools.testkit.lora_oracle import slot_ids as ids
+
+    return llm.collective_rpc(ids)[0]
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +65,7 @@ def engine(tmp_path_factory):
     base, path = save_checkpoint(LLAMA, seed=11, root=root)
     model = peft_adapter(base, seed=1)
     v1 = snapshot(model, root, "adapter-v1")
-    with torch.no_grad():  # the trainer's next step: new adapter values, same shapes
-        g = torch.Generator().manual_seed(2)
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    next_step(model, seed=2)  # the trainer's next step: new adapter values, same shapes
     v2 = snapshot(model, root, "adapter-v2")
     llm = start_llm(path, enable_lora=True, max_loras=3, max_lora_rank=8)
     link = VllmLink(llm)

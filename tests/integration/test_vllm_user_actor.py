@@ -5,6 +5,11 @@ byte our backend registered equals vLLM's own load_weights of the trainers' weig
 worker, by a worker extension reached by name), the actor's own ``generate`` with its own
 ``SamplingParams`` equals the trainers' greedy tokens, and vLLM reports the version.
 
+The same engine serves a LoRA adapter through the actor's ``wt_lora`` (issue 35), this
+process as the trainer: refused above ``max_lora_rank`` with no slot taken, served only
+after the flip, its slot bytes and greedy tokens vLLM's own load of a PEFT checkpoint of
+it, rolled back exactly (:func:`actors.tools.testkit.lora_oracle.adapter_flow`).
+
 When the user kills the actor, every process its engine started is gone and nothing they
 mapped in /dev/shm is left.
 
@@ -27,18 +32,23 @@ from vllm_fleet import (  # tests/integration is on sys.path
 
 from actors.tools.testkit.doc_snippets import run_snippet
 from actors.tools.testkit.vllm_oracle import save_checkpoint
+from actors.tools.testkit.vllm_oracle_ext import EXTENSION
 from weight_transfer.engines.vllm.driver import IN_CORE_EXECUTOR
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+RANK = 8  # the LoRA adapter's rank, the engine's max_lora_rank
 # The model inside the engine core (IN_CORE_EXECUTOR), as vLLM runs TP1 on GPU: one process
 # fewer than vLLM's CPU default; the snippet does not depend on it.
 ENGINE_ARGS = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
                "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20,
                "distributed_executor_backend": IN_CORE_EXECUTOR,
-               "worker_extension_cls": "actors.tools.testkit.vllm_oracle_ext.OracleExtension"}
+               # a LoRA adapter beside the full weights: our two slots, one for vLLM's load
+               # of the oracle checkpoint, the adapter's rank
+               "enable_lora": True, "max_loras": 3, "max_lora_rank": RANK,
+               "worker_extension_cls": EXTENSION}
 
 
 def _oracle(llm_actor, trainers, root):
@@ -49,9 +59,29 @@ def _oracle(llm_actor, trainers, root):
         lambda self, p: self.llm.collective_rpc("wt_oracle_check", args=(p,)), str(path)))
 
 
+def _lora_adapter(actor, rank0, root, start_model):
+    """A LoRA adapter through the same actor's ``wt_lora`` (issue 35), this process the
+    trainer: refused above max_lora_rank, served only after the flip, its slot bytes and
+    greedy tokens vLLM's own load of the PEFT checkpoint, rolled back exactly (a plain
+    actor runs one call at a time: no request overtaken here, test_vllm_async_actor has
+    one)."""
+    from vllm import SamplingParams
+
+    from actors.tools.testkit.lora_oracle import adapter_flow
+
+    pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+
+    def tokens(lora_request):  # the user's own generate
+        return ray.get(actor.generate.remote(PROMPTS, greedy, lora_request))
+
+    adapter_flow(actor, rank0, root=root, start_model=start_model, rank=RANK,
+                 tokens=tokens, overtake=False)
+
+
 def test_doc_snippet_updates_your_own_llm_actor(vllm_trainers, tmp_path):
     handle, root = vllm_trainers, tmp_path  # tiny_llama, float32, one TP=1 replica (conftest.py)
-    _, start = save_checkpoint(LLAMA, seed=START_SEED, root=root)
+    start_model, start = save_checkpoint(LLAMA, seed=START_SEED, root=root)
     train_step(handle, seed=1)
     ns = {"model_path": str(start), "engine_args": ENGINE_ARGS, "trainers": handle,
           "step": 1, "prompts": PROMPTS}
@@ -73,6 +103,7 @@ def test_doc_snippet_updates_your_own_llm_actor(vllm_trainers, tmp_path):
                 for c in choices] == [(8, 8, [("1", 0, 8)])] * 2
         with pytest.raises(ValueError, match="unknown method 'shutdown_now'"):
             ray.get(actor.wt_vllm.remote("shutdown_now"))
+        _lora_adapter(actor, ns["replicas"][0][0], root, start_model)
         pids, segments = engine_processes(actor)
         assert pids, "the user's LLM runs its engine core in a process of its own"
     finally:

@@ -9,4 +9,6 @@
 - ``source_fleet``: trainer actors on one gloo group and reference replicas at TP 1
   and 2 (the DeepSpeed and Megatron integration tests).
 - ``megatron_cpu``: a small Megatron-core GPTModel from a model file, on CPU.
+- ``lora_oracle``: a random PEFT adapter, its checkpoint, and the LoRA slot oracle (the
+  served slot's bytes against vLLM's own load of that checkpoint, in the worker).
 """

@@ -154,16 +154,35 @@ def oracle_check(worker, checkpoint: str) -> tuple[list[str], dict[str, str]]:
 
 def connect_link(link, meta, spec, *, trainer: str, nic: str):
     """A trainer-side NIC of ``spec`` connected both ways to TP rank 0 of ``link``."""
+    return connect_nic(meta, spec, trainer=trainer, nic=nic,
+                       endpoints=lambda reqs: link.call("endpoints", reqs, rank=0)[0],
+                       connect=lambda conns: link.call("connect", conns, rank=0)[0])
+
+
+def connect_rank(rank, meta, spec, *, trainer: str, nic: str):
+    """A trainer-side NIC of ``spec`` connected both ways to an engine rank handle's NIC
+    (``rank``: a ``VllmRank``, e.g. of a user's actor through ``vllm_replicas``)."""
+    import ray
+
+    return connect_nic(meta, spec, trainer=trainer, nic=nic,
+                       endpoints=lambda reqs: ray.get(rank.wt_endpoints.remote(reqs)),
+                       connect=lambda conns: ray.get(rank.wt_connect_peers.remote(conns)))
+
+
+def connect_nic(meta, spec, *, trainer: str, nic: str, endpoints, connect):
+    """A trainer-side NIC of ``spec`` connected both ways to the NIC of ``meta``'s first
+    tensor: ``endpoints(requests)`` -> the engine's peer infos, ``connect(conns)`` -> the
+    number of connections the engine made."""
     from weight_transfer.transport.handshake import Connection, Endpoint, InfoRequest
 
     engine_nic = meta.tensors[0].region.nic
     mine = spec.open(owner=trainer, nic=nic)
     request = InfoRequest(nic=engine_nic, remote=Endpoint(owner=trainer, nic=nic))
-    (peer,) = link.call("endpoints", [request], rank=0)[0]
+    (peer,) = endpoints([request])
     mine.connect(peer)
     conn = Connection(nic=engine_nic, peer=mine.peer_info(meta.tensors[0].region.owner,
                                                           engine_nic))
-    if link.call("connect", [conn], rank=0) != [1]:
+    if connect([conn]) != 1:
         raise RuntimeError(f"{meta.replica}: the engine did not connect back to {nic}")
     return mine
 

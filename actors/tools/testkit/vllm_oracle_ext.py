@@ -6,7 +6,9 @@ actors.tools.testkit.vllm_oracle_ext.OracleExtension`` answers the dev route
 with, per worker, ``{"problems": [...], "digests": {...}}``: the same check as
 :func:`actors.tools.testkit.vllm_oracle.oracle_check` (every registered byte against vLLM's
 own ``load_weights`` of ``checkpoint``), reached by name with string arguments,
-so no callable crosses the wire (no insecure serialization).
+so no callable crosses the wire (no insecure serialization). The LoRA slot oracle
+(:mod:`actors.tools.testkit.lora_oracle`) answers by name too: ``wt_lora_slot_differences``
+and ``wt_lora_slot_ids`` (an ``AsyncLLM``'s ``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -24,3 +26,13 @@ class OracleExtension:
 
         problems, digests = oracle_check(self, checkpoint)
         return {"problems": problems, "digests": digests}
+
+    def wt_lora_slot_differences(self, served_id: int, oracle_id: int) -> list[str]:
+        from actors.tools.testkit.lora_oracle import slot_differences
+
+        return slot_differences(self, served_id, oracle_id)
+
+    def wt_lora_slot_ids(self) -> list[int | None]:
+        from actors.tools.testkit.lora_oracle import slot_ids
+
+        return slot_ids(self)

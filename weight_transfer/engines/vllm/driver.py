@@ -23,6 +23,9 @@ throughout the transfer and pauses for the flip alone::
     link.rollback()              # the version before the last flip, in one flip
     link.discard()               # instead of flip: a failed transfer never touches live memory
 
+``link.at_step_boundary(fn)`` runs ``fn`` there alone (a LoRA adapter's flip, :mod:`.lora`);
+:class:`~weight_transfer.engines.vllm.async_link.AsyncLink` has the same for an ``AsyncLLM``.
+
 ``generate`` runs vLLM's engine loop itself, one ``step()`` at a time, and
 checks the gate before each step. vLLM's engine core steps its running
 requests on its own (in its process), so ``pause`` also pauses vLLM's
@@ -57,6 +60,43 @@ SMALL_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=
 # two processes (the caller's and the engine core's) here as on GPU, not three: about 8 s
 # and 8 CPU-s less per engine start on the 2-core machines, the same tokens.
 IN_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+
+
+def request_params(i: int, max_new_tokens: int, temperature: float, seed: int | None) -> Any:
+    """vLLM's ``SamplingParams`` of request ``i`` of a batch: token ids out (no detokenizer),
+    greedy unless ``temperature`` > 0, then seeded ``seed + i`` (equal seeds draw alike)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, seed=None if seed is None else seed + i,
+                          max_tokens=max_new_tokens, detokenize=False)
+
+
+def timed_boundary(fn: Callable[[], None], *, stop: Callable[[], None],
+                   reset: Callable[[], None], go: Callable[[], None]) -> float:
+    """``stop()`` (vLLM's scheduler paused, requests kept), ``fn()``, ``reset()`` (the prefix
+    cache), then ``go()`` whatever happened; the seconds from the stop to serving again."""
+    t0 = time.perf_counter()
+    stop()
+    try:
+        fn()
+        reset()
+    finally:
+        go()
+    return time.perf_counter() - t0
+
+
+class TokensOfTagged:
+    """``generate`` of a link that has ``generate_tagged``: the tokens alone."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 temperature: float = 0.0, seed: int | None = None,
+                 lora_request: Any = None) -> list[list[int]]:
+        """Generations from token ids (greedy unless ``temperature`` > 0, then sampled by
+        vLLM, request ``i`` seeded ``seed + i``); ``lora_request``: vLLM's ``LoRARequest``
+        of an adapter to run with."""
+        return [list(g.tokens) for g in self.generate_tagged(  # type: ignore[attr-defined]
+            prompts, max_new_tokens, temperature=temperature, seed=seed,
+            lora_request=lora_request)]
 
 
 def executor_for(tp: int) -> str:
@@ -116,7 +156,7 @@ class StepClock:
         return [t for t in list(self._times) if t >= since]
 
 
-class VllmLink:
+class VllmLink(TokensOfTagged):
     """Our backend in every worker of one ``LLM``; see the module docstring."""
 
     def __init__(self, llm: Any) -> None:
@@ -193,7 +233,7 @@ class VllmLink:
         self._require_shadow("flip")
         if not self._updating:
             raise ValueError("flip: no transfer in progress (call begin first)")
-        return self._paused(lambda: self._finish(version), version)
+        return self.at_step_boundary(lambda: self._finish(version), version)
 
     def discard(self) -> None:
         """Shadow mode: end the transfer in progress without a flip; live memory is
@@ -220,20 +260,18 @@ class VllmLink:
             self._vllm("update_weight_version", "none" if label is None else label)
             self.previous = current
 
-        return self._paused(back, label)
+        return self.at_step_boundary(back, label)
 
-    def _paused(self, fn, version: Any) -> float:
-        """``fn`` with vLLM's scheduler paused (a step boundary), then the prefix cache reset;
-        the engine serves afterwards (also one held by :meth:`pause` before)."""
-        t0 = time.perf_counter()
-        self._scheduler(pause=True)
-        try:
-            fn()
-            self._reset_prefix_cache(version)
-        finally:
+    def at_step_boundary(self, fn: Callable[[], None], version: Any = None) -> float:
+        """``fn`` with vLLM's scheduler paused (a step boundary, requests kept), then the
+        prefix cache reset; the engine serves afterwards (also one held by :meth:`pause`
+        before). Returns the seconds paused; ``version``: for the log only."""
+        def go() -> None:
             self._scheduler(pause=False)
             self.gate.resume()
-        return time.perf_counter() - t0
+
+        return timed_boundary(fn, stop=lambda: self._scheduler(pause=True),
+                              reset=lambda: self._reset_prefix_cache(version), go=go)
 
     def _finish(self, version: Any) -> None:
         current = self.version()
@@ -277,36 +315,29 @@ class VllmLink:
     def version(self) -> str:
         return self._vllm("get_weight_version")
 
-    # ------------------------------------------------------------------ generation
+    def collective_rpc(self, method: Any, args: tuple = ()) -> list[Any]:
+        """vLLM's ``collective_rpc``: ``method`` (a worker method's name, or a callable with
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) in every worker; their results."""
+        return self._vllm("collective_rpc", method, args=args)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 temperature: float = 0.0, seed: int | None = None,
-                 lora_request: Any = None) -> list[list[int]]:
-        """Generations from token ids (greedy unless ``temperature`` > 0, then sampled by
-        vLLM, request ``i`` seeded ``seed + i``), one engine step at a time (see StepGate);
-        ``lora_request``: vLLM's ``LoRARequest`` of an adapter to run with."""
-        return [list(g.tokens) for g in self.generate_tagged(
-            prompts, max_new_tokens, temperature=temperature, seed=seed,
-            lora_request=lora_request)]
+    # ------------------------------------------------------------------ generation
 
     def generate_tagged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                         temperature: float = 0.0, seed: int | None = None,
                         lora_request: Any = None,
                         on_step: Callable[[int, int, float | None], None] | None = None
                         ) -> list[Generation]:
-        """:meth:`generate`, each sequence with the weight versions that produced its tokens
-        (vLLM's own per-span ``weight_versions``). ``on_step(i, n, stamp)``: after each
-        engine step that gave prompt ``i`` tokens, ``n`` of them so far, ``stamp`` vLLM's
-        timestamp of that step (host-wide monotonic; exact while one thread generates)."""
-        from vllm import SamplingParams
+        """:meth:`generate`, one engine step at a time (see StepGate), each sequence with the
+        weight versions that produced its tokens (vLLM's own per-span ``weight_versions``).
+        ``on_step(i, n, stamp)``: after each engine step that gave prompt ``i`` tokens, ``n``
+        of them so far, ``stamp`` vLLM's timestamp of that step (host-wide monotonic; exact
+        while one thread generates)."""
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
         ids = [f"wt-{next(self._ids)}" for _ in prompts]
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
-            params = SamplingParams(  # one seed per request: equal seeds draw alike
-                temperature=temperature, seed=None if seed is None else seed + i,
-                max_tokens=max_new_tokens, detokenize=False)
+            params = request_params(i, max_new_tokens, temperature, seed)
             with self._send:
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params,
                                    lora_request=lora_request)

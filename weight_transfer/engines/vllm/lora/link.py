@@ -1,4 +1,6 @@
-"""Driver side of a served LoRA adapter: set up, begin, flip, roll back (beside a VllmLink).
+"""Driver side of a served LoRA adapter: set up, begin, flip, roll back (beside a VllmLink
+of an offline ``LLM`` or an AsyncLink of an ``AsyncLLM``: the link's ``call``, ``version``,
+``at_step_boundary`` and ``generate_tagged`` are all it uses).
 
 ::
 
@@ -49,7 +51,8 @@ PLACEHOLDER_PATH = "wt-onesided://{name}"  # LoRARequest needs a path; vLLM neve
 
 
 class LoraLink:
-    """One served adapter of one ``LLM`` (through its :class:`..driver.VllmLink`)."""
+    """One served adapter of one engine (through its :class:`..driver.VllmLink` or
+    :class:`..async_link.AsyncLink`)."""
 
     def __init__(self, link: Any, *, name: str, lora_int_id: int = 1) -> None:
         if lora_int_id < 1:
@@ -111,7 +114,7 @@ class LoraLink:
             self.previous, self.version = self.version, None if version is None else str(version)
             self._served()
 
-        return self.link._paused(swap, version)
+        return self.link.at_step_boundary(swap, version)
 
     def discard(self) -> None:
         """End the update being written without a flip (a failed transfer); the engine
@@ -127,7 +130,7 @@ class LoraLink:
             self.version, self.previous = self.previous, None
             self._served()
 
-        return self.link._paused(back, self.previous)
+        return self.link.at_step_boundary(back, self.previous)
 
     def _served(self) -> None:
         """Log the version served from now (vLLM's scheduler is paused: every step stamped
