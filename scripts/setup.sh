@@ -45,10 +45,11 @@ $PIP install -q -e ".[$EXTRAS]"
 # On a machine without a GPU it runs on CPU (DS_ACCELERATOR=cpu).
 .venv/bin/python -c "import deepspeed" >/dev/null 2>&1 || $PIP install -q --no-deps "deepspeed==0.19.8"
 # On CPU, DeepSpeed JIT-builds its shared-memory comm op (system compiler and ninja) the first
-# time a process joins a group: about 100 s here. Build it once now (cached in
-# ~/.cache/torch_extensions), not inside the first test's trainer actors.
+# time a process joins a group: about 100 s here. Build it once now, into this checkout's
+# venv (the test suite points TORCH_EXTENSIONS_DIR there: tests/conftest.py), not inside the
+# first test's trainer actors.
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator
+  TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 || true
 fi
 if [ "$VLLM" = yes ]; then

@@ -39,6 +39,14 @@ import pytest
 from actors.tools.testkit.harness import RemoteTarget
 from weight_transfer.transport.simnic.nic import SimNic
 
+# DeepSpeed's JIT-built shared-memory op, built by scripts/setup.sh into this checkout's venv:
+# one cache per checkout (torch keys a build by its paths, so two checkouts sharing
+# ~/.cache/torch_extensions rebuild it in turn, inside the first test's trainer actors).
+# Every process the suite starts inherits it (Ray nodes, actors, `wt` commands).
+_VENV = Path(__file__).resolve().parents[1] / ".venv"
+if _VENV.is_dir():
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_VENV / "torch_extensions"))
+
 if os.environ.get("WT_TEST_HIDE_PYVERBS") == "1":
     sys.modules["pyverbs"] = None  # every `import pyverbs...` now raises ImportError
 
