@@ -298,8 +298,9 @@ class VllmEngineOwner:
             return sample(self.link, prompts, params)
 
     def collective_rpc(self, fn: Any, args: tuple = ()) -> list:
-        """Run ``fn(worker, *args)`` in every worker (tests: the oracle)."""
-        return self.link.llm.collective_rpc(fn, args=args)
+        """Run ``fn(worker, *args)`` in every worker (tests: the oracle), through the link:
+        an offline ``LLM``'s or an ``AsyncLLM``'s."""
+        return self.link.collective_rpc(fn, args=args)
 
     def startup_seconds(self) -> float:
         return self.start_seconds

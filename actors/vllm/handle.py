@@ -99,8 +99,6 @@ def dispatch(owner: VllmEngineOwner | None, method: str, args: tuple, kwargs: di
         raise ValueError(f"wt_vllm: unknown method {method!r}; known: {sorted(OWNER_METHODS)}")
     if method == "tp":
         return owner.tp
-    if method == "collective_rpc":  # the owner's reaches an offline LLM only; links have one
-        return owner.link.collective_rpc(*args, **kwargs)
     return getattr(owner, method)(*args, **kwargs)
 
 

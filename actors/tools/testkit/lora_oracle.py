@@ -58,21 +58,17 @@ def snapshot(model: Any, root: Path, tag: str) -> tuple[dict[str, torch.Tensor],
 
 def slot_differences(worker: Any, served_id: int, oracle_id: int) -> list[str]:
     """Worker side: every slot tensor whose bytes in the slot of adapter id ``served_id``
-    differ from the slot vLLM loaded adapter id ``oracle_id`` into."""
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    differ from the slot vLLM loaded adapter id ``oracle_id`` into (one line naming the
+    ids when either is in no slot)."""
+    from weight_transfer.engines.vllm.lora.record import slot_tensors
 
     manager = worker.model_runner.model.lora_manager
     ids = manager.lora_index_to_id
+    if served_id not in ids or oracle_id not in ids:
+        return [f"adapter ids {served_id}, {oracle_id} not both in slots {list(ids)}"]
     a, b = ids.index(served_id), ids.index(oracle_id)
-    out = []
-    for name, layer in manager.modules.items():
-        if not isinstance(layer, BaseLinearLayerWithLoRA):
-            continue  # embeddings and the head keep other tensors (not targeted here)
-        for stack in ("lora_a_stacked", "lora_b_stacked"):
-            for i, t in enumerate(getattr(layer, stack)):
-                if not torch.equal(t[a].view(torch.uint8), t[b].view(torch.uint8)):
-                    out.append(f"{name}.{stack}.{i}")
-    return out
+    return [n for n, t in slot_tensors(manager).items()
+            if not torch.equal(t[a].view(torch.uint8), t[b].view(torch.uint8))]
 
 
 def slot_ids(worker: Any) -> list[int | None]:

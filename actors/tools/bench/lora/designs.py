@@ -53,18 +53,11 @@ class Rig:
 
 def connect(link: Any, meta: Any, spec: Any, rank: int) -> Any:
     """A trainer NIC connected both ways to TP rank ``rank`` of ``link``."""
-    from weight_transfer.transport.handshake import Connection, Endpoint, InfoRequest
+    from actors.tools.testkit.vllm_oracle import connect_nic
 
-    nic, engine_nic = f"tnode0/nic{rank}", meta.tensors[0].region.nic
-    mine = spec.open(owner=f"trainer{rank}", nic=nic)
-    request = InfoRequest(nic=engine_nic, remote=Endpoint(owner=f"trainer{rank}", nic=nic))
-    (peer,) = link.call("endpoints", [request], rank=rank)[0]
-    mine.connect(peer)
-    conn = Connection(nic=engine_nic, peer=mine.peer_info(meta.tensors[0].region.owner,
-                                                          engine_nic))
-    if link.call("connect", [conn], rank=rank) != [1]:
-        raise RuntimeError(f"{meta.replica}/tp{rank}: the engine did not connect back")
-    return mine
+    return connect_nic(meta, spec, trainer=f"trainer{rank}", nic=f"tnode0/nic{rank}",
+                       endpoints=lambda reqs: link.call("endpoints", reqs, rank=rank)[0],
+                       connect=lambda conns: link.call("connect", conns, rank=rank)[0])
 
 
 def start_rig(model_yaml: Path, *, tp: int, max_rank: int, root: Path,
@@ -202,22 +195,12 @@ DESIGNS = {"ours": ours, "disk": disk, "merged": merged}
 # ------------------------------------------------------------------ oracles
 
 
-def _slot_differences(worker: Any, a_id: int, b_id: int) -> list[str]:
-    from weight_transfer.engines.vllm.lora.record import slot_tensors
-
-    manager = worker.model_runner.model.lora_manager
-    ids = manager.lora_index_to_id
-    if a_id not in ids or b_id not in ids:
-        return [f"adapter ids {a_id}, {b_id} not both in slots {list(ids)}"]
-    a, b = ids.index(a_id), ids.index(b_id)
-    return [n for n, t in slot_tensors(manager).items()
-            if not torch.equal(t[a].view(torch.uint8), t[b].view(torch.uint8))]
-
-
 def slots_equal(rig: Rig) -> bool:
     """Whether our served slot and vLLM's own load of the same version agree byte for
     byte in every slot tensor of every rank."""
-    return all(not d for d in rig.llm.collective_rpc(_slot_differences,
+    from actors.tools.testkit.lora_oracle import slot_differences
+
+    return all(not d for d in rig.llm.collective_rpc(slot_differences,
                                                      args=(SERVED_ID, DISK_ID)))
 
 
