@@ -1,21 +1,5 @@
-"""Fault injection for tests and ``wt chaos``: test-only subclasses of the ready-made actors.
-
-The production actors carry no fault hooks. A test (or the chaos command)
-that injects faults launches these classes instead::
-
-    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)
-    replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)
-    ray.get(trainers[1].wt_set_link.remote(False))        # writes of rank 1 fail
-    ray.get(replicas[0][0].wt_deregister.remote())        # its regions are revoked
-    ray.get(replicas[0][1].wt_flip_byte.remote(name, 3))  # one corrupted byte
-    ray.get(replicas[0][1].wt_drop_delta_header.remote(0))  # a delta slot header lost
-
-Trainer hooks go through the transport's optional
-:class:`~weight_transfer.transport.base.FaultInjection` interface (simnic only;
-other transports refuse with a ``TypeError`` naming the transport). The mixins
-also work on a plain :class:`~actors.trainer.TrainerMixin` /
-:class:`~actors.inference.InferenceMixin` in a unit test, without Ray.
-"""
+"""Fault hooks of a reference-engine rank and of a vLLM rank (see
+:mod:`actors.tools.testkit.hooks`)."""
 
 from __future__ import annotations
 
@@ -24,33 +8,8 @@ from typing import Any
 import ray
 
 from actors.ready.inference import InferenceWorker
-from actors.ready.trainer import TrainerWorker
 from actors.vllm.engine import VllmRank
 from weight_transfer.delta.codec import SLOT_HEADER
-from weight_transfer.transport.base import fault_injection
-
-
-class TrainerFaultHooks:
-    """NIC faults of one trainer rank (a :class:`~actors.trainer.TrainerMixin`)."""
-
-    def _wt_faults(self) -> Any:
-        nic = self.wt_nic
-        if nic is None:
-            raise RuntimeError(f"trainer rank {self._wt_rank}: no NIC before wt_connect")
-        return fault_injection(nic)  # TypeError for a transport without faults
-
-    def wt_set_link(self, up: bool) -> None:
-        """Bring this rank's NIC link down (writes fail) or up."""
-        self._wt_faults().set_link(up)
-
-    def wt_flap_link(self, down_s: float) -> None:
-        """This rank's NIC link goes down at the start of its next write and up again
-        ``down_s`` seconds later (a transient fault the retry policy rides out)."""
-        self._wt_faults().flap_link(down_s)
-
-    def wt_fail_after_bytes(self, nbytes: int | None) -> None:
-        """Deliver ``nbytes`` more bytes, then fail (None: off)."""
-        self._wt_faults().fail_after_bytes(nbytes)
 
 
 class EngineFaultHooks:
@@ -84,10 +43,6 @@ class EngineFaultHooks:
             self._wt_mem.forget()
 
 
-class FaultyTrainerWorker(TrainerFaultHooks, TrainerWorker):
-    pass
-
-
 class FaultyInferenceWorker(EngineFaultHooks, InferenceWorker):
     pass
 
@@ -118,5 +73,4 @@ class FaultyVllmRank(VllmRank):
         return _Deregister(self.owner, self.rank)
 
 
-FaultyTrainerActor = ray.remote(FaultyTrainerWorker)
 FaultyInferenceActor = ray.remote(max_concurrency=4)(FaultyInferenceWorker)
