@@ -9,7 +9,17 @@ that cover their tokens. A request signed with another key, or not signed, is re
 outsider's calls of the RL routes (pause, resume, version, finish, start) are refused by our
 route guard with 403, between updates and during one, and change nothing.
 
-One server start for the module (about 40-90 s here).
+The same server serves a LoRA adapter by name (``"model": "policy"``), through an HttpLink
+and the guard's own route ``/wt/lora_name`` (the flow of the other shapes,
+:func:`actors.tools.testkit.lora_oracle.check_adapter_flow`): refused above
+``max_lora_rank`` with no slot taken, served only after the flip, its slot bytes and greedy
+tokens equal to vLLM's own load of the PEFT checkpoint (``add_lora`` in the worker), rolled
+back exactly, its slots freed and its name unknown after the close; docs/embedding.md's
+adapter snippet runs as written. An outsider's unsigned or wrongly signed call of the route
+is refused with 403 and the name table is unchanged.
+
+One server start for the module (about 40-90 s here; LoRA on: ``max_loras=3``, our two slots
+and one for vLLM's load of the oracle checkpoint).
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 DOC = ROOT / "docs" / "embedding.md"
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
+RANK = 8  # the LoRA adapter's rank, the server's max_lora_rank
+ORACLE_ID = 7  # the adapter id of vLLM's own load of the PEFT checkpoint
+ENIC, TNIC = "inode0/nic0", "tnode9/nic0"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +64,8 @@ def served(tmp_path_factory, ray_job):
     key = new_key()
     with launch_trainers(cfg) as trainers, VllmServer(
             start, key=key, log_path=root / "server.log",
-            engine_args={"dtype": "float32", "worker_extension_cls": EXTENSION}) as server:
+            engine_args={"dtype": "float32", "worker_extension_cls": EXTENSION,
+                         "enable_lora": True, "max_loras": 3, "max_lora_rank": RANK}) as server:
         yield cfg, trainers, server, key, root
         pids = [server.proc.pid, *descendants(server.proc.pid)]
         segments = mapped_segments(pids)  # the server's own, while it runs
@@ -256,3 +270,150 @@ def test_an_outsider_cannot_call_the_rl_routes_between_or_during_updates(served)
     finally:
         ctl.shutdown()
         replicas.close()
+
+
+def _lora_link(server, key):
+    """An HttpLink to the server with the backend's registration (its NICs the adapter's)."""
+    from weight_transfer.engines.vllm.http_link import HttpLink
+    from weight_transfer.engines.vllm.mailbox import SetupRequest
+    from weight_transfer.transport.options import DEFAULT_TRANSPORT
+
+    link = HttpLink(server.url, key=key, reply_host="127.0.0.1")
+    try:
+        (meta,) = link.setup(SetupRequest(replica="engine0", nics=((ENIC,),),
+                                          transport=DEFAULT_TRANSPORT))
+    except BaseException:
+        link.close()
+        raise
+    return link, meta
+
+
+def _connect(link, meta, trainer: str, nic: str):
+    """The trainer's NIC, connected to the server's worker."""
+    from actors.tools.testkit.vllm_oracle import connect_link
+    from weight_transfer.transport.options import DEFAULT_TRANSPORT
+
+    return connect_link(link, meta, DEFAULT_TRANSPORT, trainer=trainer, nic=nic)
+
+
+def _base_model():
+    """The tiny Llama the adapters are trained on (the shapes the server holds)."""
+    from weight_transfer.engines.reference.hf_model import build_hf_model
+    from weight_transfer.model.models import load_model_config
+
+    cfg = load_model_config(CONFIGS / "models" / "tiny_llama.yaml")
+    return build_hf_model(cfg.model_copy(update={"torch_dtype": "float32"}), seed=11,
+                          dtype=torch.float32)
+
+
+def _oracle_tokens(link, path, tokens):
+    """``tokens(name)`` under vLLM's own load of the PEFT checkpoint at ``path`` (its
+    ``add_lora`` in the worker, adapter id ORACLE_ID), served under a name of its own
+    meanwhile."""
+    name = f"oracle-{path.name}"
+    link.collective_rpc("wt_lora_load", (name, ORACLE_ID, path))
+    link.serve_lora(name, ORACLE_ID)
+    try:
+        return tokens(name)
+    finally:
+        link.unserve_lora(name)
+
+
+def test_a_lora_adapter_is_served_by_name_flipped_rolled_back_and_closed(served):
+    """The flow of the other shapes over an HttpLink: the adapter's name is served as its
+    pinned id at setup and unknown after the close; the oracle's checkpoint is loaded by
+    vLLM in the worker and served under a name of its own while its tokens are taken."""
+    pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
+    from actors.tools.testkit.lora_oracle import AdapterAccess, check_adapter_flow
+    from weight_transfer.engines.vllm.http_link import HttpError
+    from weight_transfer.engines.vllm.lora.link import LoraLink
+    from weight_transfer.sync.versions import parse_version
+
+    _, _, server, key, root = served
+    link, meta = _lora_link(server, key)
+    try:
+        adapter = LoraLink(link, name="policy", lora_int_id=1)
+
+        def lora(method, *args, **kw):
+            if method == "version":
+                return adapter.version
+            if method == "setup":
+                return adapter.setup(*args, nics=((ENIC,),), **kw)
+            return getattr(adapter, method)(*args, **kw)
+
+        def tokens(lora_request):  # a client's greedy requests, "model": the adapter's name
+            return link.generate(PROMPTS, 8, lora_request=lora_request)
+
+        access = AdapterAccess(
+            lora=lora, in_workers=lambda method, *args: link.collective_rpc(method, args)[0],
+            connect=lambda: _connect(link, meta, "lora-trainer", TNIC), tokens=tokens,
+            oracle=lambda path: _oracle_tokens(link, path, tokens))
+        names = link.lora_table()
+        check_adapter_flow(access, root=root, start_model=_base_model(), rank=RANK,
+                           base_version=link.version(), oracle_id=ORACLE_ID)
+        assert link.lora_table() == names and link.lora_names == {}  # "policy" is gone
+        with pytest.raises(HttpError, match=r"HTTP 404.*`policy` does not exist"):
+            link.generate(PROMPTS[:1], 4, lora_request="policy")
+        with pytest.raises(ValueError, match="no engine-step timestamps"):
+            adapter.generate_tagged(PROMPTS, 4)  # over HTTP: refused, not guessed
+        base = parse_version(link.version())  # the base weights' version, as the server says
+        assert [g.versions for g in link.generate_tagged(PROMPTS, 4)] == [(base,)] * 2
+    finally:
+        link.close()
+
+
+def test_doc_snippet_serves_a_lora_adapter_by_name(served):
+    pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
+    from actors.tools.testkit.lora_oracle import peft_adapter, snapshot
+
+    _, _, server, key, root = served
+    link, meta = _lora_link(server, key)
+    try:
+        model = peft_adapter(_base_model(), seed=5, r=RANK)
+        _, path = snapshot(model, root, "adapter-doc")
+        ns = run_snippet(DOC, "vllm-server-lora", {
+            "link": link, "nics": ((ENIC,),), "peft_model": model, "prompts": PROMPTS,
+            "nic": _connect(link, meta, "doc-trainer", "tnode8/nic0")})
+        assert ns["lora"].version == "3" and "policy" not in link.lora_table()
+        want = _oracle_tokens(link, path, lambda name: link.generate(PROMPTS, 8,
+                                                                     lora_request=name))
+        assert ns["tokens"] == want != link.generate(PROMPTS, 8)
+    finally:
+        link.close()
+
+
+def test_an_outsider_cannot_serve_or_unserve_an_adapter_name(served):
+    """The guard's own route: unsigned (anyone) or signed with another key, a POST or a
+    DELETE gets 403 and the name table is unchanged; signed with bad input, 400 or 409 naming
+    what is wrong, nothing changed."""
+    from weight_transfer.engines.vllm.channel import new_key
+    from weight_transfer.engines.vllm.guard.lora_names import ROUTE
+    from weight_transfer.engines.vllm.http_link import HttpError, HttpLink
+
+    _, _, server, key, _ = served
+    link = HttpLink(server.url, key=key, reply_host="127.0.0.1")
+    stranger = HttpLink(server.url, key=new_key(), reply_host="127.0.0.1")
+    try:
+        def models():  # what anyone sees: the base model and every adapter name served
+            return [(m["id"], m["root"]) for m in _outsider(server.url, "/v1/models")[2]["data"]]
+
+        names, seen = link.lora_table(), models()
+        for name, lora_id in (("evil", 1), ("policy", 1)):
+            assert _outsider(server.url, ROUTE, {"name": name, "lora_int_id": lora_id})[:2] == \
+                (403, "refused")
+            with pytest.raises(HttpError, match=r"POST .*/wt/lora_name: HTTP 403.*bad signature"):
+                stranger.serve_lora(name, lora_id)
+            with pytest.raises(HttpError, match=r"DELETE .*/wt/lora_name: HTTP 403"):
+                stranger.unserve_lora(name, lora_id)
+        with pytest.raises(ValueError, match=r"'lora_int_id' of 'x' must be an integer >= 1, "
+                                             r"not '1'"):
+            link.serve_lora("x", "1")
+        with pytest.raises(ValueError, match="field 'name' must be a non-empty string"):
+            link.serve_lora("", 1)
+        with pytest.raises(ValueError, match="the engine holds no adapter id 3"):
+            link.serve_lora("x", 3)
+        assert link.lora_table() == names and link.lora_names == {}
+        assert models() == seen
+    finally:
+        stranger.box.close()
+        link.box.close()

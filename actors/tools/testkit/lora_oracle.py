@@ -12,11 +12,19 @@ slot vLLM filled by its own load of a PEFT checkpoint of the same adapter (a
 
 Worker functions travel as callables (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), or by name
 through :class:`actors.tools.testkit.vllm_oracle_ext.OracleExtension`
-(``collective_rpc("wt_lora_slot_differences", args=(1, 7))``).
+(``collective_rpc("wt_lora_slot_differences", args=(1, 7))``; over a server's HTTP route the
+arguments arrive as strings). A server has no ``LoRARequest`` with a path to send: the
+extension's ``wt_lora_load(name, id, path)`` (:func:`load_checkpoint`) is vLLM's own load of
+a checkpoint into a slot (its ``add_lora``), which a name served as that id then runs.
+
+The flow every shape runs (:func:`check_adapter_flow`) reaches the engine through an
+:class:`AdapterAccess`; :func:`adapter_flow` is it for a user's actor (``wt_lora``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +67,10 @@ def snapshot(model: Any, root: Path, tag: str) -> tuple[dict[str, torch.Tensor],
 def slot_differences(worker: Any, served_id: int, oracle_id: int) -> list[str]:
     """Worker side: every slot tensor whose bytes in the slot of adapter id ``served_id``
     differ from the slot vLLM loaded adapter id ``oracle_id`` into (one line naming the
-    ids when either is in no slot)."""
+    ids when either is in no slot). The ids may come as strings (a server's HTTP route)."""
     from weight_transfer.engines.vllm.lora.record import slot_tensors
 
+    served_id, oracle_id = int(served_id), int(oracle_id)
     manager = worker.model_runner.model.lora_manager
     ids = manager.lora_index_to_id
     if served_id not in ids or oracle_id not in ids:
@@ -74,6 +83,14 @@ def slot_differences(worker: Any, served_id: int, oracle_id: int) -> list[str]:
 def slot_ids(worker: Any) -> list[int | None]:
     """Worker side: the adapter id in each of vLLM's LoRA slots (None: empty)."""
     return list(worker.model_runner.model.lora_manager.lora_index_to_id)
+
+
+def load_checkpoint(worker: Any, name: str, lora_int_id: int | str, path: str) -> bool:
+    """Worker side: vLLM's own load of the PEFT checkpoint at ``path`` into a slot as adapter
+    id ``lora_int_id`` (its ``add_lora``; in place: a load of the same id replaces it)."""
+    from vllm.lora.request import LoRARequest
+
+    return worker.add_lora(LoRARequest(name, int(lora_int_id), str(path), load_inplace=True))
 
 
 class FlipAt:
@@ -95,33 +112,37 @@ class FlipAt:
             actor.wt_lora.remote(self.name, "flip", self.version)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterAccess:
+    """How a test reaches the adapter ``"policy"`` of one engine, in one shape.
+
+    ``lora(method, *args, **kw)``: the adapter's ``LoraLink`` method (``"version"``: the
+    version served); ``in_workers(method, *args)``: the first worker's answer of an oracle
+    extension method; ``connect()``: the trainer's NIC, connected to the engine's rank 0;
+    ``tokens(lora_request)``: the user's greedy tokens per prompt (None: the base model);
+    ``oracle(path)``: those tokens under vLLM's own load of the PEFT checkpoint at ``path``,
+    which then sits in a slot under the flow's ``oracle_id``."""
+
+    lora: Callable[..., Any]
+    in_workers: Callable[..., Any]
+    connect: Callable[[], Any]
+    tokens: Callable[[Any], Any]
+    oracle: Callable[[Path], Any]
+
+
 def adapter_flow(actor: Any, rank0: Any, *, root: Path, start_model: Any, rank: int,
                  tokens: Any, overtake: bool, oracle_id: int = 7) -> None:
     """A LoRA adapter driven through a user's actor's ``wt_lora`` (its engine started with
     ``enable_lora``, ``max_loras=3``, ``max_lora_rank=rank``, the oracle extension), this
-    process as the trainer writing one-sided through ``rank0`` (the replica's VllmRank).
-    Asserts: an adapter above ``max_lora_rank`` is refused by name with no slot taken; a
-    written version is served only after the flip; the slot bytes and the greedy tokens
-    equal vLLM's own load of the PEFT checkpoint; a rollback gives the previous version's
-    tokens exactly; ``close`` gives the slots back. ``tokens(lora_request)``: the user's own
-    generate, greedy, per prompt. ``overtake`` (an actor that serves calls concurrently):
-    a 200-token request under the adapter is overtaken by the flip to version 2, its tokens
-    before the flip version 1's."""
-    import asyncio
-
+    process as the trainer writing one-sided through ``rank0`` (the replica's VllmRank):
+    :func:`check_adapter_flow` on base version 1, then a flip of the closed adapter is
+    refused by name. ``tokens(lora_request)``: the user's own generate, greedy, per prompt.
+    ``overtake``: see :func:`check_adapter_flow`."""
     import ray
     from vllm.lora.request import LoRARequest
 
     from actors import TransferConfig
     from actors.tools.testkit.vllm_oracle import connect_rank
-    from weight_transfer.engines.vllm.lora.spec import AdapterSpec
-    from weight_transfer.sources.lora import adapter_buffer, describe_peft, write_adapter
-
-    model = peft_adapter(start_model, seed=1, r=rank)
-    v1 = snapshot(model, root, "adapter-v1")
-    next_step(model, seed=2)
-    v2 = snapshot(model, root, "adapter-v2")
-    spec = describe_peft(model)
 
     def lora(method: str, *args: Any, **kw: Any) -> Any:
         return ray.get(actor.wt_lora.remote("policy", method, *args, **kw))
@@ -129,27 +150,66 @@ def adapter_flow(actor: Any, rank0: Any, *, root: Path, start_model: Any, rank: 
     def in_workers(method: str, *args: Any) -> Any:
         return ray.get(actor.wt_vllm.remote("collective_rpc", method, args))[0]
 
-    too_big = AdapterSpec(config_json=spec.config_json.replace(f'"r": {rank}', '"r": 16'),
-                          params=spec.params)
-    try:
-        lora("setup", too_big)
-        raise AssertionError("an adapter of rank 16 was set up")
-    except ValueError as exc:
-        assert f"LoRA rank 16 is greater than max_lora_rank {rank}" in str(exc), exc
-    assert in_workers("wt_lora_slot_ids") == [None] * 3  # no slot taken, none written
-
-    (meta,) = lora("setup", spec)
-    request = lora("request")
-    nic = connect_rank(rank0, ray.get(rank0.wt_engine_meta.remote()),
-                       TransferConfig().transport_spec, trainer="lora-trainer", nic="tnode9/nic0")
-    buffer = adapter_buffer(meta)
+    def connect() -> Any:
+        return connect_rank(rank0, ray.get(rank0.wt_engine_meta.remote()),
+                            TransferConfig().transport_spec, trainer="lora-trainer",
+                            nic="tnode9/nic0")
 
     def oracle(path: Path) -> Any:  # vLLM's own load of the PEFT checkpoint
         return tokens(LoRARequest(f"oracle-{path.name}", oracle_id, str(path),
                                   load_inplace=True))
 
+    access = AdapterAccess(lora=lora, in_workers=in_workers, connect=connect, tokens=tokens,
+                           oracle=oracle)
+    check_adapter_flow(access, root=root, start_model=start_model, rank=rank,
+                       base_version="1", overtake=overtake, oracle_id=oracle_id)
+    try:
+        lora("flip", 3)
+        raise AssertionError("a flip of a closed adapter was accepted")
+    except ValueError as exc:
+        assert "no adapter 'policy' set up on engine0" in str(exc), exc
+
+
+def check_adapter_flow(access: AdapterAccess, *, root: Path, start_model: Any, rank: int,
+                       base_version: Any, overtake: bool = False, oracle_id: int = 7) -> None:
+    """The adapter ``"policy"`` of rank ``rank`` on an engine started with ``enable_lora``,
+    ``max_loras=3``, ``max_lora_rank=rank`` and the oracle extension, serving base version
+    ``base_version``; this process the trainer. Asserts: an adapter above ``max_lora_rank``
+    is refused by name with no slot taken; a written version is served only after the flip;
+    the slot bytes and the greedy tokens equal vLLM's own load of the PEFT checkpoint; a
+    rollback gives the previous version's tokens exactly; ``close`` gives the slots back.
+    ``overtake`` (an actor that serves calls concurrently, :class:`FlipAt`): a 200-token
+    request under the adapter is overtaken by the flip to version 2, its tokens before the
+    flip version 1's."""
+    import asyncio
+
+    from weight_transfer.engines.vllm.lora.spec import AdapterSpec
+    from weight_transfer.sources.lora import adapter_buffer, describe_peft, write_adapter
+
+    lora, in_workers, tokens = access.lora, access.in_workers, access.tokens
+    model = peft_adapter(start_model, seed=1, r=rank)
+    v1 = snapshot(model, root, "adapter-v1")
+    next_step(model, seed=2)
+    v2 = snapshot(model, root, "adapter-v2")
+    spec = describe_peft(model)
+
+    too_big = AdapterSpec(config_json=spec.config_json.replace(f'"r": {rank}', '"r": 16'),
+                          params=spec.params)
+    before = in_workers("wt_lora_slot_ids")  # empty, or an oracle an earlier test loaded
+    try:
+        lora("setup", too_big)
+        raise AssertionError("an adapter of rank 16 was set up")
+    except ValueError as exc:
+        assert f"LoRA rank 16 is greater than max_lora_rank {rank}" in str(exc), exc
+    assert in_workers("wt_lora_slot_ids") == before  # no slot taken, none written
+
+    (meta,) = lora("setup", spec)
+    request = lora("request")
+    nic = access.connect()
+    buffer = adapter_buffer(meta)
+
     def write(tensors: dict) -> None:
-        slot = lora("begin", "1")  # trained on base version 1, the one the engine serves
+        slot = lora("begin", base_version)  # trained on the base version the engine serves
         assert asyncio.run(write_adapter(nic, meta, slot, tensors, buffer=buffer)) == \
             meta.nbytes > 0
 
@@ -158,7 +218,7 @@ def adapter_flow(actor: Any, rank0: Any, *, root: Path, start_model: Any, rank: 
     assert tokens(request) == base  # written, not served yet
     assert lora("flip", 1) > 0
     ours_v1 = tokens(request)
-    assert ours_v1 == oracle(v1[1]) != base
+    assert ours_v1 == access.oracle(v1[1]) != base
     assert in_workers("wt_lora_slot_differences", 1, oracle_id) == []
 
     write(v2[0])
@@ -174,14 +234,15 @@ def adapter_flow(actor: Any, rank0: Any, *, root: Path, start_model: Any, rank: 
     else:
         assert lora("flip", 2) > 0
     ours_v2 = tokens(request)
-    assert ours_v2 == oracle(v2[1]) != ours_v1
+    assert ours_v2 == access.oracle(v2[1]) != ours_v1
     assert in_workers("wt_lora_slot_differences", 1, oracle_id) == []
     assert lora("rollback") > 0
     assert tokens(request) == ours_v1 and lora("version") == "1"
     lora("close")  # both slots back to vLLM; the oracle's stays
-    assert sorted(in_workers("wt_lora_slot_ids"), key=str) == [oracle_id, None, None]
-    try:
-        lora("flip", 3)
-        raise AssertionError("a flip of a closed adapter was accepted")
-    except ValueError as exc:
-        assert "no adapter 'policy' set up on engine0" in str(exc), exc
+    after = in_workers("wt_lora_slot_ids")
+    assert len(after) == len(before) and _held(after) == sorted({*_held(before), oracle_id})
+
+
+def _held(slot_ids: list[int | None]) -> list[int]:
+    """The adapter ids in slots, sorted (empty slots left out)."""
+    return sorted(i for i in slot_ids if i is not None)

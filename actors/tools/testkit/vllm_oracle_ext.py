@@ -8,7 +8,8 @@ with, per worker, ``{"problems": [...], "digests": {...}}``: the same check as
 own ``load_weights`` of ``checkpoint``), reached by name with string arguments,
 so no callable crosses the wire (no insecure serialization). The LoRA slot oracle
 (:mod:`actors.tools.testkit.lora_oracle`) answers by name too: ``wt_lora_slot_differences``
-and ``wt_lora_slot_ids`` (an ``AsyncLLM``'s ``collective_rpc``).
+and ``wt_lora_slot_ids`` (an ``AsyncLLM``'s ``collective_rpc``, a server's route), and
+``wt_lora_load``: vLLM's own load of a PEFT checkpoint into a slot (a server's oracle).
 """
 
 from __future__ import annotations
@@ -36,3 +37,8 @@ class OracleExtension:
         from actors.tools.testkit.lora_oracle import slot_ids
 
         return slot_ids(self)
+
+    def wt_lora_load(self, name: str, lora_int_id: str, path: str) -> bool:
+        from actors.tools.testkit.lora_oracle import load_checkpoint
+
+        return load_checkpoint(self, name, lora_int_id, path)

@@ -25,6 +25,10 @@ anything else), is counted per reason (:data:`REFUSED`) and logged at most once
 per reason per :data:`LOG_EVERY_S`. Every other route (generation, ``/health``,
 ``/v1/models``, ``/weight_info``, ``/is_paused``) passes untouched. A server
 without ``WT_VLLM_KEY`` refuses every guarded route (reason ``no key``).
+
+One guarded route is the guard's own, answered in the API server process once its
+signature passed: ``/wt/lora_name`` serves a name as the id of a LoRA adapter our workers
+hold (:mod:`.lora_names`; ``HttpLink`` calls it at an adapter's setup and close).
 """
 
 from weight_transfer.engines.vllm.guard.middleware import (

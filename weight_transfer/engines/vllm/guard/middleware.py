@@ -1,5 +1,7 @@
 """The guard as an ASGI middleware (what vLLM's ``--middleware`` adds around its app):
-refusals answered with 403, counted and logged; see the package docstring."""
+refusals answered with 403, counted and logged; a signed request to one of the guard's own
+routes (:data:`OWN_ROUTES`) answered here, in the API server process; see the package
+docstring."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weight_transfer.engines.vllm.channel import KEY_ENV, parse_key
-from weight_transfer.engines.vllm.guard.routes import is_guarded
+from weight_transfer.engines.vllm.guard import lora_names
+from weight_transfer.engines.vllm.guard.routes import is_guarded, route_of
 from weight_transfer.engines.vllm.guard.signing import Nonces, check_body, check_head
 
 log = logging.getLogger(__name__)
@@ -22,6 +25,9 @@ GUARD_HEADER = "x-wt-guard"
 REFUSED: dict[str, int] = {}  # reason -> requests refused, in this server process
 _last_log: dict[str, tuple[float, int]] = {}
 _lock = threading.Lock()
+# Routes the guard answers itself once their signature passed (vLLM has no such route):
+# route -> handler(scope, method, body, send).
+OWN_ROUTES: dict[str, Callable] = {lora_names.ROUTE: lora_names.serve}
 
 
 def count_refused(reason: str, what: str, *, now: float | None = None) -> None:
@@ -86,6 +92,9 @@ class RouteGuard:
         if reason is not None:
             count_refused(reason, what)
             return await _refuse(scope, receive, send, reason)
+        own = OWN_ROUTES.get(route_of(scope["path"], scope.get("root_path", "")))
+        if own is not None:
+            return await own(scope, method, body, send)
         return await self.app(scope, _replay(body, receive), send)
 
 

@@ -35,6 +35,8 @@ GUARDED: Mapping[str, str] = {
     "/fault_tolerance/apply": "applies a fault-tolerance instruction",
     "/v1/load_lora_adapter": "loads a LoRA adapter into the served model",
     "/v1/unload_lora_adapter": "unloads a LoRA adapter",
+    # Ours, answered by the guard itself (guard/lora_names.py): not a route of vLLM's.
+    "/wt/lora_name": "serves a name as a LoRA adapter id, or serves it no more",
 }
 
 
