@@ -276,6 +276,9 @@ class Transform(enum.StrEnum):
     COPY = "copy"  # cast to the destination dtype (usually a plain copy)
     FP8_WEIGHT = "fp8_weight"  # 128x128 block-quantize, write the e4m3 values
     FP8_SCALE = "fp8_scale"  # 128x128 block-quantize, write the float32 scale_inv
+    # cast, then zero-pad the last dim to ``nbytes / (rows * itemsize)`` columns (a
+    # LoRA B of rank r into a max_lora_rank-wide slot: one write, not one per row)
+    PAD_COLS = "pad_cols"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

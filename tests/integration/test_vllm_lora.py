@@ -2,8 +2,8 @@
 
 One vLLM engine for the module (tiny Llama, float32, TP=1, ``enable_lora=True``,
 ``max_loras=3``: our two slots and one for vLLM's own load of the oracle; rank 4 under
-``max_lora_rank=8``, so lora_B lands in strided rows), about 35-60 s to start here; the
-tests after it take a few seconds. The oracles (actors/tools/testkit/lora_oracle.py):
+``max_lora_rank=8``, so each lora_B is written as whole rows zero-padded to 8), about
+35-60 s to start here; the tests after it take a few seconds. The oracles (actors/tools/testkit/lora_oracle.py):
 
 1. the served slot's bytes, after our write and the flip, equal the bytes vLLM's own
    load of a PEFT checkpoint of the same adapter (``save_pretrained``, loaded through
@@ -151,11 +151,17 @@ def test_an_adapter_of_another_base_model_is_refused_with_nothing_written(engine
 
 def test_slot_bytes_and_tokens_equal_vllms_own_load(engine):
     from weight_transfer.sources.lora import describe_peft
+    from weight_transfer.types import Transform
 
     ns = engine
     (ns.lmeta,) = ns.lora.setup(describe_peft(ns.model), nics=((ENIC,),))
     assert len(ns.lmeta.slots) == 2 and dict(ns.lmeta.scaling) and \
         set(dict(ns.lmeta.scaling).values()) == {16 / 4}
+    # rank 4 under max_lora_rank 8: each lora_B is one write of whole rows, zero-padded
+    # (not one write per row); every lora_A is one contiguous run already
+    b = [p for p in ns.lmeta.slot_pieces[0] if ".lora_b_stacked." in p.dst_tensor]
+    assert b and {p.transform for p in b} == {Transform.PAD_COLS}
+    assert len(b) == len({p.dst_tensor for p in b})
     base = ns.link.generate(PROMPTS, 8)
     tensors, path = ns.v1
     assert write(ns, tensors, reuse=False) == ns.lmeta.nbytes > 0

@@ -1,4 +1,5 @@
-"""prepare_piece: exact destination bytes for copy and FP8 pieces, errors that name the piece."""
+"""prepare_piece: exact destination bytes for copy, zero-padded and FP8 pieces, errors that
+name the piece."""
 
 from pathlib import Path
 
@@ -9,7 +10,12 @@ from weight_transfer.engines.reference.random_state import random_state_dict
 from weight_transfer.layout.engine_layout import engine_pieces
 from weight_transfer.layout.quant import quantize_fp8_blocks
 from weight_transfer.model.models import load_model_config
-from weight_transfer.sender.prepare import piece_bytes, prepare_piece, prepare_pieces
+from weight_transfer.sender.prepare import (
+    piece_bytes,
+    prepare_piece,
+    prepare_pieces,
+    prepare_pieces_into,
+)
 from weight_transfer.types import Piece, ShardSpec, Transform
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -77,3 +83,23 @@ def test_fp8_needs_a_matrix():
     p = piece(((0, 4),), transform=Transform.FP8_WEIGHT, dtype="float8_e4m3fn", size=1)
     with pytest.raises(ValueError, match="2-D or 3-D"):
         prepare_piece(torch.zeros(4), p)
+
+
+def test_padded_rows_hold_the_rectangle_then_zeros():
+    """A rank-3 lora_B [5, 3] into rows 8 wide: one piece, every byte of the 5 x 8 rows."""
+    full = torch.randn(5, 3)
+    p = piece(((0, 5), (0, 3)), nbytes=5 * 8 * 2, transform=Transform.PAD_COLS)
+    want = torch.zeros(5, 8, dtype=torch.bfloat16)
+    want[:, :3] = full.to(torch.bfloat16)
+    assert torch.equal(prepare_piece(full, p).view(5, 8), want)
+    out = torch.full((p.nbytes,), 0xAB, dtype=torch.uint8)  # stale bytes are overwritten
+    (ready,) = prepare_pieces_into(full, [p], [out])
+    assert torch.equal(ready.view(torch.bfloat16).view(5, 8), want)
+
+
+@pytest.mark.parametrize("nbytes", [5 * 8 * 2 + 2, 5 * 2 * 2])
+def test_padded_rows_of_a_partial_or_narrower_width_are_refused(nbytes):
+    p = piece(((0, 5), (0, 3)), nbytes=nbytes, transform=Transform.PAD_COLS)
+    with pytest.raises(ValueError, match="no whole number of rows") as info:
+        prepare_piece(torch.zeros(5, 3), p)
+    assert "trainer.p" in str(info.value)

@@ -8,6 +8,7 @@ transform::
     COPY        cast to the destination dtype (no copy when dtype and layout agree)
     FP8_WEIGHT  128x128 block-quantize the rectangle, the float8_e4m3fn values
     FP8_SCALE   the same quantization, its float32 scale_inv
+    PAD_COLS    COPY, then zeros on the right of every row up to the piece's width
 
 The result is contiguous and exactly ``piece.nbytes`` long; :func:`piece_bytes`
 gives it as a flat uint8 view for the transports. :func:`prepare_pieces`
@@ -84,6 +85,10 @@ def prepare_piece(full: torch.Tensor, piece: Piece) -> torch.Tensor:
     rect = source_rect(full, piece)
     if piece.transform == Transform.COPY:
         return _finish(rect.to(_dtype(piece.dst_dtype, piece)), piece)
+    if piece.transform == Transform.PAD_COLS:
+        out = torch.empty(piece.nbytes, dtype=torch.uint8)
+        _pad_into(out, rect, piece)
+        return _finish(out.view(_dtype(piece.dst_dtype, piece)), piece)
     if piece.transform not in (Transform.FP8_WEIGHT, Transform.FP8_SCALE):
         raise ValueError(f"piece {_describe(piece)}: unknown transform {piece.transform!r}")
     if rect.dim() not in (2, 3):
@@ -98,7 +103,7 @@ def prepare_pieces(full: torch.Tensor, pieces: Sequence[Piece]) -> list[torch.Te
     cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     out = []
     for piece in pieces:
-        if piece.transform == Transform.COPY:
+        if piece.transform in (Transform.COPY, Transform.PAD_COLS):
             out.append(prepare_piece(full, piece))
             continue
         if piece.src_slice not in cache:
@@ -167,6 +172,9 @@ def prepare_pieces_into(
                 continue
             _copy_into(out, rect, piece)
             continue
+        if piece.transform == Transform.PAD_COLS:
+            _pad_into(out, source_rect(full, piece), piece)
+            continue
         if piece.transform not in (Transform.FP8_WEIGHT, Transform.FP8_SCALE):
             raise ValueError(f"piece {_describe(piece)}: unknown transform {piece.transform!r}")
         if piece.src_slice not in cache:
@@ -181,3 +189,28 @@ def prepare_pieces_into(
                              f"expects {piece.dst_dtype}")
         _copy_into(out, src, piece)
     return ready
+
+
+def padded_width(piece: Piece) -> int:
+    """The row width of a ``PAD_COLS`` piece: its bytes over the rectangle's rows; ValueError
+    naming the piece unless that is a whole number of columns, at least the rectangle's."""
+    shape = piece.src_shape
+    itemsize = torch.empty((), dtype=_dtype(piece.dst_dtype, piece)).element_size()
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    width, left = divmod(piece.nbytes, rows * itemsize) if shape else (0, 1)
+    if left or not shape or width < shape[-1]:
+        raise ValueError(f"piece {_describe(piece)}: {piece.nbytes} B is no whole number of "
+                         f"rows of at least {shape[-1] if shape else 0} columns")
+    return width
+
+
+def _pad_into(out: torch.Tensor, rect: torch.Tensor, piece: Piece) -> None:
+    """``rect`` cast into the left columns of ``out`` (flat uint8, ``piece.nbytes``), zeros in
+    the rest of every row."""
+    width = padded_width(piece)
+    dst = out.view(_dtype(piece.dst_dtype, piece)).view(*rect.shape[:-1], width)
+    cols = rect.shape[-1]
+    dst[..., :cols].copy_(rect)
+    dst[..., cols:].zero_()

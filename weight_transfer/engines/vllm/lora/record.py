@@ -31,7 +31,7 @@ import torch
 
 from weight_transfer.engines.vllm.lora.spec import AdapterSpec
 from weight_transfer.layout.recording.slices import copy_pieces, rect_of_chain
-from weight_transfer.types import Piece
+from weight_transfer.types import Piece, Transform
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,7 @@ def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
                              f"recorded at this TP size: {exc}") from None
     shapes = {p.name: tuple(p.shape) for p in adapter.params}
     pieces: list[Piece] = []
+    written: list[Piece] = []  # what is written: a narrow lora_B as one padded piece
     misfits = []
     for dst, (src, ops), view in sink.copies:
         rect, view_shape = rect_of_chain(shapes[src], ops, name=src)
@@ -208,10 +209,12 @@ def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
             misfits.append(f"{src} {shapes[src]}: a {tuple(view_shape)} block into a "
                            f"{tuple(view.shape)} view of {dst}")
             continue
-        pieces += copy_pieces(src=src, rect=rect, view_shape=view_shape, dst=dst,
-                              dst_dtype=str(view.dtype).removeprefix("torch."),
-                              offset=view.storage_offset(), shape=tuple(view.shape),
-                              stride=tuple(view.stride()))
+        dtype = str(view.dtype).removeprefix("torch.")
+        runs = copy_pieces(src=src, rect=rect, view_shape=view_shape, dst=dst, dst_dtype=dtype,
+                           offset=view.storage_offset(), shape=tuple(view.shape),
+                           stride=tuple(view.stride()))
+        pieces += runs
+        written += padded_rows(runs, src=src, rect=rect, dst=dst, dtype=dtype, view=view)
     misfits += _underfilled(tensors, pieces, shapes, adapter.rank)
     if misfits:
         raise ValueError("LoRA adapter of another base model: its shapes do not fit this "
@@ -220,6 +223,24 @@ def record_slot(manager: Any, slot: int, adapter: AdapterSpec) -> list[Piece]:
     if unused:
         raise ValueError(f"vLLM's set_lora writes no byte of adapter parameters {unused} "
                          "(no LoRA layer of this engine takes them)")
-    log.info("recorded %d pieces of %d adapter parameters into LoRA slot %d",
-             len(pieces), len(shapes), slot)
-    return pieces
+    log.info("recorded %d pieces of %d adapter parameters into LoRA slot %d (%d writes)",
+             len(pieces), len(shapes), slot, len(written))
+    return written
+
+
+def padded_rows(runs: list[Piece], *, src: str, rect: tuple, dst: str, dtype: str,
+                view: torch.Tensor) -> list[Piece]:
+    """``runs`` (the contiguous runs of one ``set_lora`` copy), or one ``PAD_COLS`` piece
+    for them where the copy fills the left ``r`` columns of whole rows ``W`` wide (a rank-r
+    ``lora_B`` in a ``max_lora_rank``-wide slot: one write of the rows, zeros on the right,
+    where vLLM's ``set_lora`` leaves zeros, instead of one write per row)."""
+    dims = [(n, st) for n, st in zip(view.shape, view.stride(), strict=True) if n != 1]
+    spans = [(a, b) for a, b in rect if b - a != 1]
+    if len(runs) < 2 or len(dims) != 2 or len(spans) != 2 or dims[1][1] != 1:
+        return runs
+    (rows, width), (cols, _) = dims  # width: the row stride, the slot's max_lora_rank
+    if width <= cols or [b - a for a, b in spans] != [rows, cols]:
+        return runs
+    return [Piece(dst_tensor=dst, dst_offset=view.storage_offset() * view.element_size(),
+                  nbytes=rows * width * view.element_size(), dst_dtype=dtype, src_param=src,
+                  src_slice=tuple(rect), transform=Transform.PAD_COLS)]
