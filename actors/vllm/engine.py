@@ -44,6 +44,8 @@ from weight_transfer.engines.vllm.shm import engine_segments, stop_and_remove, u
 class VllmEngineOwner:
     """One replica: the ``LLM``, its workers' NICs (through our backend), pause/resume."""
 
+    _loras: AttachedLoras | None = None  # its LoRA adapters (wt_lora), on first use
+
     def __init__(self, config: TransferConfig, replica: int, model_path: str | None = None, *,
                  dtype: str = "float32", engine_kw: dict | None = None,
                  env: dict[str, str] | None = None, link: Any = None) -> None:
@@ -302,6 +304,21 @@ class VllmEngineOwner:
         an offline ``LLM``'s or an ``AsyncLLM``'s."""
         return self.link.collective_rpc(fn, args=args)
 
+    def wt_lora(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A LoRA adapter this replica serves (``enable_lora``, ``max_loras`` >= 2): the
+        adapter ``name``'s :class:`~weight_transfer.engines.vllm.lora.link.LoraLink` method
+        (one of :data:`LORA_METHODS`; ``setup`` first), over this owner's link: an
+        offline ``LLM``'s, an ``AsyncLLM``'s or a ``vllm serve`` server's::
+
+            metas = ray.get(owner.wt_lora.remote("policy", "setup", describe_peft(model)))
+            slot = ray.get(owner.wt_lora.remote("policy", "begin", base_version))
+            ...   # the trainers write_adapter(nic, metas[r], slot, ...) one-sided
+            ray.get(owner.wt_lora.remote("policy", "flip", 3))   # at a step boundary
+        """
+        if self._loras is None:
+            self._loras = AttachedLoras()
+        return self._loras.call(self, name, method, args, kwargs)
+
     def startup_seconds(self) -> float:
         return self.start_seconds
 
@@ -313,6 +330,62 @@ class VllmEngineOwner:
         finally:
             if self.owns_engine:
                 stop_and_remove(self.link.llm.llm_engine.engine_core.shutdown)
+
+
+# What ``wt_lora`` runs on an adapter: LoraLink's methods, and "version" (the one served).
+LORA_METHODS = frozenset({"setup", "request", "begin", "flip", "discard", "rollback", "close",
+                          "generate_tagged", "version"})
+
+
+class AttachedLoras:
+    """The LoRA adapters one engine serves: a LoraLink per name over its owner's link
+    (:meth:`VllmEngineOwner.wt_lora`, and the user-actor mixins' ``wt_lora`` of
+    :mod:`actors.vllm.handle`)."""
+
+    def __init__(self) -> None:
+        self.links: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def call(self, owner: VllmEngineOwner | None, name: str, method: str, args: tuple,
+             kwargs: dict) -> Any:
+        if owner is None:
+            raise RuntimeError("wt_lora: call self.wt_attach_vllm(engine, replica=...) first")
+        if method not in LORA_METHODS:
+            raise ValueError(f"wt_lora: unknown method {method!r}; known: "
+                             f"{sorted(LORA_METHODS)}")
+        if method == "setup":
+            return self.setup(owner, name, *args, **kwargs)
+        lora = self.links.get(name)
+        if lora is None:
+            raise ValueError(f"wt_lora: no adapter {name!r} set up on {owner.replica} (set up: "
+                             f"{sorted(self.links)}); call wt_lora({name!r}, 'setup', adapter)")
+        if method == "version":
+            return lora.version
+        out = getattr(lora, method)(*args, **kwargs)
+        if method == "close":
+            with self._lock:
+                self.links.pop(name, None)
+        return out
+
+    def setup(self, owner: VllmEngineOwner, name: str, adapter: Any, *,
+              lora_int_id: int = 1) -> list:
+        """Set ``name`` up on every TP rank (after the replica's full-weight registration,
+        whose NICs and connections it shares); one LoraRankMeta per rank."""
+        from weight_transfer.engines.vllm.lora.link import LoraLink
+
+        with self._lock:
+            lora = self.links.get(name)
+            if lora is not None and lora.lora_int_id != lora_int_id:
+                raise ValueError(f"wt_lora: adapter {name!r} is served under id "
+                                 f"{lora.lora_int_id}, not {lora_int_id} (close it first)")
+            lora = lora or LoraLink(owner.link, name=name, lora_int_id=lora_int_id)
+            for rank in range(owner.tp):
+                owner.wt_engine_meta(rank)  # the NICs the adapter's slots are registered on
+            metas = lora.setup(adapter, nics=owner.nics, replica=owner.replica,
+                               node=ray.get_runtime_context().get_node_id(),
+                               address=this_host().address)
+            self.links[name] = lora
+            return metas
 
 
 class _Ranked:

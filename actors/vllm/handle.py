@@ -51,21 +51,20 @@ made first if the controller has not yet)::
     ray.get(actor.wt_lora.remote("policy", "flip", 3))         # at a step boundary
     ray.get(actor.wt_lora.remote("policy", "rollback"))
 
-``method`` is one of :data:`LORA_METHODS` (``version``: the adapter version served).
+``method`` is one of :data:`~actors.vllm.engine.LORA_METHODS` (``version``: the adapter
+version served); a replica's owner actor (``replicas.owners``) takes the same calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import ray
 
 from actors.config import TransferConfig
-from actors.connections import this_host
 from actors.ready.handles import Launched
-from actors.vllm.engine import VllmEngineOwner, VllmRank
+from actors.vllm.engine import AttachedLoras, VllmEngineOwner, VllmRank
 
 # What ``wt_vllm`` runs: the owner's public methods (the rank handles' wt_* calls, the
 # replica's own), plus "tp": the engine's TP size.
@@ -100,61 +99,6 @@ def dispatch(owner: VllmEngineOwner | None, method: str, args: tuple, kwargs: di
     if method == "tp":
         return owner.tp
     return getattr(owner, method)(*args, **kwargs)
-
-
-# What ``wt_lora`` runs on an adapter: LoraLink's methods, and "version" (the one served).
-LORA_METHODS = frozenset({"setup", "request", "begin", "flip", "discard", "rollback", "close",
-                          "generate_tagged", "version"})
-
-
-class AttachedLoras:
-    """The LoRA adapters an attached engine serves: a LoraLink per name over the owner's
-    link (the mixins' ``wt_lora``; see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.links: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def call(self, owner: VllmEngineOwner | None, name: str, method: str, args: tuple,
-             kwargs: dict) -> Any:
-        if owner is None:
-            raise RuntimeError("wt_lora: call self.wt_attach_vllm(engine, replica=...) first")
-        if method not in LORA_METHODS:
-            raise ValueError(f"wt_lora: unknown method {method!r}; known: "
-                             f"{sorted(LORA_METHODS)}")
-        if method == "setup":
-            return self.setup(owner, name, *args, **kwargs)
-        lora = self.links.get(name)
-        if lora is None:
-            raise ValueError(f"wt_lora: no adapter {name!r} set up on {owner.replica} (set up: "
-                             f"{sorted(self.links)}); call wt_lora({name!r}, 'setup', adapter)")
-        if method == "version":
-            return lora.version
-        out = getattr(lora, method)(*args, **kwargs)
-        if method == "close":
-            with self._lock:
-                self.links.pop(name, None)
-        return out
-
-    def setup(self, owner: VllmEngineOwner, name: str, adapter: Any, *,
-              lora_int_id: int = 1) -> list:
-        """Set ``name`` up on every TP rank (after the replica's full-weight registration,
-        whose NICs and connections it shares); one LoraRankMeta per rank."""
-        from weight_transfer.engines.vllm.lora.link import LoraLink
-
-        with self._lock:
-            lora = self.links.get(name)
-            if lora is not None and lora.lora_int_id != lora_int_id:
-                raise ValueError(f"wt_lora: adapter {name!r} is served under id "
-                                 f"{lora.lora_int_id}, not {lora_int_id} (close it first)")
-            lora = lora or LoraLink(owner.link, name=name, lora_int_id=lora_int_id)
-            for rank in range(owner.tp):
-                owner.wt_engine_meta(rank)  # the NICs the adapter's slots are registered on
-            metas = lora.setup(adapter, nics=owner.nics, replica=owner.replica,
-                               node=ray.get_runtime_context().get_node_id(),
-                               address=this_host().address)
-            self.links[name] = lora
-            return metas
 
 
 class VllmWeightsMixin:

@@ -56,12 +56,6 @@ class VllmServedOwner(VllmEngineOwner):
         super().__init__(config_for_link(config, replica, link), replica, link=link)
         self.url = url
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list:
-        """A worker method by name through the dev route ``/collective_rpc`` (string
-        arguments; JSON results): e.g. a test's worker extension."""
-        return self.link.post("/collective_rpc", {"method": method,
-                                                  "args": [str(a) for a in args]})["results"]
-
     def sample(self, prompts: list[list[int]], params: dict) -> list[list[dict]]:
         """Your full ``SamplingParams`` (a dict), streamed from the server: per prompt its
         choices, as :func:`weight_transfer.engines.vllm.sampling.sample` gives them."""

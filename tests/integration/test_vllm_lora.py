@@ -3,7 +3,8 @@
 One vLLM engine for the module (tiny Llama, float32, TP=1, ``enable_lora=True``,
 ``max_loras=3``: our two slots and one for vLLM's own load of the oracle; rank 4 under
 ``max_lora_rank=8``, so each lora_B is written as whole rows zero-padded to 8), about
-35-60 s to start here; the tests after it take a few seconds. The oracles (actors/tools/testkit/lora_oracle.py):
+35-60 s to start here; the tests after it take a few seconds. The oracles
+(actors/tools/testkit/lora_oracle.py):
 
 1. the served slot's bytes, after our write and the flip, equal the bytes vLLM's own
    load of a PEFT checkpoint of the same adapter (``save_pretrained``, loaded through

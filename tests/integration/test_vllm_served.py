@@ -9,8 +9,9 @@ that cover their tokens. A request signed with another key, or not signed, is re
 outsider's calls of the RL routes (pause, resume, version, finish, start) are refused by our
 route guard with 403, between updates and during one, and change nothing.
 
-The same server serves a LoRA adapter by name (``"model": "policy"``), through an HttpLink
-and the guard's own route ``/wt/lora_name`` (the flow of the other shapes,
+The same server serves a LoRA adapter by name (``"model": "policy"``), driven through the
+replica a controller drives (``connect_vllm_servers``: the owner actor's ``wt_lora`` over its
+HttpLink) and the guard's own route ``/wt/lora_name`` (the flow of the other shapes,
 :func:`actors.tools.testkit.lora_oracle.check_adapter_flow`): refused above
 ``max_lora_rank`` with no slot taken, served only after the flip, its slot bytes and greedy
 tokens equal to vLLM's own load of the PEFT checkpoint (``add_lora`` in the worker), rolled
@@ -320,46 +321,52 @@ def _oracle_tokens(link, path, tokens):
 
 
 def test_a_lora_adapter_is_served_by_name_flipped_rolled_back_and_closed(served):
-    """The flow of the other shapes over an HttpLink: the adapter's name is served as its
-    pinned id at setup and unknown after the close; the oracle's checkpoint is loaded by
-    vLLM in the worker and served under a name of its own while its tokens are taken."""
+    """The flow of the other shapes through the replica a controller drives
+    (``connect_vllm_servers``: its owner actor's ``wt_lora`` over the owner's HttpLink): the
+    adapter's name is served as its pinned id at setup and unknown after the close; the
+    oracle's checkpoint is loaded by vLLM in the worker and served under a name of its own
+    while its tokens are taken (through a client's HttpLink)."""
     pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
+    from actors import connect_vllm_servers
     from actors.tools.testkit.lora_oracle import AdapterAccess, check_adapter_flow
-    from weight_transfer.engines.vllm.http_link import HttpError
-    from weight_transfer.engines.vllm.lora.link import LoraLink
+    from actors.tools.testkit.vllm_oracle import connect_rank
+    from weight_transfer.engines.vllm.http_link import HttpError, HttpLink
     from weight_transfer.sync.versions import parse_version
 
-    _, _, server, key, root = served
-    link, meta = _lora_link(server, key)
+    cfg, _, server, key, root = served
+    replicas = connect_vllm_servers(cfg, [server.url], key=key, reply_host="127.0.0.1")
+    client = HttpLink(server.url, key=key, reply_host="127.0.0.1")  # generation, the oracle
     try:
-        adapter = LoraLink(link, name="policy", lora_int_id=1)
+        owner, rank0 = replicas.owners[0], replicas[0][0]
 
         def lora(method, *args, **kw):
-            if method == "version":
-                return adapter.version
-            if method == "setup":
-                return adapter.setup(*args, nics=((ENIC,),), **kw)
-            return getattr(adapter, method)(*args, **kw)
+            return ray.get(owner.wt_lora.remote("policy", method, *args, **kw))
+
+        def connect():  # this process as the trainer, through the replica's rank 0
+            return connect_rank(rank0, ray.get(rank0.wt_engine_meta.remote()),
+                                cfg.transport_spec, trainer="lora-trainer", nic=TNIC)
 
         def tokens(lora_request):  # a client's greedy requests, "model": the adapter's name
-            return link.generate(PROMPTS, 8, lora_request=lora_request)
+            return client.generate(PROMPTS, 8, lora_request=lora_request)
 
         access = AdapterAccess(
-            lora=lora, in_workers=lambda method, *args: link.collective_rpc(method, args)[0],
-            connect=lambda: _connect(link, meta, "lora-trainer", TNIC), tokens=tokens,
-            oracle=lambda path: _oracle_tokens(link, path, tokens))
-        names = link.lora_table()
+            lora=lora, connect=connect, tokens=tokens,
+            in_workers=lambda method, *args: ray.get(owner.collective_rpc.remote(method,
+                                                                               args))[0],
+            oracle=lambda path: _oracle_tokens(client, path, tokens))
+        names = client.lora_table()
         check_adapter_flow(access, root=root, start_model=_base_model(), rank=RANK,
-                           base_version=link.version(), oracle_id=ORACLE_ID)
-        assert link.lora_table() == names and link.lora_names == {}  # "policy" is gone
+                           base_version=client.version(), oracle_id=ORACLE_ID)
+        assert client.lora_table() == names  # "policy" is gone
         with pytest.raises(HttpError, match=r"HTTP 404.*`policy` does not exist"):
-            link.generate(PROMPTS[:1], 4, lora_request="policy")
+            client.generate(PROMPTS[:1], 4, lora_request="policy")
         with pytest.raises(ValueError, match="no engine-step timestamps"):
-            adapter.generate_tagged(PROMPTS, 4)  # over HTTP: refused, not guessed
-        base = parse_version(link.version())  # the base weights' version, as the server says
-        assert [g.versions for g in link.generate_tagged(PROMPTS, 4)] == [(base,)] * 2
+            client.generate_tagged(PROMPTS, 4, on_step=lambda i, n, stamp: None)
+        base = parse_version(client.version())  # the base weights' version, as the server says
+        assert [g.versions for g in client.generate_tagged(PROMPTS, 4)] == [(base,)] * 2
     finally:
-        link.close()
+        client.close()
+        replicas.close()
 
 
 def test_doc_snippet_serves_a_lora_adapter_by_name(served):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.vllm.handle import LORA_METHODS, AttachedLoras
+from actors.vllm.engine import LORA_METHODS, AttachedLoras
 from weight_transfer.engines.vllm.async_link import step_stamp
 from weight_transfer.engines.vllm.driver import timed_boundary
 
