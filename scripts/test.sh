@@ -11,5 +11,7 @@ WORKERS=${WT_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
   .venv/bin/python -m pytest "$@"
 else
-  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile "$@"
+  # --no-loadscope-reorder: the modules in collection order, the shared Ray cluster's first
+  # (tests/integration/conftest.py), not the largest first
+  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
 fi

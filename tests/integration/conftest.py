@@ -129,17 +129,31 @@ def vllm_trainers(ray_job: None) -> Iterator[Any]:
         yield handle
 
 
+_SHARED_MODULES: set[Any] = set()  # the paths of the modules with a test on the shared cluster
+
+
+def _on_shared(item: pytest.Item | None) -> bool:
+    return item is not None and item.path in _SHARED_MODULES
+
+
 @pytest.hookimpl(trylast=True)  # after tests/conftest.py marked and `-m` deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests on the shared cluster first (the order of modules and tests kept otherwise)."""
-    items.sort(key=lambda item: SHARED not in getattr(item, "fixturenames", ()))
+    """The modules with a test on the shared cluster first, each module's tests kept together
+    (the order of modules and tests kept otherwise). ``scripts/test.sh`` passes xdist
+    ``--no-loadscope-reorder`` so that its workers take the modules in this order: with
+    xdist's default reordering (the modules with the most tests first) the shared modules
+    were interleaved with the others and each worker's cluster stopped and started again
+    several times (6 s and ~8 CPU-s a start)."""
+    _SHARED_MODULES.clear()
+    _SHARED_MODULES.update(item.path for item in items
+                           if SHARED in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: not _on_shared(item))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     yield  # the module's fixtures (its ray_job) are torn down first
-    if SHARED in getattr(item, "fixturenames", ()) and (
-            nextitem is None or SHARED not in getattr(nextitem, "fixturenames", ())):
+    if _on_shared(item) and not _on_shared(nextitem):
         _SHARED.stop()
 
 
