@@ -372,6 +372,13 @@ def test_a_lora_adapter_is_served_by_name_flipped_rolled_back_and_closed(served)
 def test_doc_snippet_serves_a_lora_adapter_by_name(served):
     pytest.importorskip("peft", reason="the `lora` extra (peft) is not installed")
     from actors.tools.testkit.lora_oracle import peft_adapter, snapshot
+    from weight_transfer.engines.vllm.lora.link import LoraLink
+    from weight_transfer.sources.lora import (
+        adapter_buffer,
+        adapter_tensors,
+        describe_peft,
+        write_adapter,
+    )
 
     _, _, server, key, root = served
     link, meta = _lora_link(server, key)
@@ -379,7 +386,10 @@ def test_doc_snippet_serves_a_lora_adapter_by_name(served):
         model = peft_adapter(_base_model(), seed=5, r=RANK)
         _, path = snapshot(model, root, "adapter-doc")
         ns = run_snippet(DOC, "vllm-server-lora", {
-            "link": link, "nics": ((ENIC,),), "peft_model": model, "prompts": PROMPTS,
+            "LoraLink": LoraLink, "describe_peft": describe_peft,
+            "adapter_buffer": adapter_buffer, "adapter_tensors": adapter_tensors,
+            "write_adapter": write_adapter, "link": link, "nics": ((ENIC,),),
+            "peft_model": model, "prompts": PROMPTS,
             "nic": _connect(link, meta, "doc-trainer", "tnode8/nic0")})
         assert ns["lora"].version == "3" and "policy" not in link.lora_table()
         want = _oracle_tokens(link, path, lambda name: link.generate(PROMPTS, 8,
