@@ -15,9 +15,11 @@ for byte::
 
 Tolerances (:data:`TOLERANCE`): resident memory may grow by at most
 ``max(rss_abs_bytes, rss_rel * start)``, open file descriptors and threads by
-``fds`` and ``threads`` (Ray's own worker threads come and go), store keys not
-at all. The exit code is 1 when anything grows beyond them or the last update
-does not verify.
+``fds`` and ``threads`` (Ray's own worker threads come and go), and those two only
+count while they still grow in the second half (a connection opened once, late, is
+warm-up; a leak goes on); store keys not at all. A row that grew names the kinds of
+descriptor (socket, pipe, a file's directory) that changed. The exit code is 1 when
+anything grows beyond them or the last update does not verify.
 """
 
 from __future__ import annotations
@@ -44,12 +46,29 @@ TOLERANCE: dict[str, float] = {"rss_abs_bytes": 32 << 20, "rss_rel": 0.05, "fds"
 WARMUP_UPDATES = 12
 
 
-def process_stats() -> dict[str, int]:
-    """This process: resident bytes, open file descriptors, threads (from /proc)."""
+def _fd_kind(fd: str) -> str:
+    """What a descriptor is: ``socket``, ``pipe``, ``anon_inode:[eventfd]``, or the file's
+    directory (``/dev/shm``); ``gone`` when it closed while listed."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "gone"
+    if target.startswith("/"):
+        return os.path.dirname(target) or "/"
+    return target.split(":[", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+
+
+def process_stats() -> dict[str, Any]:
+    """This process: resident bytes, open file descriptors (and how many of each kind),
+    threads (from /proc)."""
     fields = dict(line.split(":", 1) for line in
                   Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        kind = _fd_kind(fd)
+        kinds[kind] = kinds.get(kind, 0) + 1
     return {"rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
-            "fds": len(os.listdir("/proc/self/fd")), "threads": int(fields["Threads"])}
+            "fds": sum(kinds.values()), "threads": int(fields["Threads"]), "fd_kinds": kinds}
 
 
 def _actor_stats(actor: Any) -> dict[str, int]:
@@ -75,13 +94,30 @@ def measure(fleet: Fleet) -> dict[str, dict[str, int]]:
     return out
 
 
-def growth(start: dict[str, int], end: dict[str, int]) -> tuple[dict[str, int], list[str]]:
-    """(end - start per field, the fields beyond :data:`TOLERANCE`)."""
-    diff = {k: end[k] - start[k] for k in start if k in end}
+def growth(start: dict[str, Any], end: dict[str, Any],
+           mid: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """(end - start per field, the fields beyond :data:`TOLERANCE`). With ``mid`` (the half
+    way measurement), descriptors and threads count as grown only while they still grow in
+    the second half: a few opened once (a lazily made connection) is warm-up, a leak goes on.
+    ``diff["fd_kinds"]`` names the kinds of descriptor that changed."""
+    diff: dict[str, Any] = {k: end[k] - start[k] for k in start
+                            if k in end and isinstance(start[k], int)}
+    s_kinds, e_kinds = start.get("fd_kinds", {}), end.get("fd_kinds", {})
+    diff["fd_kinds"] = {k: e_kinds.get(k, 0) - s_kinds.get(k, 0) for k in s_kinds | e_kinds
+                        if e_kinds.get(k, 0) != s_kinds.get(k, 0)}
     rss_cap = max(TOLERANCE["rss_abs_bytes"], TOLERANCE["rss_rel"] * start["rss_bytes"])
     over = ["rss_bytes"] if diff["rss_bytes"] > rss_cap else []
-    over += [k for k in ("fds", "threads", "store_keys") if diff.get(k, 0) > TOLERANCE[k]]
+    for k in ("fds", "threads", "store_keys"):
+        still = k == "store_keys" or mid is None or end.get(k, 0) > mid.get(k, 0)
+        if diff.get(k, 0) > TOLERANCE[k] and still:
+            over.append(k)
     return diff, over
+
+
+def _over_text(row: dict[str, Any]) -> str:
+    """``fds (socket +3)``: what grew, and for descriptors which kinds."""
+    kinds = " ".join(f"{k} {n:+d}" for k, n in sorted(row["growth"].get("fd_kinds", {}).items()))
+    return ", ".join(f"{k} ({kinds})" if k == "fds" and kinds else k for k in row["over"])
 
 
 def render(doc: dict[str, Any]) -> Table:
@@ -94,7 +130,7 @@ def render(doc: dict[str, Any]) -> Table:
         table.add_row(label, f"{s['rss_bytes'] / 2**20:.1f}", f"{e['rss_bytes'] / 2**20:.1f}",
                       str(s["fds"]), str(e["fds"]), str(s["threads"]), str(e["threads"]),
                       str(s.get("store_keys", "-")), str(e.get("store_keys", "-")),
-                      "[green]yes[/]" if row["ok"] else f"[red]{', '.join(row['over'])}[/]")
+                      "[green]yes[/]" if row["ok"] else f"[red]{_over_text(row)}[/]")
     return table
 
 
@@ -121,7 +157,7 @@ def soak(fleet: Fleet, updates: int, console: Console, *, first_version: int = 1
     check_bytes(fleet, {}, problems, None)
     actors = {}
     for label, s in start_stats.items():
-        diff, over = growth(s, end_stats[label])
+        diff, over = growth(s, end_stats[label], mid_stats[label])
         actors[label] = {"start": s, "mid": mid_stats[label], "end": end_stats[label],
                          "growth": diff, "over": over, "ok": not over}
     return {"updates": updates, "warmup_updates": WARMUP_UPDATES, "seconds": seconds,
