@@ -1,31 +1,33 @@
-"""A real DeepSpeed ZeRO-3 trainer as the source: 2 gloo ranks on CPU -> reference engines.
+"""A real DeepSpeed ZeRO trainer as the source: gloo ranks on CPU -> reference engines, vLLM.
 
 The trainer actor is docs/embedding.md's ``deepspeed-trainer`` snippet as written (a
 transformers LlamaForCausalLM of tiny_llama's shape built under ``deepspeed.zero.Init``,
-bf16, AdamW), with a train step and the oracle added by subclassing. After a real
-optimizer step and an update, every byte of the TP=1 engine and of the TP=2 engine
-equals the reference loader's layout of the weights DeepSpeed itself consolidates
-(``deepspeed.zero.GatheredParameters`` in the trainer, not the plan). The plan writes
-every rank's partition of each matrix straight from ``ds_tensor`` and gathers only the
-norms, whose bytes it reports apart.
+AdamW), with a train step and the oracle added by subclassing. After a real optimizer
+step and an update, every engine byte equals the engine's own load of the weights
+DeepSpeed itself consolidates (``deepspeed.zero.GatheredParameters`` in the trainer, not
+the plan):
 
-The checkpoint the mixin writes (``wt_save_checkpoint``, from the partitions) is that
-consolidation too; a ZeRO-2 engine (full parameters on every rank) is a replicated
-source whose writes both ranks share. An FP8 replica at TP=2 holds the reference
-quantization of that consolidation, scales included.
+* bf16 ZeRO-3 on 2 ranks into reference engines at TP=1 and TP=2 and an FP8 one at TP=2
+  (scales included): every rank's partition of each matrix goes straight from
+  ``ds_tensor``, only the norms are gathered (their bytes reported apart); the
+  checkpoint the mixin writes from the partitions; ZeRO-2 as a replicated source whose
+  writes both ranks share.
+* float32 ZeRO-3 on 4 ranks with ``offload_param: cpu`` into a real vLLM at TP=2, on a
+  vocabulary of 1001, so that the partitions of the embedding and the head start and end
+  inside rows: the plan writes whole rows and the partial rows at the edges direct into
+  vLLM's vocab-parallel shards and gathers only the norms. Every registered byte equals
+  vLLM's own ``load_weights`` of DeepSpeed's consolidation saved as a Hugging Face
+  checkpoint and, black-box, the DeepSpeed-wrapped model's forward gives vLLM's greedy
+  tokens with their log-probabilities (within ``LOGPROB_ATOL``). vLLM at TP=1 is not
+  started here: DeepSpeed's partitions into a TP=1 layout are the TP=1 reference
+  engine's subject, and vLLM's own TP=1 layout, which does not depend on the source, is
+  tested from FSDP2 and Megatron trainers.
+* ``wt demo --trainer deepspeed`` and ``wt bench designs --trainer deepspeed`` (p2p
+  beside OpenRLHF's native) as smoke runs on one fleet of the demo's smallest shape.
 
-A real vLLM (one replica at TP=1, float32, fed by float32 ZeRO-3 trainers; the rows cut
-across the ranks' partitions are the TP=2 reference engine's subject): after a real
-step and an update, every registered byte equals vLLM's own ``load_weights`` of the
-checkpoint saved from DeepSpeed's consolidation, and, black-box, the DeepSpeed-wrapped
-model's forward gives vLLM's greedy tokens with their log-probabilities (within
-``LOGPROB_ATOL``). ``wt demo --trainer deepspeed`` and ``wt bench designs --trainer
-deepspeed`` (p2p beside OpenRLHF's native) run as smoke tests on one fleet of the demo's
-smallest shape.
-
-One fleet for the module: the two ZeRO-3 trainer actors, one TP=1 replica and one TP=2
-replica, each with its own controller over the same trainers (the ZeRO-2 pair, the vLLM
-fleet and the demo's fleet start in their tests).
+One fleet for the module: the two bf16 ZeRO-3 trainer actors, one TP=1 replica and one
+TP=2 replica, each with its own controller over the same trainers (the ZeRO-2 pair, the
+vLLM fleet and the demo's fleet start in their tests).
 """
 
 from __future__ import annotations
@@ -68,19 +70,24 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps":
              "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
 NORM_BYTES = 5 * 256 * 2  # two RMSNorms per layer and the final one, bf16
+# the vLLM fleet: float32 ZeRO-3 with its partitions on the host, on a vocabulary that
+# 4 partitions cut inside rows (tiny_llama's 1000 x 256 splits 4 ways between rows)
+ZERO3_OFFLOAD = {"stage": 3, "offload_param": {"device": "cpu"}}
+VOCAB4 = 1001
+NORM_BYTES32 = 5 * 256 * 4
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors take our classes
 
 
-def make_model(dtype: str = "bfloat16"):
+def make_model(dtype: str = "bfloat16", vocab: int = LLAMA["vocab_size"]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA, dtype=dtype))
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "vocab_size": vocab}, dtype=dtype))
 
 
 def make_model32():
-    return make_model("float32")
+    return make_model("float32", VOCAB4)
 
 
 def trainer_class():
@@ -109,6 +116,10 @@ def trainer_class():
         def zero_stage(self) -> int:
             return self.engine.zero_optimization_stage()
 
+        def offload_device(self) -> str | None:
+            offload = self.engine.zero_offload_param()
+            return None if offload is None else str(offload.device)
+
         def log_probs(self, sequences: list[list[int]]):
             """The DeepSpeed-wrapped model's next-token log-probabilities [B, T, vocab] in
             float32 (every rank calls: ZeRO-3's forward gathers; rank 0 answers)."""
@@ -128,14 +139,16 @@ def trainer_class():
             return full if self.engine.global_rank == 0 else None
 
     class Float32Trainer(TestTrainer):
-        """ZeRO-3 in float32 (vLLM on CPU computes in float32: the forwards compare)."""
+        """ZeRO-3 in float32 with its partitions offloaded to the host (offload_param cpu),
+        on the vLLM fleet's vocabulary."""
 
         def __init__(self, rank, world, port):
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             from transformers import LlamaForCausalLM  # noqa: F401  (see TestTrainer)
 
-            config = {**DS_CONFIG, "bf16": {"enabled": False}}
+            config = {**DS_CONFIG, "bf16": {"enabled": False},
+                      "zero_optimization": ZERO3_OFFLOAD}
             super(TestTrainer, self).__init__(rank, world, make_model32, config,
                                               backend="gloo")
 
@@ -173,9 +186,9 @@ def fleet(ray_job):
             kill(trainers)
 
 
-def start(cls):
+def start(cls, world: int = 2):
     port = free_port()
-    return start_trainers(cls, [(r, 2, port) for r in range(2)], env=ENV)
+    return start_trainers(cls, [(r, world, port) for r in range(world)], env=ENV)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -244,27 +257,33 @@ def test_fp8_engines_hold_the_reference_quantization_of_deepspeed_weights(fleet)
 
 
 # ------------------------------------------------------------------------ a real vLLM
-# One vLLM replica at TP=1 (float32; the partitions' direct writes and the norms' gathers
-# land in vLLM's own fused layout) fed by float32 ZeRO-3 trainers. TP=1: vLLM's TP=2
-# workers spin a core each for the engine's life (the suite's budget, see test_vllm_controller
-# for vLLM at TP=2).
+# One fleet covers ZeRO-3 on 4 ranks, offload_param cpu and vLLM at TP=2: float32 trainers
+# (vLLM on CPU computes in float32: the forwards compare) on a vocabulary of 1001, so that
+# the 4 partitions of the embedding and the head (1001 x 256) start and end inside rows
+# (250.25, 500.5, 750.75), inside vLLM's vocab-parallel shards (rows 0-511, 512-1023).
 
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
 LOGPROB_ATOL = 1e-4  # float32 on both sides, other kernels (measured: 2.4e-6 at most)
 
 
-@pytest.fixture  # one test: its engine stops right after it
-def vllm_replica(ray_job, tmp_path_factory):
-    from vllm_fleet import LLAMA, ORACLE_ENV, tiny_llama_config  # tests/integration
+@pytest.fixture  # one test: its engine stops right after it (vLLM's TP=2 workers spin)
+def vllm_replica(ray_job, tmp_path_factory, cluster_file):
+    import yaml
+    from vllm_fleet import ORACLE_ENV  # tests/integration
 
+    from actors import TransferConfig
     from actors.tools.testkit.vllm_oracle import save_checkpoint
     from actors.vllm.engine import launch_vllm_engines
 
     root = tmp_path_factory.mktemp("deepspeed-vllm")
-    cfg = tiny_llama_config("vllm_cpu_tp1.yaml", update_timeout_s=120, barrier_timeout_s=60)
-    _, start_path = save_checkpoint(LLAMA, seed=11, root=root)  # not the trainers' weights
-    trainers = start(trainer_class()[2])
+    model = yaml.safe_load((CONFIGS / "models" / "tiny_llama.yaml").read_text())
+    model.update(name=f"tiny-llama-v{VOCAB4}", vocab_size=VOCAB4, torch_dtype="float32")
+    (model_file := root / "model.yaml").write_text(yaml.safe_dump(model))
+    cfg = TransferConfig.from_files(model_file, cluster_file(trainers=4, replicas=1, tp=2),
+                                    update_timeout_s=120, barrier_timeout_s=60)
+    _, start_path = save_checkpoint(model_file, seed=11, root=root)  # not the trainers'
+    trainers = start(trainer_class()[2], world=4)
     try:
         with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV,
                                  trainers=trainers) as replicas:
@@ -299,20 +318,51 @@ def greedy_problems(trainers, owner) -> list[str]:
     return problems
 
 
+def edge_rows(ctl) -> set[tuple[str, int, int, int]]:
+    """(parameter, row, trainer rank, engine TP rank) of every direct write of a partial
+    row of the plan (a partition starts or ends inside that row)."""
+    from scheduling.serialize import loads_plan
+
+    plan = loads_plan(ray.get(ctl.scheduler.plan_blob.remote()))
+    direct = plan.task_direct()
+    out = set()
+    for row in range(plan.num_tasks):
+        piece = plan.pieces[int(plan.task_piece[row])]
+        if len(piece.src_shape) == 2 and piece.src_shape[0] == 1 and piece.src_shape[1] < 256:
+            assert direct[row], f"partial row {piece} gathered"
+            out.add((piece.src_param, piece.src_slice[0][0], int(plan.task_src[row]),
+                     plan.engines[int(plan.task_dst[row])].rank))
+    return out
+
+
 @pytest.mark.vllm
-def test_vllm_holds_the_weights_deepspeed_consolidates(vllm_replica):
+def test_vllm_tp2_holds_the_weights_of_four_offloaded_zero3_ranks(vllm_replica):
     from vllm_fleet import assert_registered_equal, trainer_checkpoint
 
     cfg, trainers, replicas, ctl, root = vllm_replica
+    assert ray.get(trainers[0].offload_device.remote()) == "cpu"
     summary = ctl.setup()
-    assert 0 < summary.gathered_bytes < summary.direct_bytes  # partitions go direct
+    print(f"4 ZeRO-3 ranks -> vLLM TP=2: {summary.direct_bytes} B direct, "
+          f"{summary.gathered_bytes} B gathered, by rank {summary.bytes_by_rank}")
+    # the partitions go direct (every rank writes); only the norms are gathered, whole on
+    # both TP ranks
+    assert summary.gathered_params == 5 and summary.gathered_bytes == NORM_BYTES32 * 2
+    assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
+    assert sorted(summary.bytes_by_rank) == [0, 1, 2, 3]
+    assert all(n > 0 for n in summary.bytes_by_rank.values())
+    # each cut row of the embedding and the head: its two sides from the two ranks that
+    # hold them, into the TP rank whose vocab shard holds the row
+    want = {(f"{p}.weight", row, rank, row // 512)
+            for p in ("model.embed_tokens", "lm_head")
+            for cut, row in enumerate((250, 500, 750)) for rank in (cut, cut + 1)}
+    assert edge_rows(ctl) == want
     assert greedy_problems(trainers, replicas.owners[0])  # a random start: not the trainers'
     ray.get([t.train_step.remote(1) for t in trainers])
     ctl.update(version=1)
     assert ctl.weights_version() == {"engine0": 1}
     # every registered byte == vLLM's own load_weights of DeepSpeed's consolidation
     _, path = trainer_checkpoint(cfg, trainers, root, 1)
-    assert_registered_equal(replicas.owners[0], path, tp=1)
+    assert_registered_equal(replicas.owners[0], path, tp=2)
     # black box: the DeepSpeed model's forward and vLLM agree, token for token
     assert greedy_problems(trainers, replicas.owners[0]) == []
 

@@ -1,4 +1,4 @@
-"""Real Megatron-core trainers as the source: 2 gloo ranks on CPU -> reference engines.
+"""Real Megatron-core trainers as the source: 2 gloo ranks on CPU -> reference engines, vLLM.
 
 The trainer actor is docs/embedding.md's ``megatron-trainer`` snippet as written (a
 ``GPTModel`` of tiny_llama's shape with the local layer spec, bf16, its vocabulary of
@@ -11,25 +11,29 @@ padding dropped), independent of the plan. After a real optimizer step and an up
 every byte of the TP=1 engine and of the TP=2 engine equals the reference loader's
 layout of that state dict. At TP=2 into TP=2 every shard is written by its own rank with
 no collective, also into an FP8 engine at TP=2 (each rank quantizes its own shards'
-blocks; weights and scales equal the reference quantization). Two more ranks at PP=2
-(each stage one mesh, the names of stage 1 made global) write into the TP=1 engine. Two
-more at EP=2 (tiny_moe, a Qwen3-MoE: megatron-core's MoE layers with local experts and
-the allgather dispatcher run on CPU) each write their own 4 of the 8 experts of each MoE
-layer, under the model's expert indexes, into a TP=1 reference engine of tiny_moe.
+blocks; weights and scales equal the reference quantization). Four more ranks at TP=2 x
+PP=2 (each stage one mesh, the names of stage 1 made global) write into the TP=2
+engine, each its own shards of its own stage's layers. Two more at EP=2 (tiny_moe, a
+Qwen3-MoE: megatron-core's MoE layers with local experts and the allgather dispatcher
+run on CPU) each write their own 4 of the 8 experts of each MoE layer, under the model's
+expert indexes, into a TP=1 reference engine of tiny_moe.
 
-Into a real vLLM (one replica at TP=1 in float32, started once for the module by the
-test that uses it), after a real step and an update from the TP=2 trainers: every byte
-registered in the worker equals vLLM's own ``load_weights`` of the oracle's state dict
-saved as a Hugging Face checkpoint; and, black-box, vLLM's greedy tokens are the argmax
-of Megatron's own forward (a float32 ``GPTModel`` holding the trainers' weights, over
-the prompt and vLLM's tokens) at every step, their log-probabilities Megatron's within
-1e-4.
+Into a real vLLM (one replica at TP=2 in float32, started by the test that uses it and
+stopped after it), after a real step and an update from the TP=2 trainers: each rank
+writes its own shards into the vLLM worker of its TP coordinate with no collective;
+every byte registered in both workers equals vLLM's own ``load_weights`` of the oracle's
+state dict saved as a Hugging Face checkpoint; and, black-box, vLLM's greedy tokens are
+the argmax of Megatron's own forward (a float32 ``GPTModel`` holding the trainers'
+weights, over the prompt and vLLM's tokens) at every step, their log-probabilities
+Megatron's within 1e-4. vLLM at TP=1 is covered from FSDP2 by the vLLM modules and, for
+Megatron's layouts into a TP=1 engine (the row-parallel gathers), by the reference
+engine at TP=1 here.
 
 One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
-replica of the reference engine and the vLLM replica, each with its own controller over
-the same trainers (the PP=2 and EP=2 pairs start in their tests). ``wt demo --trainer
-megatron`` and ``wt bench designs --trainer megatron`` (ours beside slime's own sync) run
-as smoke runs on a fleet of their own, the demo's smallest shape.
+replica of the reference engine, each with its own controller over the same trainers
+(the vLLM replica, the TP=2 x PP=2 ranks and the EP=2 pair start in their tests).
+``wt demo --trainer megatron`` and ``wt bench designs --trainer megatron`` (ours beside
+slime's own sync) run as smoke runs on a fleet of their own, the demo's smallest shape.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ MODEL = ROOT / "configs" / "models" / "tiny_llama.yaml"
 MOE = ROOT / "configs" / "models" / "tiny_moe.yaml"  # Qwen3-MoE: layer 0 dense, 8 experts
 VOCAB_ROWS = 1024  # tiny_llama's 1000, padded to a multiple of 128 x TP
 ROW_PARALLEL_BYTES = 2 * 2 * 256 * 512 * 2  # o_proj and down_proj of 2 layers, bf16
+NORM_BYTES = 5 * 256 * 4  # the replicated RMSNorm weights a vLLM rank holds, float32
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.timeout(600),
@@ -253,19 +258,22 @@ def test_fp8_engines_hold_the_reference_quantization_of_megatron_weights(fleet):
 
 
 def test_pipeline_stages_write_their_own_layers(fleet):
+    """TP=2 x PP=2 on 4 ranks (Megatron's order: ranks 0-1 stage 0, 2-3 stage 1) into the
+    TP=2 reference engine: each stage's ranks write their own layers, each its own shards,
+    with no collective (the cluster derived from the 4 actors)."""
     cls, configs, _, engines = fleet
-    cfg, replicas = configs[1], engines[1]
-    trainers = start(cls, tp=1, pp=2)
+    cfg, replicas = configs[2].replace(cluster=None), engines[2]
+    trainers = start(cls, tp=2, pp=2)
     try:
         metas = ray.get([t.wt_param_metas.remote() for t in trainers])
         assert [sorted({m.name.split(".")[2] for m in rank.params if ".layers." in m.name})
-                for rank in metas] == [["0"], ["1"]]  # stage 1's layer 0 is the model's 1
+                for rank in metas] == [["0"], ["0"], ["1"], ["1"]]  # stage 1's 0 is the 1
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
         summary = ctl.setup()
         assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
         ray.get([t.train_step.remote(3) for t in trainers])
         ctl.update(version=7)
-        state = hf_state(trainers, cfg.model, 1)
+        state = hf_state(trainers, cfg.model, 2)
         assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
     finally:
         kill(trainers)
@@ -309,18 +317,18 @@ TOKENS = 6
 LOGPROB_ATOL = 1e-4  # float32 both sides; their kernels sum in other orders
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vllm_engine(fleet, tmp_path_factory):
-    """One vLLM replica at TP=1 in float32 (``configs/clusters/vllm_cpu_tp1.yaml``: the
-    module's 2 trainer ranks -> 1 x TP1), from a random checkpoint; its config, the
-    replicas and a scratch folder."""
+    """One vLLM replica at TP=2 in float32 (``configs/clusters/vllm_cpu.yaml``: the module's
+    2 trainer ranks -> 1 x TP2), from a random checkpoint; its config, the replicas and a
+    scratch folder; stopped after its one test, not held through the smoke runs."""
     from vllm_fleet import LLAMA, ORACLE_ENV, START_SEED, tiny_llama_config
 
     from actors.tools.testkit.vllm_oracle import save_checkpoint
     from actors.vllm.engine import launch_vllm_engines
 
     root = tmp_path_factory.mktemp("megatron-vllm")
-    cfg = tiny_llama_config("vllm_cpu_tp1.yaml", update_timeout_s=120, barrier_timeout_s=60)
+    cfg = tiny_llama_config("vllm_cpu.yaml", update_timeout_s=120, barrier_timeout_s=60)
     _, start_path = save_checkpoint(LLAMA, seed=START_SEED, root=root)
     with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV) as replicas:
         yield cfg, replicas, root
@@ -328,9 +336,12 @@ def vllm_engine(fleet, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_vllm_holds_and_serves_the_weights_megatron_holds(fleet, vllm_engine):
-    """Megatron TP=2 (bf16) -> vLLM TP=1 (float32): every registered byte equals vLLM's own
-    load_weights of the oracle's checkpoint; vLLM's greedy tokens and their log-probs are
-    Megatron's own forward's (float32)."""
+    """Megatron TP=2 (bf16) -> vLLM TP=2 (float32): nothing is gathered; each trainer rank
+    writes its own shards into the vLLM worker of its TP coordinate (both cut the padded
+    vocabulary at row 512), and into the other worker at most the replicated norms; every
+    registered byte in both workers equals vLLM's own load_weights of the oracle's
+    checkpoint; vLLM's greedy tokens and their log-probs are Megatron's own forward's
+    (float32)."""
     from vllm_fleet import assert_registered_equal
 
     _, _, trainers, _ = fleet
@@ -338,13 +349,15 @@ def test_vllm_holds_and_serves_the_weights_megatron_holds(fleet, vllm_engine):
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     try:
         summary = ctl.setup()
-        assert summary.gathered_params == 4  # o_proj and down_proj, as into the reference TP=1
+        assert summary.gathered_bytes == 0 and summary.gathered_params == 0
+        for rank, dest in summary.dest_bytes_by_rank.items():  # both write their own worker's
+            assert dest["engine0"][rank] > NORM_BYTES >= dest["engine0"].get(1 - rank, 0)
         losses = ray.get([t.train_step.remote(11) for t in trainers])
         assert losses[0] > 0
         ctl.update(version=1)
         assert ctl.weights_version() == {"engine0": 1}
         path = save_hf(hf_state(trainers, cfg.model, 2), cfg.model, root / "megatron-v1")
-        assert_registered_equal(replicas.owners[0], path, tp=1)
+        assert_registered_equal(replicas.owners[0], path, tp=2)
 
         params = {"max_tokens": TOKENS, "temperature": 0.0, "logprobs": 0}
         served = ray.get(replicas.owners[0].sample.remote(PROMPTS, params))

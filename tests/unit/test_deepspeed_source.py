@@ -3,7 +3,7 @@
 No DeepSpeed here: each parameter gets what ``deepspeed.zero.Init`` leaves on it
 (``ds_tensor``: this rank's padded flat slice, ``ds_shape``, ``ds_process_group``;
 the parameter's own data emptied), or an engine stub answers its ZeRO stage. The
-real engine runs in tests/integration/test_deepspeed_source.py. Every refusal names
+real engine runs in tests/integration/test_deepspeed_trainers.py. Every refusal names
 the parameter, the rank and what is missing, and leaves the trainer unattached.
 """
 
@@ -15,7 +15,7 @@ import transformers
 
 from actors.trainer import TrainerMixin
 from weight_transfer.layout.flat_blocks import FLAT
-from weight_transfer.sender.flat_shard import FlatShard
+from weight_transfer.sender.flat_shard import FlatShard, flat_view
 from weight_transfer.sources.registry import open_source, source_class
 from weight_transfer.types import Placement
 
@@ -57,7 +57,10 @@ class Engine:
 
 
 class Offload:
-    device = "nvme"
+    """What the source reads of ``engine.zero_offload_param()``."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
 
 
 def test_zero3_parameters_are_flat_partitions_of_their_full_shape():
@@ -147,7 +150,22 @@ def test_a_parameter_no_name_table_maps_is_refused():
 def test_parameters_swapped_to_nvme_are_refused():
     model = llama()
     partition(model, rank=0)
-    assert "NVMe" in refused(Engine(model, 3, offload=Offload()), rank=0)
+    assert "NVMe" in refused(Engine(model, 3, offload=Offload("nvme")), rank=0)
+
+
+def test_partitions_offloaded_to_the_host_are_read_there():
+    """offload_param cpu: each FlatShard is the partition in host memory, no copy; the h2d
+    stage of a GPU trainer moves it whole (same geometry; here to the host again)."""
+    model = llama()
+    full = partition(model, rank=1)
+    source = open_source(Engine(model, 3, offload=Offload("cpu")), rank=1, world=2)
+    name = "model.layers.0.mlp.down_proj.weight"  # (64, 128): rank 1 holds rows 32-63
+    shard = source.tensors()[name]
+    assert shard.data.data_ptr() == model.get_parameter(name).ds_tensor.data_ptr()
+    assert not shard.is_cuda
+    moved = shard.to("cpu")
+    assert (moved.shape, moved.start, moved.world, moved.valid) == ((64, 128), 4096, 2, 4096)
+    assert torch.equal(flat_view(moved, ((32, 64), (0, 128))), full[name][32:])
 
 
 def test_an_explicit_source_name_is_checked():

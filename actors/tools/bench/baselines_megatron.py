@@ -6,9 +6,11 @@ slime's ``update_weight`` walks the parameters; each is all-gathered over its TP
 (grouped QKV into q, k and v; ``linear_fc1`` into gate and up; the padded vocabulary
 dropped), and trainer rank 0 broadcasts each to the engines, which load it
 (:func:`actors.tools.bench.baselines.trainer_rank0`). The conversion is the test kit's
-plain one (:mod:`actors.tools.testkit.megatron_hf`). PP 1 only: slime's PP broadcast
-(each stage's tensors to rank 0) is not run here, and a model with pipeline stages is
-refused.
+plain one (:mod:`actors.tools.testkit.megatron_hf`). PP 1 and EP 1 only, and refused
+otherwise: under PP slime makes each stage's DP 0, TP 0 rank a source of its own, in a
+broadcast group of its own with every engine rank (``slime-pp_{pp_rank}``), after an
+all-gather of the experts over EP; here one group joins trainer rank 0 and the engines,
+and rank 0 holds only its own stage and its own EP rank's experts.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ def megatron_model(model: Any) -> bool:
     return is_gpt_model(model)
 
 
-def _check_one_stage(model: Any, rank: int) -> None:
-    if model.config.pipeline_model_parallel_size != 1:
-        raise ValueError(f"trainer rank {rank}: the Megatron baselines run at PP 1 (slime's "
-                         f"PP broadcast is not implemented); this model has PP "
-                         f"{model.config.pipeline_model_parallel_size}")
+def _check_one_source(model: Any, rank: int) -> None:
+    """ValueError unless trainer rank 0 holds every parameter once gathered over TP."""
+    cfg = model.config
+    for what, size in (("PP", cfg.pipeline_model_parallel_size),
+                       ("EP", getattr(cfg, "expert_model_parallel_size", 1) or 1)):
+        if size != 1:
+            raise ValueError(f"trainer rank {rank}: the Megatron baselines run at PP 1 and "
+                             f"EP 1 (one broadcast group, from trainer rank 0; slime's group "
+                             f"per pipeline stage is not implemented); this model has "
+                             f"{what} {size}")
 
 
 def _converted(model: Any, vocab: int, full: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,7 +61,7 @@ def gathered(model: Any, vocab: int, rank: int) -> Iterator[tuple[str, torch.Ten
     and the split (a collective over each TP group)."""
     from actors.tools.testkit.megatron_hf import tp_full
 
-    _check_one_stage(model, rank)
+    _check_one_source(model, rank)
     for name, t in _converted(model, vocab, tp_full):
         yield name, t.contiguous()
 
