@@ -16,7 +16,9 @@ PP=2 (each stage one mesh, the names of stage 1 made global) write into the TP=2
 engine, each its own shards of its own stage's layers. Two more at EP=2 (tiny_moe, a
 Qwen3-MoE: megatron-core's MoE layers with local experts and the allgather dispatcher
 run on CPU) each write their own 4 of the 8 experts of each MoE layer, under the model's
-expert indexes, into a TP=1 reference engine of tiny_moe.
+expert indexes, into a TP=1 reference engine of tiny_moe, and the same pair into a real
+vLLM of tiny_moe at TP=1 (float32; vLLM's fused experts ``w13``/``w2`` per layer): nothing
+gathered, every registered byte equal to vLLM's own ``load_weights`` of the conversion.
 
 Into a real vLLM (one replica at TP=2 in float32, started by the test that uses it and
 stopped after it), after a real step and an update from the TP=2 trainers: each rank
@@ -31,7 +33,8 @@ engine at TP=1 here.
 
 One fleet for the module: the two TP=2 trainer actors, one TP=1 replica and one TP=2
 replica of the reference engine, each with its own controller over the same trainers
-(the vLLM replica, the TP=2 x PP=2 ranks and the EP=2 pair start in their tests).
+(the vLLM replicas and the TP=2 x PP=2 ranks start in their tests; the EP=2 pair once
+for its two tests).
 ``wt demo --trainer megatron`` and ``wt bench designs --trainer megatron`` (ours beside
 slime's own sync) run as smoke runs on a fleet of their own, the demo's smallest shape.
 """
@@ -279,35 +282,79 @@ def test_pipeline_stages_write_their_own_layers(fleet):
         kill(trainers)
 
 
-def test_moe_experts_move_from_their_expert_parallel_ranks(fleet):
-    """Qwen3-MoE (layer 0 dense, 8 experts in layers 1-2) at EP=2 on the 2 ranks (TP=1):
-    each EP rank holds and writes 4 experts of each MoE layer under the model's expert
-    indexes, with no collective; after a real step every reference engine byte equals
-    the plain conversion of what the ranks hold."""
-    from actors import TransferConfig, launch_engines
+@pytest.fixture(scope="module")
+def moe_pair(fleet):
+    """Qwen3-MoE (tiny_moe: layer 0 dense, 8 experts in layers 1-2) at EP=2 on 2 ranks
+    (TP=1, bf16), each holding 4 experts of each MoE layer: its transfer config (the
+    smallest cluster, a reference replica at TP=1) and the ranks."""
+    from actors import TransferConfig
     from configs import CONFIGS_DIR
 
-    cls = fleet[0]
     cfg = TransferConfig.from_files(MOE, CONFIGS_DIR / "clusters" / "local_cpu_small.yaml",
                                     update_timeout_s=120, barrier_timeout_s=60)
-    trainers = start(cls, tp=1, pp=1, dp=2, ep=2, model_file=MOE)
+    trainers = start(fleet[0], tp=1, pp=1, dp=2, ep=2, model_file=MOE)
     try:
-        with launch_engines(cfg) as replicas:
-            metas = ray.get([t.wt_param_metas.remote() for t in trainers])
-            experts = [sorted({int(m.name.split(".")[5]) for m in rank.params
-                               if ".experts." in m.name}) for rank in metas]
-            assert experts == [[0, 1, 2, 3], [4, 5, 6, 7]]
-            ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-            summary = ctl.setup()
-            assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
-            losses = ray.get([t.train_step.remote(5) for t in trainers])
-            assert len(set(losses)) == 1 and losses[0] > 0
-            ctl.update(version=1)
-            state = hf_state(trainers, cfg.model, 1)
-            assert sum(".experts." in n for n in state) == 2 * 8 * 3  # every expert, once
-            assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
+        yield cfg, trainers
     finally:
         kill(trainers)
+
+
+def test_moe_experts_move_from_their_expert_parallel_ranks(moe_pair):
+    """Each EP rank holds and writes 4 experts of each MoE layer under the model's expert
+    indexes, with no collective; after a real step every reference engine byte equals
+    the plain conversion of what the ranks hold."""
+    from actors import launch_engines
+
+    cfg, trainers = moe_pair
+    with launch_engines(cfg) as replicas:
+        metas = ray.get([t.wt_param_metas.remote() for t in trainers])
+        experts = [sorted({int(m.name.split(".")[5]) for m in rank.params
+                           if ".experts." in m.name}) for rank in metas]
+        assert experts == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        summary = ctl.setup()
+        assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+        losses = ray.get([t.train_step.remote(5) for t in trainers])
+        assert len(set(losses)) == 1 and losses[0] > 0
+        ctl.update(version=1)
+        state = hf_state(trainers, cfg.model, 1)
+        assert sum(".experts." in n for n in state) == 2 * 8 * 3  # every expert, once
+        assert engine_mismatches(cfg.model, trainers, replicas, state=state) == []
+
+
+@pytest.mark.vllm
+def test_vllm_holds_the_experts_of_expert_parallel_ranks(moe_pair, tmp_path):
+    """The EP=2 pair into a real vLLM of tiny_moe at TP=1 (float32): nothing gathered, each
+    rank writes its own experts; after a real step every registered byte equals vLLM's own
+    load_weights of the oracle's state dict (per-expert Hugging Face names)."""
+    from safetensors.torch import save_file
+    from vllm_fleet import ORACLE_ENV, assert_registered_equal
+
+    from actors import TransferConfig
+    from actors.tools.testkit.vllm_oracle import save_checkpoint
+    from actors.vllm.engine import launch_vllm_engines
+    from configs import CONFIGS_DIR
+
+    _, trainers = moe_pair
+    cfg = TransferConfig.from_files(MOE, CONFIGS_DIR / "clusters" / "vllm_cpu_tp1.yaml",
+                                    update_timeout_s=120, barrier_timeout_s=60)
+    cfg = cfg.replace(model=cfg.model.model_copy(update={"torch_dtype": "float32"}))
+    _, start_path = save_checkpoint(MOE, seed=3, root=tmp_path)
+    with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV) as replicas:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        try:
+            summary = ctl.setup()
+            assert summary.gathered_bytes == 0 and min(summary.bytes_by_rank.values()) > 0
+            ray.get([t.train_step.remote(6) for t in trainers])
+            ctl.update(version=1)
+            path = tmp_path / "megatron-moe-v1"
+            path.mkdir()
+            save_file({n: t.float().contiguous() for n, t in
+                       hf_state(trainers, cfg.model, 1).items()},
+                      str(path / "model.safetensors"))
+            assert_registered_equal(replicas.owners[0], path, tp=1)
+        finally:
+            ctl.shutdown()
 
 
 # ------------------------------------------------------------------ into a real vLLM
