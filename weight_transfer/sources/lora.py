@@ -18,10 +18,13 @@ naming the parameters, until the base is synced (a full-weight update, then
 ``watch.synced(version)``); ``lora_link.begin(base_version=watch.check())`` then also
 refuses an engine that does not serve that base version.
 
-With FSDP2 every parameter is a DTensor and :func:`adapter_tensors` gathers each one
-(``full_tensor()``, a collective: every trainer rank calls it); any rank then writes.
-Without ``peft`` installed, :meth:`AdapterSpec.of` builds the same description from a
-plain state dict in PEFT's naming and a config dict.
+Sharded trainers: :func:`describe_peft` reads global shapes with no collective (a DTensor's
+own shape; a DeepSpeed ZeRO-3 parameter's ``ds_shape``). :func:`adapter_tensors` gathers:
+with FSDP2 each DTensor's ``full_tensor()``, with ZeRO-3 the partitioned adapter
+parameters in one ``deepspeed.zero.GatheredParameters`` (collectives: every trainer rank
+calls it, in the same order); any rank then writes. ZeRO-1/2 and plain models hold their
+adapters whole. Without ``peft`` installed, :meth:`AdapterSpec.of` builds the same
+description from a plain state dict in PEFT's naming and a config dict.
 """
 
 from __future__ import annotations
@@ -50,24 +53,51 @@ def _peft_config(model: Any, adapter: str) -> dict[str, Any]:
     return out
 
 
-def adapter_tensors(model: Any, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors in PEFT's checkpoint naming, each a full plain tensor."""
+def _adapter_parameters(model: Any, adapter: str) -> dict[str, Any]:
+    """PEFT's own choice and naming of the adapter's tensors (``get_peft_model_state_dict``),
+    over the parameters themselves (``keep_vars``), so that a ZeRO-3 parameter keeps its
+    ``ds_shape`` and ``ds_tensor``."""
     from peft import get_peft_model_state_dict
 
+    return get_peft_model_state_dict(model, state_dict=model.state_dict(keep_vars=True),
+                                     adapter_name=adapter)
+
+
+def _global_shape(name: str, t: Any) -> tuple[int, ...]:
+    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the local data is empty
+        shape = getattr(t, "ds_shape", None)
+        if shape is None:
+            raise ValueError(f"adapter parameter {name!r} is partitioned by DeepSpeed "
+                             f"(ds_tensor) but has no ds_shape: not a ZeRO-3 parameter")
+        return tuple(shape)
+    return tuple(t.shape)
+
+
+def adapter_tensors(model: Any, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's tensors in PEFT's checkpoint naming, each a full plain tensor (sharded
+    ones gathered: a collective every trainer rank calls)."""
     _peft_config(model, adapter)
-    state = get_peft_model_state_dict(model, adapter_name=adapter)
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-            for n, t in state.items()}
+    params = _adapter_parameters(model, adapter)
+    for n, t in params.items():
+        _global_shape(n, t)
+    zero3 = [t for t in params.values() if hasattr(t, "ds_tensor")]
+    if not zero3:
+        return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+                for n, t in params.items()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
+        return {n: t.detach().clone() if hasattr(t, "ds_tensor") else t.detach()
+                for n, t in params.items()}
 
 
 def describe_peft(model: Any, adapter: str = "default") -> AdapterSpec:
-    """The adapter of a live PEFT model: its config and its parameters' global shapes."""
-    from peft import get_peft_model_state_dict
-
+    """The adapter of a live PEFT model: its config and its parameters' global shapes (no
+    collective, sharded or not)."""
     config = _peft_config(model, adapter)
-    state = get_peft_model_state_dict(model, adapter_name=adapter)
-    return AdapterSpec.of(config, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                   for n, t in state.items()})
+    params = _adapter_parameters(model, adapter)
+    return AdapterSpec.of(config, {n: (_global_shape(n, t), str(t.dtype).removeprefix("torch."))
+                                   for n, t in params.items()})
 
 
 def adapter_buffer(meta: LoraRankMeta) -> torch.Tensor:
