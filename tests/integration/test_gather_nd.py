@@ -12,15 +12,13 @@ on a 1-D mesh, the same tensor dim sharded twice, and a 3-D mesh.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 from gather_worker import run_rank  # tests/integration is on sys.path
 
+from actors.tools.testkit.source_fleet import spawned_ranks
 from weight_transfer.sender.buckets import plan_buckets, shard_levels
 from weight_transfer.sender.gather_nd import level_shapes
-from weight_transfer.sync.listen import serve_store
 from weight_transfer.types import MeshDesc, ParamMeta, Placement, numel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -48,32 +46,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results():
-    ctx = mp.get_context("spawn")
-    store = serve_store("127.0.0.1", timeout_s=120)
-    cases = list(CASES.values())
-    pipes, procs = [], []
-    try:
-        for r in range(WORLD):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=run_rank, args=(r, WORLD, store.port, cases, child),
-                            daemon=True)
-            p.start()
-            pipes.append(parent)
-            procs.append(p)
-        out = []
-        for pipe in pipes:
-            if not pipe.poll(300):
-                raise TimeoutError("a gather rank did not answer in 300 s")
-            got = pipe.recv()
-            if isinstance(got, BaseException):
-                raise got
-            out.append(dict(zip(CASES, got, strict=True)))
-        yield out
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    with spawned_ranks(run_rank, WORLD, list(CASES.values()), what="gather rank") as out:
+        yield [dict(zip(CASES, got, strict=True)) for got in out]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -63,31 +63,51 @@ def _adapter_parameters(model: Any, adapter: str) -> dict[str, Any]:
                                      adapter_name=adapter)
 
 
-def _global_shape(name: str, t: Any) -> tuple[int, ...]:
-    if hasattr(t, "ds_tensor"):  # DeepSpeed ZeRO-3: the local data is empty
-        shape = getattr(t, "ds_shape", None)
-        if shape is None:
-            raise ValueError(f"adapter parameter {name!r} is partitioned by DeepSpeed "
-                             f"(ds_tensor) but has no ds_shape: not a ZeRO-3 parameter")
-        return tuple(shape)
-    return tuple(t.shape)
+def _rank() -> str:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return f"trainer rank {dist.get_rank()}: "
+    return ""
+
+
+def _zero3_shape(name: str, t: Any) -> tuple[int, ...] | None:
+    """The full shape of a DeepSpeed ZeRO-3 parameter (its own data is empty, its partition
+    in ``ds_tensor``), None for any other tensor. ValueError for a ZeRO-3 parameter whose
+    partitioning this module does not know: no partition, no full shape, or a partition
+    swapped to NVMe (as :mod:`weight_transfer.sources.deepspeed` refuses it)."""
+    if not hasattr(t, "ds_tensor"):
+        return None
+    part, shape = t.ds_tensor, getattr(t, "ds_shape", None)
+    if part is None or shape is None:
+        what = "no partition (ds_tensor is None)" if part is None else "no ds_shape"
+        raise ValueError(f"{_rank()}adapter parameter {name!r} is partitioned by DeepSpeed "
+                         f"(ds_tensor) but has {what}: not a ZeRO-3 parameter this source "
+                         "knows")
+    where = (str(getattr(part, "final_location", "") or "").lower(),
+             str(getattr(part, "status", "") or "").upper())
+    if where[0].endswith("nvme") or where[1].endswith("NOT_AVAILABLE"):
+        raise ValueError(f"{_rank()}adapter parameter {name!r} is a ZeRO-3 partition on NVMe "
+                         "(offload_param.device nvme); the source reads partitions from "
+                         "device or host memory only (offload_param: cpu)")
+    return tuple(int(x) for x in shape)
 
 
 def adapter_tensors(model: Any, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors in PEFT's checkpoint naming, each a full plain tensor (sharded
-    ones gathered: a collective every trainer rank calls)."""
+    """The adapter's tensors in PEFT's checkpoint naming, each a full plain tensor. Sharded
+    ones are gathered, a collective every trainer rank calls: an FSDP2 DTensor with
+    ``full_tensor()``, DeepSpeed ZeRO-3 partitions in one ``GatheredParameters`` (copied
+    inside it: they are released again when it ends)."""
     _peft_config(model, adapter)
     params = _adapter_parameters(model, adapter)
-    for n, t in params.items():
-        _global_shape(n, t)
-    zero3 = [t for t in params.values() if hasattr(t, "ds_tensor")]
+    zero3 = [t for n, t in params.items() if _zero3_shape(n, t) is not None]
     if not zero3:
         return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
                 for n, t in params.items()}
-    import deepspeed
+    import deepspeed  # only here: a ZeRO-3 parameter means DeepSpeed is installed
 
+    gathered = {id(t) for t in zero3}
     with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
-        return {n: t.detach().clone() if hasattr(t, "ds_tensor") else t.detach()
+        return {n: t.detach().clone() if id(t) in gathered else t.detach()
                 for n, t in params.items()}
 
 
@@ -96,7 +116,9 @@ def describe_peft(model: Any, adapter: str = "default") -> AdapterSpec:
     collective, sharded or not)."""
     config = _peft_config(model, adapter)
     params = _adapter_parameters(model, adapter)
-    return AdapterSpec.of(config, {n: (_global_shape(n, t), str(t.dtype).removeprefix("torch."))
+    shapes = {n: _zero3_shape(n, t) for n, t in params.items()}
+    return AdapterSpec.of(config, {n: (tuple(t.shape) if shapes[n] is None else shapes[n],
+                                       str(t.dtype).removeprefix("torch."))
                                    for n, t in params.items()})
 
 
@@ -135,9 +157,13 @@ async def write_adapter(nic: Any, meta: LoraRankMeta, slot: int,
 
 def _fingerprint(t: torch.Tensor) -> tuple[int, int, int]:
     """Storage address, autograd version counter and the sum of the raw words of the
-    local tensor (a DTensor's shard): any in-place step, ``.data`` write or swap of
-    storage changes one of them. One read of the tensor, no copy."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local tensor (a DTensor's shard, a ZeRO-3 parameter's partition: its own data comes
+    and goes with every forward): any in-place step, ``.data`` write or swap of storage
+    changes one of them. One read of the tensor, no copy."""
+    if getattr(t, "ds_tensor", None) is not None:
+        local = t.ds_tensor
+    else:
+        local = t.to_local() if hasattr(t, "to_local") else t
     local = local.detach()
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
     total = int(local.contiguous().view(words).sum(dtype=torch.int64)) if local.numel() else 0
@@ -156,7 +182,9 @@ class BaseWatch:
     right after a full-weight update: ``synced(version)``). :meth:`check` before each
     adapter update: a ValueError naming every base parameter changed since, or the base
     version the engine should serve (None before the first sync: the engine's own load).
-    With FSDP2 each rank watches its own shards: call it on every rank."""
+    With FSDP2 or DeepSpeed ZeRO-3 each rank watches its own shards (partitions): build it
+    once the model is sharded (``fully_shard``, ``deepspeed.initialize``), call it on every
+    rank."""
 
     def __init__(self, model: Any) -> None:
         self.model = model

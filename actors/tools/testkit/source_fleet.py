@@ -9,12 +9,16 @@ with its own controller over the same trainers::
         ...
         kill(trainers)
 
-:func:`fp8_update` adds one FP8 replica over the same trainers for one update.
+:func:`fp8_update` adds one FP8 replica over the same trainers for one update;
+:func:`spawned_ranks` runs gloo ranks as plain spawned processes where no Ray actor is
+needed (cheaper).
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
+import os
 import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -88,3 +92,55 @@ def start_trainers(cls: Any, args: Iterable[Sequence[Any]], *, env: Mapping[str,
 def kill(actors: Iterable[Any]) -> None:
     for t in actors:
         ray.kill(t)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set for the processes started inside (spawn copies it), restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def spawned_ranks(target: Any, world: int, *args: Any, env: Mapping[str, str] | None = None,
+                  what: str = "rank", timeout_s: float = 300) -> Iterator[list[Any]]:
+    """``world`` spawned processes, each running ``target(rank, world, port, *args, conn)``
+    (``port``: a loopback store they can join; ``conn``: a pipe end for one answer); yields
+    the answers in rank order. An exception a rank sends back is raised here; a rank still
+    alive 30 s after the block is killed."""
+    from weight_transfer.sync.listen import serve_store
+
+    ctx = mp.get_context("spawn")
+    store = serve_store("127.0.0.1", timeout_s=120)
+    pipes, procs = [], []
+    try:
+        with _environment(env or {}):
+            for r in range(world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=target, args=(r, world, store.port, *args, child),
+                                daemon=True)
+                p.start()
+                pipes.append(parent)
+                procs.append(p)
+        out = []
+        for r, pipe in enumerate(pipes):
+            if not pipe.poll(timeout_s):
+                raise TimeoutError(f"{what} {r} did not answer in {timeout_s:.0f} s")
+            got = pipe.recv()
+            if isinstance(got, BaseException):
+                raise got
+            out.append(got)
+        yield out
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
