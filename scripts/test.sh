@@ -11,7 +11,7 @@ WORKERS=${WT_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
   .venv/bin/python -m pytest "$@"
 else
-  # --no-loadscope-reorder: the modules in collection order, the shared Ray cluster's first
-  # (tests/integration/conftest.py), not the largest first
-  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
+  # xdist's own order (modules with the most tests first) mixes light modules in beside
+  # the heavy ones: measured 964 s against 1021 s for the shared-cluster modules first
+  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile "$@"
 fi

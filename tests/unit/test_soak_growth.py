@@ -50,3 +50,17 @@ def test_this_process_descriptors_are_counted_by_kind():
         os.close(r), os.close(w), s.close()
     diff, _ = growth(before, after)
     assert diff["fds"] == 3 and diff["fd_kinds"] == {"pipe": 2, "socket": 1}
+
+
+def test_a_writers_table_handle_pools_fill_up_to_max_inflight_late_and_that_is_no_leak():
+    """The clean-clone failure: a trainer's handles on two engines' tables grew by 1, then 2,
+    staying within the NIC's max_inflight of 4 per peer."""
+    peer_a, peer_b = "/memfd:simnic-engine0/tp1-inode0", "/memfd:simnic-engine1/tp0-inode1"
+    start = stats(70, **{"socket": 66, peer_a: 3, peer_b: 1}) | {"table_handle_bound": 4}
+    mid = stats(71, **{"socket": 66, peer_a: 4, peer_b: 1})
+    end = stats(73, **{"socket": 66, peer_a: 4, peer_b: 3})
+    assert growth(start, end, mid)[1] == []
+    leak = stats(75, **{"socket": 66, peer_a: 4, peer_b: 5})  # past the bound
+    assert growth(start, leak, mid)[1] == ["table handles"]
+    other = stats(74, **{"socket": 69, peer_a: 4, peer_b: 1})  # sockets still opening
+    assert growth(start, other, mid)[1] == ["fds"]
