@@ -117,16 +117,16 @@ def growth(start: dict[str, Any], end: dict[str, Any],
     # (OFD locks are per open): a pool that fills up to max_inflight the first times that
     # many writes overlap, late under load. Counted apart: bounded, not a leak, unless a
     # pool grows past the bound.
-    bound, pooled = start.get("table_handle_bound"), {"fds": 0}
+    bound, pooled = start.get("table_handle_bound"), 0
     if bound is not None:
-        for k, n in diff["fd_kinds"].items():
-            if k.startswith(TABLE_HANDLES):
-                pooled["fds"] += n
-                if n > 0 and e_kinds[k] > bound:
-                    over.append("table handles")
+        pools = {k: n for k, n in diff["fd_kinds"].items() if k.startswith(TABLE_HANDLES)}
+        pooled = sum(pools.values())
+        if any(n > 0 and e_kinds[k] > bound for k, n in pools.items()):
+            over.append("table handles")
     for k in ("fds", "threads", "store_keys"):
         still = k == "store_keys" or mid is None or end.get(k, 0) > mid.get(k, 0)
-        if diff.get(k, 0) - pooled.get(k, 0) > TOLERANCE[k] and still:
+        grew = diff.get(k, 0) - (pooled if k == "fds" else 0)
+        if grew > TOLERANCE[k] and still:
             over.append(k)
     return diff, over
 
