@@ -34,6 +34,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# One intra-op thread per process, set before anything imports torch and inherited by every
+# process the suite starts (Ray nodes and their workers, `wt` commands, spawned ranks, vLLM):
+# the suite runs dozens of processes on two cores, where torch's default of one OpenMP
+# thread per core makes each process's threads spin-wait on the others' (the unit tier
+# took 111 CPU-s with the default, 89 with one thread). Ray already gives its actors one
+# thread unless they ask for more CPUs; the test process and its subprocesses did not.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from actors.tools.testkit.harness import RemoteTarget
