@@ -11,4 +11,6 @@
 - ``megatron_cpu``: a small Megatron-core GPTModel from a model file, on CPU.
 - ``lora_oracle``: a random PEFT adapter, its checkpoint, and the LoRA slot oracle (the
   served slot's bytes against vLLM's own load of that checkpoint, in the worker).
+- ``cpu_profile``: where a command's CPU time goes, by kind of process (sampled from
+  ``/proc``; ``scripts/suite_cpu.py`` runs the suite under it).
 """
