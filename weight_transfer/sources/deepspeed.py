@@ -59,6 +59,12 @@ def is_partitioned(p: Any) -> bool:
     return getattr(p, "ds_tensor", None) is not None
 
 
+def swapped_out(part: Any) -> bool:
+    """A ZeRO-3 partition (a parameter's ``ds_tensor``) that is not in memory now: swapped
+    out to NVMe (``offload_param.device nvme``)."""
+    return str(getattr(part, "status", "") or "").upper().endswith("NOT_AVAILABLE")
+
+
 def hf_root(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """(the Hugging Face model inside ``module``, its name prefix): ``module`` itself when
     it has a ``.config``, else its first submodule that has one (OpenRLHF's
@@ -194,8 +200,7 @@ class DeepSpeedSource:
                              f"partition of {got} elements, ZeRO-3's flat partitioning over "
                              f"{len(ranks)} ranks gives {want}: a partitioning this source "
                              "does not know")
-        status = str(getattr(p.ds_tensor, "status", ""))
-        if status.endswith("NOT_AVAILABLE"):
+        if swapped_out(p.ds_tensor):
             raise ValueError(f"{self._where()}: the partition of parameter {name!r} is not in "
                              "memory (swapped out to NVMe)")
         return ParamMeta(name=name, shape=shape, dtype=dtype_name(p.ds_tensor.dtype),

@@ -40,6 +40,7 @@ from weight_transfer.engines.vllm.lora.spec import (
     prepare_lora_piece,
     prepare_lora_piece_into,
 )
+from weight_transfer.sources.deepspeed import is_partitioned, swapped_out
 
 
 def _peft_config(model: Any, adapter: str) -> dict[str, Any]:
@@ -83,9 +84,9 @@ def _zero3_shape(name: str, t: Any) -> tuple[int, ...] | None:
         raise ValueError(f"{_rank()}adapter parameter {name!r} is partitioned by DeepSpeed "
                          f"(ds_tensor) but has {what}: not a ZeRO-3 parameter this source "
                          "knows")
-    where = (str(getattr(part, "final_location", "") or "").lower(),
-             str(getattr(part, "status", "") or "").upper())
-    if where[0].endswith("nvme") or where[1].endswith("NOT_AVAILABLE"):
+    # swapped in for now, its home is still NVMe: refused as the swapped-out one is
+    home = str(getattr(part, "final_location", "") or "").lower()
+    if swapped_out(part) or home.endswith("nvme"):
         raise ValueError(f"{_rank()}adapter parameter {name!r} is a ZeRO-3 partition on NVMe "
                          "(offload_param.device nvme); the source reads partitions from "
                          "device or host memory only (offload_param: cpu)")
@@ -160,7 +161,7 @@ def _fingerprint(t: torch.Tensor) -> tuple[int, int, int]:
     local tensor (a DTensor's shard, a ZeRO-3 parameter's partition: its own data comes
     and goes with every forward): any in-place step, ``.data`` write or swap of storage
     changes one of them. One read of the tensor, no copy."""
-    if getattr(t, "ds_tensor", None) is not None:
+    if is_partitioned(t):
         local = t.ds_tensor
     else:
         local = t.to_local() if hasattr(t, "to_local") else t
