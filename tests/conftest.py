@@ -117,6 +117,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(why)
 
 
+_MODULE_START: dict[Any, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``WT_SUITE_TIMELINE`` set (``scripts/suite_cpu.py --modules``): each module's
+    span (its first test's set-up to its last test's teardown, module fixtures included) is
+    appended to that file, for the CPU sampler to give each process's CPU time to a module
+    (:func:`actors.tools.testkit.cpu_profile.by_module`)."""
+    path = os.environ.get("WT_SUITE_TIMELINE")
+    if not path:
+        yield
+        return
+    from actors.tools.testkit.cpu_profile import uptime_s
+
+    _MODULE_START.setdefault(item.path, uptime_s())
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        start = _MODULE_START.pop(item.path, uptime_s())
+        module = os.path.relpath(item.path, Path(__file__).parents[1])
+        with open(path, "a") as f:  # one short line per write: appends do not interleave
+            f.write(f"{os.getpid()}\t{module}\t{start:.2f}\t{uptime_s():.2f}\n")
+
+
 @pytest.fixture
 def make_simnic() -> Iterator[Callable[..., SimNic]]:
     """Build SimNic objects (keywords as for SimNic); all are closed after the test."""
