@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import runpy
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,11 +42,31 @@ from typing import Any
 # took 111 CPU-s with the default, 89 with one thread). Ray already gives its actors one
 # thread unless they ask for more CPUs; the test process and its subprocesses did not.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Ray cluster and driver of the suite in token mode from the start (the token is made
+# in pytest_configure). Left unset, a process's first ``ray.init(address="local")`` turns it
+# on for that process alone (Ray sets RAY_AUTH_MODE=token in os.environ), after which the
+# process cannot use a cluster it started before without it: the workers of the pytest
+# worker's shared cluster (tests/integration/conftest.py) sent its driver no token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Bytecode caches written, CPython's default, also where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE): otherwise each of the some 400 processes the suite starts
+# compiles every module of this project it imports again, and every xdist worker rewrites
+# every test module again (2.5 CPU-s each) when it collects.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 import pytest
 
 from actors.tools.testkit.harness import RemoteTarget
 from weight_transfer.transport.simnic.nic import SimNic
+
+# The cyclic garbage collector's thresholds for every process the suite starts (Python
+# reads tests/pythonpath/sitecustomize.py at start-up; why there): this process and the
+# xdist workers included.
+PYTHONPATH_DIR = Path(__file__).parent / "pythonpath"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(PYTHONPATH_DIR), os.environ.get("PYTHONPATH")) if p)
+runpy.run_path(str(PYTHONPATH_DIR / "sitecustomize.py"))
 
 # DeepSpeed's JIT-built shared-memory op, built by scripts/setup.sh into this checkout's venv:
 # one cache per checkout (torch keys a build by its paths, so two checkouts sharing
@@ -81,6 +102,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(INTEGRATION_DIR):
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.slow)
+
+
+MODULE_SECONDS = Path(__file__).parent / "module_seconds.json"
+_RUN_SECONDS: list[tuple[str, float]] = []  # (node id, seconds) of this run's test phases
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--save-module-seconds", metavar="PATH", type=Path, default=None,
+        help="write each module's seconds (setup, call and teardown summed) into the table "
+             "at PATH (tests/module_seconds.json orders the modules on xdist workers: "
+             "tests/xdist_order.py); modules not run keep their rows")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (``scripts/test.sh``): the costliest modules first, by the last
+    measured run (``tests/xdist_order.py``, beside this file)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist_order import CostFirstScheduling, load_module_seconds
+
+    return CostFirstScheduling(config, log, seconds=load_module_seconds(MODULE_SECONDS),
+                               heavy_slots=os.cpu_count() or 1)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _RUN_SECONDS.append((report.nodeid, report.duration))
 
 
 @functools.cache
@@ -183,6 +231,20 @@ _EXIT_STATUS: list[int] = []
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _EXIT_STATUS.append(int(exitstatus))
+    path = session.config.getoption("--save-module-seconds")
+    if path is not None and not hasattr(session.config, "workerinput"):
+        from xdist_order import (
+            load_module_seconds,
+            merge_module_seconds,
+            module_seconds,
+            save_module_seconds,
+        )
+
+        # The rows of modules no longer in tests/ (removed, renamed) go.
+        root = Path(session.config.rootpath)
+        modules = {str(p.relative_to(root)) for p in Path(__file__).parent.rglob("test_*.py")}
+        save_module_seconds(path, merge_module_seconds(
+            load_module_seconds(path), module_seconds(_RUN_SECONDS), modules))
 
 
 @pytest.hookimpl(trylast=True)

@@ -14,10 +14,10 @@ Modules that need a Ray of their own keep it: a ``ray.cluster_utils.Cluster`` of
 several nodes (multinode, two hosts), a ``ray start`` cluster (job submit), Ray's
 metrics agent on a known port (observability), and a ``wt`` command run as a
 subprocess that starts Ray itself (a ``wt`` subprocess whose subject is not that joins the
-shared cluster as a job of its own through ``RAY_ADDRESS``).
-:func:`pytest_collection_modifyitems` runs the modules on the shared cluster first and the
-cluster stops after the last of them (:func:`pytest_runtest_teardown`), before any of those
-others starts.
+shared cluster as a job of its own through ``RAY_ADDRESS``). They run beside the shared
+cluster, which stays up, idle, until the session ends: an idle cluster uses about 0.03 of a
+core, a stop and a start about 6 s and 5 CPU-s (stopped before each such module, each
+worker's cluster started about eight times a run).
 
 "Session-wide" is per pytest process: under pytest-xdist (``scripts/test.sh``: two
 workers, a whole module per worker) each worker starts its own shared cluster when
@@ -25,7 +25,10 @@ its first such module runs, so two Ray clusters can run at once on the machine. 
 test joins a cluster it did not start: every ``ray.init`` names its address (the
 shared cluster's, one it started, or ``"local"`` for a new instance), never
 ``"auto"`` or nothing, and Ray's token exists before the workers start
-(``tests/conftest.py``).
+(``tests/conftest.py``). The shared cluster starts no log monitor: no driver of it
+asks for its workers' logs (``log_to_driver=False``), and the monitor's polling of
+every worker's log file took about a fifth of the CPU Ray's own processes used in a
+run.
 
 The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
 (config, trainers, engines, controller, the byte oracle) and :func:`vllm_trainers`
@@ -66,7 +69,8 @@ class SharedCluster:
                 try:
                     self._cluster = Cluster(initialize_head=True, head_node_args={
                         "num_cpus": CLUSTER_CPUS, "node_ip_address": LOCAL_NODE_IP,
-                        "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES})
+                        "include_dashboard": False, "include_log_monitor": False,
+                        "object_store_memory": OBJECT_STORE_BYTES})
                     break
                 except Exception as exc:
                     # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py);
@@ -89,8 +93,12 @@ _SHARED = SharedCluster()
 
 
 @pytest.fixture(scope="session")
-def shared_ray_cluster() -> SharedCluster:
-    return _SHARED
+def shared_ray_cluster() -> Iterator[SharedCluster]:
+    """The session's cluster (started by the first module that asks), stopped at its end."""
+    try:
+        yield _SHARED
+    finally:
+        _SHARED.stop()
 
 
 def _wait_idle(timeout_s: float) -> None:
@@ -127,35 +135,6 @@ def vllm_trainers(ray_job: None) -> Iterator[Any]:
 
     with launch_trainers(tiny_llama_config("vllm_cpu_tp1.yaml")) as handle:
         yield handle
-
-
-_SHARED_MODULES: set[Any] = set()  # the paths of the modules with a test on the shared cluster
-
-
-def _on_shared(item: pytest.Item | None) -> bool:
-    return item is not None and item.path in _SHARED_MODULES
-
-
-@pytest.hookimpl(trylast=True)  # after tests/conftest.py marked and `-m` deselected
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules with a test on the shared cluster first, each module's tests kept together
-    (the order of modules and tests kept otherwise); the cluster stops after the last test
-    of a shared module whose next module is not one. Under xdist, ``scripts/test.sh`` keeps
-    xdist's own order (the modules with the most tests first), which interleaves the shared
-    modules with the others, so each worker's cluster starts about five times (6 s and ~8
-    CPU-s a start): still faster on 2 cores than this order (``--no-loadscope-reorder``:
-    964 s against 1021 s), as light modules run beside heavy ones."""
-    _SHARED_MODULES.clear()
-    _SHARED_MODULES.update(item.path for item in items
-                           if SHARED in getattr(item, "fixturenames", ()))
-    items.sort(key=lambda item: not _on_shared(item))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    yield  # the module's fixtures (its ray_job) are torn down first
-    if _on_shared(item) and not _on_shared(nextitem):
-        _SHARED.stop()
 
 
 @pytest.fixture(scope="session")

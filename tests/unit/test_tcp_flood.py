@@ -115,7 +115,9 @@ def test_a_churning_flood_leaves_every_planned_writer_connected(hold, caplog):
         t.close()
     assert all(isinstance(results.get(i), float) for i in range(WRITERS)), results
     assert all((m == i + 1).all() for i, m in enumerate(t.mems))
-    assert max(seen) == idle_threads, (idle_threads, sorted(set(seen)))
+    # no thread per connection: never more threads than before the flood (fewer where a
+    # thread an earlier test in this process left ended meanwhile)
+    assert max(seen) <= idle_threads, (idle_threads, sorted(set(seen)))
     assert sum(c["connections"] for c in counts) >= t.nic.refused_connections >= 200
     lines = [r for r in caplog.records if "refused a connection" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # one flooding host: one line
