@@ -43,10 +43,11 @@ from typing import Any
 # thread unless they ask for more CPUs; the test process and its subprocesses did not.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every Ray cluster and driver of the suite in token mode from the start (the token is made
-# in pytest_configure). Left unset, a process's first ``ray.init(address="local")`` turns it
-# on for that process alone (Ray sets RAY_AUTH_MODE=token in os.environ), after which the
-# process cannot use a cluster it started before without it: the workers of the pytest
-# worker's shared cluster (tests/integration/conftest.py) sent its driver no token.
+# in pytest_configure). Left unset, a cluster started with ray.cluster_utils.Cluster (the
+# shared cluster of tests/integration/conftest.py, the multi-node ones) takes no token at
+# all: a driver without one connected and ran tasks. And a process's first
+# ``ray.init(address="local")`` turns token mode on for that process alone (Ray sets
+# RAY_AUTH_MODE=token in os.environ), after which it could no longer use such a cluster.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Bytecode caches written, CPython's default, also where the environment turns them off
 # (PYTHONDONTWRITEBYTECODE): otherwise each of the some 400 processes the suite starts

@@ -19,9 +19,9 @@ cluster, which stays up, idle, until the session ends: an idle cluster uses abou
 core, a stop and a start about 6 s and 5 CPU-s (stopped before each such module, each
 worker's cluster started about eight times a run).
 
-"Session-wide" is per pytest process: under pytest-xdist (``scripts/test.sh``: two
+"Session-wide" is per pytest process: under pytest-xdist (``scripts/test.sh``: three
 workers, a whole module per worker) each worker starts its own shared cluster when
-its first such module runs, so two Ray clusters can run at once on the machine. No
+its first such module runs, so several Ray clusters can run at once on the machine. No
 test joins a cluster it did not start: every ``ray.init`` names its address (the
 shared cluster's, one it started, or ``"local"`` for a new instance), never
 ``"auto"`` or nothing, and Ray's token exists before the workers start
@@ -50,7 +50,6 @@ from actors.tools.demo.fleet import LOCAL_NODE_IP
 CLUSTER_CPUS = 16  # the most any module asked its local instance for
 OBJECT_STORE_BYTES = 4 << 30  # ray.cluster_utils defaults to 150 MiB; local Ray to ~30% RAM
 IDLE_TIMEOUT_S = 60.0
-SHARED = "ray_job"  # the fixture that marks a test as running on the shared cluster
 START_ATTEMPTS = 3
 
 
