@@ -117,6 +117,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "tests/xdist_order.py); modules not run keep their rows")
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (``-p no:xdist``) has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` (``scripts/test.sh``): the costliest modules first, by the last
     measured run (``tests/xdist_order.py``, beside this file)."""

@@ -1,5 +1,7 @@
-"""The RL loop example for two iterations on a local Ray instance: rollouts sampled from the
-replicas, rewards in [0, 1], REINFORCE steps, and the replicas' weights version advancing."""
+"""The RL loop example on the shared Ray cluster: rollouts sampled from the replicas, rewards
+in [0, 1], REINFORCE steps, and the replicas' weights version advancing; then overlapped.
+Both runs go over one set of actors (``run_rl(..., actors=)``: a controller of each run set up
+over them), started once for the module: the loop, not the actors' start, is the subject."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import math
 import pytest
 from rich.console import Console
 
-from actors.tools.demo.rl_loop import advantages_of, run_rl, toy_reward
+from actors.tools.demo.rl_loop import (
+    advantages_of,
+    launch_rl_actors,
+    rl_transfer_config,
+    run_rl,
+    toy_reward,
+)
 from actors.tools.demo.run_config import RlConfig, load_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,10 +36,19 @@ def rl_run(cluster_file, **rl):
                               cluster=str(cluster_file(trainers=2, replicas=2, tp=1)))
 
 
-def test_two_iterations_advance_the_replicas_version(ray_job, cluster_file):  # shared cluster
+@pytest.fixture(scope="module")
+def rl_actors(ray_job, cluster_file, tmp_path_factory):  # on the shared cluster
+    run = rl_run(cluster_file)
+    trainers, replicas = launch_rl_actors(run, rl_transfer_config(run),
+                                          tmp_path_factory.mktemp("rl"))
+    with trainers, replicas:
+        yield trainers, replicas
+
+
+def test_two_iterations_advance_the_replicas_version(rl_actors, cluster_file):
     run = rl_run(cluster_file, iterations=2)
     console = Console(record=True, width=160)
-    history = run_rl(run, console)
+    history = run_rl(run, console, actors=rl_actors)
     assert [h["iteration"] for h in history] == [1, 2]
     for h in history:
         assert h["weights_version"] == {"engine0": h["iteration"], "engine1": h["iteration"]}
@@ -41,12 +58,12 @@ def test_two_iterations_advance_the_replicas_version(ray_job, cluster_file):  # 
     assert "iteration 2: mean reward" in console.export_text()
 
 
-def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(ray_job, cluster_file):
+def test_overlapped_rollouts_carry_versions_and_stale_ones_are_dropped(rl_actors, cluster_file):
     """Rollouts sampled during the policy step and the update (``overlap``) start at the
     version before it; with ``max_lag=0`` exactly those are dropped, the count printed."""
     run = rl_run(cluster_file, iterations=3, overlap=True, max_lag=0)
     console = Console(record=True, width=200)
-    history = run_rl(run, console)
+    history = run_rl(run, console, actors=rl_actors)
     text = console.export_text()
     for it, h in enumerate(history):
         assert len(h["versions"]) == run.rl.prompts == h["kept"] + h["dropped"]

