@@ -103,6 +103,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(INTEGRATION_DIR):
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.slow)
+    # the modules that share actors across modules run together, in their group's order
+    # (tests/xdist_order.py GROUPS); the same order on every xdist worker
+    from xdist_order import group_order
+
+    items[:] = [items[i] for i in group_order([item.nodeid for item in items])]
 
 
 MODULE_SECONDS = Path(__file__).parent / "module_seconds.json"

@@ -19,6 +19,11 @@ starts, capped links, timeouts), and stops when no light module is left. On the 
 machines three workers so measured 755 s of pytest where two took 775 s on the same tree;
 three without the limit ran three fleets at once and Ray nodes into their start timeout.
 
+Modules that share actors across modules (:data:`GROUPS`: the reference fleet of
+``tests/integration/conftest.py``) are one unit of work: one worker runs them one after the
+other, in the group's order (:func:`group_order`, applied to the collection by
+``tests/conftest.py``, so also without xdist), their seconds summed.
+
 The seconds come from ``tests/module_seconds.json`` (:func:`load_module_seconds`),
 written by ``pytest --save-module-seconds tests/module_seconds.json`` on a whole run
 (:func:`module_seconds` of the run's reports, merged by :func:`merge_module_seconds`):
@@ -36,15 +41,52 @@ from typing import Any
 
 from xdist.scheduler import LoadFileScheduling
 
-__all__ = ["CostFirstScheduling", "load_module_seconds", "merge_module_seconds",
-           "module_of", "module_seconds", "save_module_seconds"]
+__all__ = ["GROUPS", "CostFirstScheduling", "group_of", "group_order", "load_module_seconds",
+           "merge_module_seconds", "module_of", "module_seconds", "save_module_seconds"]
 
 FORMAT = 1
+# Groups of modules that share actors across modules, each in the order they must run
+# (a module that leaves the actors unfit for the others last), by path from the rootdir.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "reference-fleet": (
+        "tests/integration/test_actors.py",
+        "tests/integration/test_integrity_faults.py",
+        "tests/integration/test_replica_groups.py",
+        "tests/integration/test_shadow.py",  # its engines hold a shadow from then on
+    ),
+}
+_GROUP_OF = {module: name for name, modules in GROUPS.items() for module in modules}
 
 
 def module_of(nodeid: str) -> str:
     """The module (``loadfile``'s unit of work) a test's node id belongs to."""
     return nodeid.split("::", 1)[0]
+
+
+def group_of(module: str) -> str | None:
+    """The group (:data:`GROUPS`) ``module`` runs in, or None."""
+    return _GROUP_OF.get(module)
+
+
+def group_order(nodeids: list[str]) -> list[int]:
+    """The positions of ``nodeids`` (a collection) in the order to run them: each group's
+    tests together where its first module's were, its modules in the group's order; the
+    rest unchanged."""
+    by_module: dict[str, list[int]] = {}
+    for i, nodeid in enumerate(nodeids):
+        by_module.setdefault(module_of(nodeid), []).append(i)
+    out: list[int] = []
+    placed: set[str] = set()
+    for i, nodeid in enumerate(nodeids):
+        module = module_of(nodeid)
+        group = group_of(module)
+        if group is None:
+            out.append(i)
+        elif group not in placed:
+            placed.add(group)
+            for member in GROUPS[group]:
+                out += by_module.get(member, [])
+    return out
 
 
 def module_seconds(reports: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -109,9 +151,16 @@ class CostFirstScheduling(LoadFileScheduling):
         self._seconds = dict(seconds)
         self._heavy_slots = heavy_slots
 
+    def _split_scope(self, nodeid: str) -> str:
+        """A test's unit of work: its module, or the group (:data:`GROUPS`) of its module."""
+        module = module_of(nodeid)
+        return group_of(module) or module
+
     def cost(self, scope: str) -> float:
-        """A module's seconds in the table; unmeasured modules sort before every measured."""
-        return self._seconds.get(scope, math.inf)
+        """A module's (a group's: its modules') seconds in the table; unmeasured modules sort
+        before every measured."""
+        modules = GROUPS.get(scope, (scope,))
+        return sum(self._seconds.get(m, math.inf) for m in modules)
 
     def heavy(self, scope: str) -> bool:
         return self.cost(scope) >= LIGHT_S

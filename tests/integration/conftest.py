@@ -30,6 +30,19 @@ asks for its workers' logs (``log_to_driver=False``), and the monitor's polling 
 every worker's log file took about a fifth of the CPU Ray's own processes used in a
 run.
 
+The modules of the ``reference-fleet`` group (``tests/xdist_order.py`` GROUPS: actors,
+integrity faults, replica groups, shadow) share one set of actors instead of each starting
+its own (a start costs about 15 CPU-s and 8 s here): :func:`reference_fleet` gives each the
+same trainers and engines (tiny_llama, 2 FSDP2 trainer ranks -> 2 replicas x TP2 of the
+reference engine, simnic, the fault-hook classes), on the shared cluster through a driver
+of its own that stays connected from the group's first module to its last (they run one
+after the other, on one worker). Each module builds its own controllers over them, with its
+own options, and shuts them down; between modules every rank's NICs are closed (the
+next controller registers and connects anew, with its own transport options), paused
+engines resumed, and a fleet with a dead actor, or whose engines hold a shadow
+(:meth:`ReferenceFleet.spend`), replaced. After the group's last module the driver
+disconnects and the actors end with its job.
+
 The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
 (config, trainers, engines, controller, the byte oracle) and :func:`vllm_trainers`
 (trainers for the modules whose engine the user's own actor starts).
@@ -40,10 +53,12 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
+from xdist_order import group_of  # tests/
 
 from actors.tools.demo.fleet import LOCAL_NODE_IP
 
@@ -97,6 +112,7 @@ def shared_ray_cluster() -> Iterator[SharedCluster]:
     try:
         yield _SHARED
     finally:
+        _FLEET.close()
         _SHARED.stop()
 
 
@@ -112,16 +128,141 @@ def _wait_idle(timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def ray_job(shared_ray_cluster: SharedCluster) -> Iterator[None]:
-    """This module's own Ray driver on the shared cluster; its actors die with it."""
-    ray.init(address=shared_ray_cluster.address, _node_ip_address=LOCAL_NODE_IP,
+def _connect(shared: SharedCluster) -> None:
+    """A driver of this process on the shared cluster, once the cluster is idle."""
+    ray.init(address=shared.address, _node_ip_address=LOCAL_NODE_IP,
              log_to_driver=False, logging_level="WARNING")
     try:
         _wait_idle(IDLE_TIMEOUT_S)
+    except BaseException:
+        ray.shutdown()
+        raise
+
+
+@pytest.fixture(scope="module")
+def ray_job(shared_ray_cluster: SharedCluster) -> Iterator[None]:
+    """This module's own Ray driver on the shared cluster; its actors die with it."""
+    _FLEET.close()  # a group's driver still connected (a group cut short): its actors end
+    _connect(shared_ray_cluster)
+    try:
         yield
     finally:
         ray.shutdown()
+
+
+REFERENCE_MODEL = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_llama.yaml"
+FLEET_GROUP = "reference-fleet"
+
+
+class ReferenceFleet:
+    """The actors of the ``reference-fleet`` modules (module docstring): ``trainers`` and
+    ``replicas`` (launch handles), :meth:`config` for a module's controllers."""
+
+    def __init__(self) -> None:
+        self.trainers: Any = None
+        self.replicas: Any = None
+        self._cluster_file: Path | None = None
+        self._spent = False
+
+    @property
+    def is_open(self) -> bool:
+        return self.trainers is not None
+
+    def config(self, **options: Any) -> Any:
+        """A :class:`~actors.TransferConfig` of the fleet's model and cluster with a module's
+        own ``options`` (the controller's: timeouts, integrity, retries, groups, apply)."""
+        from actors import TransferConfig
+
+        return TransferConfig.from_files(REFERENCE_MODEL, self._cluster_file, **options)
+
+    def open(self, shared: SharedCluster, cluster_file: Path) -> ReferenceFleet:
+        """The fleet for the next module: the running one if every actor answers and none
+        holds a shadow, else a new one (with its driver)."""
+        if self.is_open and (self._spent or not self._alive()):
+            self.close()
+        if not self.is_open:
+            from actors import launch_engines, launch_trainers
+            from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
+
+            self._cluster_file, self._spent = cluster_file, False
+            _connect(shared)
+            try:
+                cfg = self.config()
+                self.trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)
+                self.replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def spend(self) -> None:
+        """This module's engines hold a shadow from now on: the next module gets new actors."""
+        self._spent = True
+
+    def _ranks(self) -> list[Any]:
+        return [*self.trainers, *(a for replica in self.replicas for a in replica)]
+
+    def _alive(self) -> bool:
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self._ranks()], timeout=30)
+        except Exception:  # a dead actor, or one that does not answer
+            return False
+        return True
+
+    def reset(self) -> None:
+        """After a module: every rank's NICs closed (fault hooks with them), every paused
+        engine resumed (its version kept); a fleet that fails that is closed."""
+        if not self.is_open or self._spent:
+            return
+        from actors.controller.engine_control import next_epoch
+
+        try:
+            ranks = self._ranks()
+            ray.get([a.wt_close.remote() for a in ranks], timeout=60)
+            engines = ranks[len(self.trainers):]
+            paused = ray.get([a.wt_paused.remote() for a in engines], timeout=30)
+            ray.get([a.wt_resume.remote(epoch=next_epoch())
+                     for a, p in zip(engines, paused, strict=True) if p], timeout=30)
+        except Exception as exc:
+            warnings.warn(f"reference fleet: reset failed ({exc}); a new one for the next "
+                          "module", stacklevel=2)
+            self.close()
+
+    def close(self) -> None:
+        """Disconnect the fleet's driver: its actors end with its job."""
+        handles = [h for h in (self.replicas, self.trainers) if h is not None]
+        self.trainers = self.replicas = None
+        try:
+            for handle in handles:
+                handle.close()
+        finally:
+            if handles and ray.is_initialized():
+                ray.shutdown()
+
+
+_FLEET = ReferenceFleet()
+
+
+@pytest.fixture(scope="module")
+def reference_fleet(shared_ray_cluster: SharedCluster, cluster_file: Any) -> Iterator[Any]:
+    """The ``reference-fleet`` group's actors for this module (module docstring)."""
+    fleet = _FLEET.open(shared_ray_cluster, cluster_file(trainers=2, replicas=2, tp=2))
+    try:
+        yield fleet
+    finally:
+        fleet.reset()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of a group's last module to run here (its fixtures finalized):
+    the group's actors end."""
+    try:
+        return (yield)
+    finally:
+        if _FLEET.is_open and (nextitem is None
+                               or group_of(nextitem.nodeid.split("::")[0]) != FLEET_GROUP):
+            _FLEET.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""End to end on a local Ray instance: 2 FSDP2 trainer actors -> 2 replicas x TP2 (tiny_llama;
+"""End to end on the shared Ray cluster: 2 FSDP2 trainer actors -> 2 replicas x TP2 (tiny_llama;
 the demo runs the 4-rank, 2-node shape of ``configs/clusters/local_cpu.yaml``).
 
-One module-wide set of actors goes through, in order: rounds of a real optimizer
+The ``reference-fleet`` group's actors (``tests/integration/conftest.py``: shared with the
+integrity, replica-group and shadow modules, each with controllers of its own) go through,
+in order: rounds of a real optimizer
 step and an update (every engine byte equals the reference layout of the
 trainer's current weights; greedy generations equal the trainer model's token
 for token), pause/resume ordering, a failed update (a trainer NIC's link down)
@@ -17,30 +19,21 @@ import pytest
 import ray
 import torch
 
-from actors import (
-    TransferConfig,
-    UpdateError,
-    WeightTransferController,
-    launch_engines,
-    launch_trainers,
-)
+from actors import UpdateError, WeightTransferController, launch_engines
 from actors.tools.testkit.engine_bytes import engine_mismatches
-from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
+from actors.tools.testkit.hooks import FaultyInferenceActor
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999], [12, 600, 3, 77, 5, 41]]
 
 
 @pytest.fixture(scope="module")
-def env(ray_job, cluster_file):  # a Ray job of its own on the shared cluster
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    cluster_file(trainers=2, replicas=2, tp=2),
-                                    update_timeout_s=120, barrier_timeout_s=60)
-    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # wt_set_link
-    replicas = launch_engines(cfg)
+def env(reference_fleet):  # trainers with wt_set_link, engines with wt_deregister
+    cfg = reference_fleet.config(update_timeout_s=120, barrier_timeout_s=60)
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     yield cfg, trainers, replicas, ctl
+    ctl.shutdown()
 
 
 def train(trainers, step: int) -> float:
@@ -199,7 +192,8 @@ def test_a_revoked_engine_region_tears_only_its_replica(env):
 @pytest.fixture(scope="module")
 def fp8_replicas(env):
     """One FP8 replica, set up by each gather mode's controller in turn."""
-    return launch_engines(env[0].replace(fp8=True), replicas=[0])
+    with launch_engines(env[0].replace(fp8=True), replicas=[0]) as replicas:
+        yield replicas
 
 
 @pytest.mark.parametrize("gather", ["shard_direct", "full"])

@@ -1,48 +1,41 @@
 """Integrity checks, NIC fault retries and the audit log, end to end on local Ray.
 
-2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama), integrity ``full``,
-an audit log. In order: a clean update whose every range is checked; a byte
-corrupted in one engine rank's memory after the writes landed (the controller's
-``after_transfer`` hook, between the writes and the check) tears only that
-replica, keeps it paused (automatic re-sync off) and names replica, rank,
-tensor, range and both checksums, while the other replica serves the new
-version; the next update heals it; with the default automatic re-sync, a
-corrupted replica is re-filled from its peer at once and checked region by
-region; a link flap on a trainer NIC is ridden out by retries; a link that
-stays down tears the replicas and names NIC, peer and region. Every update left
-one audit line whose fields match its report or error.
+2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama; the ``reference-fleet`` group's
+actors, ``tests/integration/conftest.py``), integrity ``full``, an audit log. In order:
+a clean update whose every range is checked; a byte corrupted in one engine rank's
+memory after the writes landed (the controller's ``after_transfer`` hook, between the
+writes and the check) tears only that replica, keeps it paused (automatic re-sync off)
+and names replica, rank, tensor, range and both checksums, while the other replica
+serves the new version; the next update heals it; with the default automatic re-sync, a
+corrupted replica is re-filled from its peer at once and checked region by region; a
+link flap on a trainer NIC is ridden out by retries; a link that stays down tears the
+replicas and names NIC, peer and region. Every update left one audit line whose fields
+match its report or error.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from actors import TransferConfig, UpdateError, WeightTransferController
+from actors import UpdateError, WeightTransferController
 from actors.controller.audit import read_audit
-from actors.ready.launch import launch_engines, launch_trainers
 from actors.tools.testkit.engine_bytes import engine_mismatches
-from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS = [[1, 5, 9, 200, 33, 7], [400, 2, 2, 81, 16, 999]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, ray_job, cluster_file):  # a Ray job of its own on the shared cluster
+def env(tmp_path_factory, reference_fleet):  # trainers with NIC faults, engines wt_flip_byte
     tmp = tmp_path_factory.mktemp("integrity")
-    cluster = cluster_file(trainers=2, replicas=2, tp=2)
-    cfg = TransferConfig.from_files(
-        CONFIGS / "models" / "tiny_llama.yaml", cluster, update_timeout_s=120,
-        integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl",
+    cfg = reference_fleet.config(
+        update_timeout_s=120, integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl",
         retry={"attempts": 8, "backoff_s": 0.05, "max_backoff_s": 0.5})  # ~2.8 s of patience
-    trainers = launch_trainers(cfg, actor_cls=FaultyTrainerActor)  # NIC faults
-    replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)  # wt_flip_byte
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
     outcomes = []  # (version, UpdateReport or UpdateError), for the audit test

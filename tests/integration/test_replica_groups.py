@@ -1,6 +1,7 @@
 """Replica groups on one host (simnic): the trainers write the leader, a peer copy fills the rest.
 
-One fleet (2 trainer ranks -> 2 replicas x TP2) with ``replica_groups`` =
+One fleet (2 trainer ranks -> 2 replicas x TP2: the ``reference-fleet`` group's actors,
+``tests/integration/conftest.py``), its controller with ``replica_groups`` =
 ``[["engine0", "engine1"]]``: the plan writes engine0 only (half the bytes of a
 plan over both), engine1 is filled from engine0 by the peer copy after every
 update, and every byte of both equals the reference layout of the trainers'
@@ -13,35 +14,28 @@ across network namespaces behind a shaped link: tests/integration/test_netns.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import ray
 import torch
 
-from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors import WeightTransferController
 from actors.tools.testkit.engine_bytes import engine_mismatches
-from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKENS = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_job, cluster_file):
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    cluster_file(trainers=2, replicas=2, tp=2),
-                                    replica_groups=[["engine0", "engine1"]],
-                                    integrity={"mode": "full"}, update_timeout_s=60,
-                                    retry={"attempts": 1})
-    with launch_trainers(cfg, actor_cls=FaultyTrainerActor) as trainers, \
-            launch_engines(cfg, actor_cls=FaultyInferenceActor) as replicas:
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        ctl.setup()
-        yield cfg, ctl, trainers, list(replicas)
-        ctl.shutdown()
+def fleet(reference_fleet):  # the reference-fleet group's actors (tests/integration/conftest.py)
+    cfg = reference_fleet.config(replica_groups=[["engine0", "engine1"]],
+                                 integrity={"mode": "full"}, update_timeout_s=60,
+                                 retry={"attempts": 1})
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    ctl.setup()
+    yield cfg, ctl, trainers, list(replicas)
+    ctl.shutdown()
 
 
 def _step(trainers) -> None:

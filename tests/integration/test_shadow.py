@@ -1,7 +1,9 @@
 """Shadow mode on the reference engine: the engines serve throughout, flip, and roll back.
 
 2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama), ``apply="shadow"``, integrity
-``full``, an audit log. Each test works from the version the fleet holds when it
+``full``, an audit log, on the ``reference-fleet`` group's actors (``tests/integration/
+conftest.py``): the group's last module, since its engines hold a shadow from the set-up
+on. Each test works from the version the fleet holds when it
 starts (the ``base`` fixture first brings every replica to one version, where they
 differ or hold none), so the tests pass alone and in any order:
 
@@ -20,33 +22,27 @@ differ or hold none), so the tests pass alone and in any order:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from actors import TransferConfig, WeightTransferController
+from actors import WeightTransferController
 from actors.controller.audit import read_audit
-from actors.ready.launch import launch_engines, launch_trainers
 from actors.tools.testkit.engine_bytes import engine_mismatches
-from actors.tools.testkit.hooks import FaultyInferenceActor
 from weight_transfer.errors import UpdateError
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, ray_job, cluster_file):
+def env(tmp_path_factory, reference_fleet):  # the group's last module: see the docstring
     tmp = tmp_path_factory.mktemp("shadow")
-    cluster = cluster_file(trainers=2, replicas=2, tp=2)
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml", cluster,
-                                    apply="shadow", integrity={"mode": "full"},
-                                    audit_path=tmp / "audit.jsonl")
-    trainers = launch_trainers(cfg)
-    replicas = launch_engines(cfg, actor_cls=FaultyInferenceActor)
+    cfg = reference_fleet.config(apply="shadow", integrity={"mode": "full"},
+                                 audit_path=tmp / "audit.jsonl")
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
+    reference_fleet.spend()  # its engines hold a shadow from the setup on
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
     yield cfg, trainers, replicas, ctl

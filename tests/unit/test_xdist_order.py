@@ -6,8 +6,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import xdist_order
 from xdist_order import (  # tests/ is on sys.path: the folder of tests/conftest.py
+    GROUPS,
     CostFirstScheduling,
+    group_order,
     load_module_seconds,
     merge_module_seconds,
     module_seconds,
@@ -148,3 +151,36 @@ def test_the_checked_in_table_loads_and_names_existing_modules() -> None:
     assert table, "tests/module_seconds.json is missing or empty"
     missing = [m for m in table if not (root / m).is_file()]
     assert not missing, f"rows for modules that do not exist: {missing}"
+
+
+def test_a_group_runs_together_in_its_order_where_its_first_module_was(monkeypatch) -> None:
+    group = ("tests/integration/test_medium.py", "tests/integration/test_heavy.py")
+    monkeypatch.setattr(xdist_order, "GROUPS", {"pair": group})
+    monkeypatch.setattr(xdist_order, "_GROUP_OF", dict.fromkeys(group, "pair"))
+    ordered = [COLLECTION[i] for i in group_order(list(COLLECTION))]
+    assert sorted(ordered) == sorted(COLLECTION)
+    assert [n.split("::")[0].rsplit("/", 1)[1] for n in ordered[4:10]] == [
+        "test_many.py", "test_medium.py", "test_medium.py", "test_medium.py",
+        "test_heavy.py", "test_new.py"]
+    # one unit of work, its seconds summed (120: before test_big's 80), on one worker
+    sched = CostFirstScheduling(
+        SimpleNamespace(getvalue=lambda name: {"tx": ["2*popen"]}[name],
+                        option=SimpleNamespace(loadscopereorder=True)), seconds=SECONDS)
+    nodes = [Worker("gw0"), Worker("gw1")]
+    for worker in nodes:
+        sched.add_node(worker)
+        sched.add_node_collection(worker, ordered)
+    sched.schedule()
+    assert sched.cost("pair") == 120.0
+    sent = [[ordered[i].split("::")[0].rsplit("/", 1)[1] for i in w.sent] for w in nodes]
+    assert sent[1][:4] == ["test_medium.py"] * 3 + ["test_heavy.py"]  # the group, in order
+    assert "test_heavy.py" not in sent[0] and "test_medium.py" not in sent[0]
+
+
+def test_the_groups_name_existing_modules_each_in_one_group() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    members = [m for modules in GROUPS.values() for m in modules]
+    assert len(members) == len(set(members))
+    assert [m for m in members if not (root / m).is_file()] == []
