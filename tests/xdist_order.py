@@ -52,6 +52,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "tests/integration/test_actors.py",
         "tests/integration/test_integrity_faults.py",
         "tests/integration/test_replica_groups.py",
+        "tests/integration/test_served_integrity.py",
+        "tests/integration/test_tcp_fleet.py",
         "tests/integration/test_shadow.py",  # its engines hold a shadow from then on
     ),
 }

@@ -31,7 +31,7 @@ every worker's log file took about a fifth of the CPU Ray's own processes used i
 run.
 
 The modules of the ``reference-fleet`` group (``tests/xdist_order.py`` GROUPS: actors,
-integrity faults, replica groups, shadow) share one set of actors instead of each starting
+integrity faults, replica groups, served integrity, the tcp fleet, shadow) share one set of actors instead of each starting
 its own (a start costs about 15 CPU-s and 8 s here): :func:`reference_fleet` gives each the
 same trainers and engines (tiny_llama, 2 FSDP2 trainer ranks -> 2 replicas x TP2 of the
 reference engine, simnic, the fault-hook classes), on the shared cluster through a driver

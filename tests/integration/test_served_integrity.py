@@ -1,6 +1,7 @@
 """A write into a serving replica after the resume is found, named and healed.
 
-2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama) on the shared Ray cluster. An
+2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama: the ``reference-fleet`` group's actors,
+``tests/integration/conftest.py``), its controllers with integrity on. An
 outsider (a plain Python process, ``outsider_write.py``: process_vm_writev, no Ray, nothing
 of this project) inverts one byte of a serving replica's weights after the update resumed
 it. In order:
@@ -26,29 +27,21 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import yaml
 
-from actors import TransferConfig, WeightTransferController
+from actors import WeightTransferController
 from actors.controller.audit import read_audit
-from actors.ready.launch import launch_engines, launch_trainers
 from actors.tools.testkit.engine_bytes import engine_mismatches
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 OUTSIDER = Path(__file__).with_name("outsider_write.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 WAIT_S = 120.0  # the most the background check may take to heal (a bound, not a measure)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, ray_job):  # a Ray job of its own on the shared cluster
+def env(tmp_path_factory, reference_fleet):
     tmp = tmp_path_factory.mktemp("served")
-    data = yaml.safe_load((CONFIGS / "clusters" / "local_cpu.yaml").read_text())
-    data["trainer"].update(nodes=1, gpus_per_node=2, nics_per_node=2, expert_parallel=1)
-    cluster = tmp / "two_trainers.yaml"
-    cluster.write_text(yaml.safe_dump(data))
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml", cluster,
-                                    integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl")
-    trainers, replicas = launch_trainers(cfg), launch_engines(cfg)
+    cfg = reference_fleet.config(integrity={"mode": "full"}, audit_path=tmp / "audit.jsonl")
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
     yield cfg, trainers, replicas, ctl

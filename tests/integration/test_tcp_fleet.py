@@ -1,8 +1,9 @@
 """A fleet over our authenticated ``tcp`` transport, and what an outsider can do to it.
 
-One fleet of the tiny model (2 trainer ranks -> 2 replicas x TP2, encrypted tcp
-links, audit log on) serves every test of the module, in order (each fleet start
-costs tens of seconds on the 2-core machines):
+One fleet of the tiny model (2 trainer ranks -> 2 replicas x TP2: the ``reference-fleet``
+group's actors, ``tests/integration/conftest.py``; its controller with encrypted tcp links
+and an audit log) serves every test of the module, in order (each fleet start costs tens of
+seconds on the 2-core machines):
 
 1. setup gives every engine NIC the regions each trainer NIC may write (from the
    plan) and every trainer NIC a fresh link key; updates land byte-exact (every
@@ -39,32 +40,30 @@ import ray
 import torch
 from outsider.driver import Outsider  # tests/ is on sys.path (its conftest.py)
 
-from actors import TransferConfig, WeightTransferController, launch_engines, launch_trainers
+from actors import WeightTransferController, launch_engines
 from actors.controller.audit import read_audit
 from actors.tools.testkit.engine_bytes import engine_mismatches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKENS = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(3)).tolist()
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_job, tmp_path_factory, cluster_file):  # a Ray job of its own on the shared cluster
+def fleet(reference_fleet, tmp_path_factory):  # its NICs opened as tcp by this controller
     audit = tmp_path_factory.mktemp("audit") / "audit.jsonl"
-    cfg = TransferConfig.from_files(CONFIGS / "models" / "tiny_llama.yaml",
-                                    cluster_file(trainers=2, replicas=2, tp=2), transport="tcp",
-                                    transport_options={"encrypt": True, "chunk_bytes": 1 << 16},
-                                    audit_path=audit, barrier_timeout_s=30)
-    # What this process listened on before the fleet (other modules' leftovers in the same
-    # pytest process, e.g. an in-process Mooncake engine's listeners): not the fleet's.
+    cfg = reference_fleet.config(transport="tcp",
+                                 transport_options={"encrypt": True, "chunk_bytes": 1 << 16},
+                                 audit_path=audit, barrier_timeout_s=30)
+    # What this process listened on before the controller (other modules' leftovers in the
+    # same pytest process, e.g. an in-process Mooncake engine's listeners): not the fleet's.
     before = set(listeners(os.getpid()))
-    with launch_trainers(cfg) as trainers, launch_engines(cfg) as replicas:
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        summary = ctl.setup()
-        yield SimpleNamespace(cfg=cfg, ctl=ctl, summary=summary, trainers=trainers,
-                              replicas=list(replicas), handle=replicas, audit=audit,
-                              versions=itertools.count(1), driver_before=before)
-        ctl.shutdown()
+    trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    summary = ctl.setup()
+    yield SimpleNamespace(cfg=cfg, ctl=ctl, summary=summary, trainers=trainers,
+                          replicas=list(replicas), handle=replicas, audit=audit,
+                          versions=itertools.count(1), driver_before=before)
+    ctl.shutdown()
 
 
 def _stats(replicas):
