@@ -102,8 +102,9 @@ class Connector:
     """
 
     def __init__(self, spec: TransportSpec, *, call: Callable[..., Any],
-                 gather: Callable[..., list]) -> None:
+                 gather: Callable[..., list], apply: str = "in_place") -> None:
         self.spec, self._call, self._gather = spec, call, gather
+        self.apply = apply  # what every engine rank's registered memory must be
         self.owners: dict[str, Any] = {}
         self.hosts: dict[str, HostId] = {}
         self.links: set[Link] = set()
@@ -149,12 +150,28 @@ class Connector:
         labels = [f"{label} {i}" for i in range(n)] * 2
         out = self._gather(refs, labels, phase=phase or f"gather {label} metadata")
         for i, meta in enumerate(out[:n]):  # on receipt: regions, tensors, sizes, dtypes
-            check_engine_meta(meta, f"{label} {i} ({getattr(meta, 'replica', '?')}/tp"
-                                    f"{getattr(meta, 'rank', '?')})")
+            where = f"{label} {i} ({getattr(meta, 'replica', '?')}/tp{getattr(meta, 'rank', '?')})"
+            check_engine_meta(meta, where)
+            self.check_apply(meta, where)
         for meta, host in zip(out[:n], out[n:], strict=True):
             for ep in engine_endpoints(meta):
                 self.hosts[ep.owner] = host
         return out[:n]
+
+    def check_apply(self, meta: EngineRankMeta, where: str) -> None:
+        """ValueError unless ``meta`` registers what this controller's updates write: an
+        engine rank keeps the shadow a shadow-mode set-up gave it, and an in-place update
+        into that shadow would never serve (every update would report success)."""
+        if meta.apply == self.apply:
+            return
+        if meta.apply == "shadow":
+            raise ValueError(
+                f"{where}: its registered memory is a shadow copy (an earlier controller set it "
+                "up with apply='shadow'; the engine keeps it), so an in-place update would write "
+                "memory that never serves: set TransferConfig.apply='shadow' for these engines, "
+                "or start new engine actors")
+        raise ValueError(f"{where}: registered for apply={meta.apply!r}, this controller "
+                         f"updates with apply={self.apply!r}")
 
     def check(self, pairs: Iterable[tuple[str, str]], *, what: str) -> None:
         """ValueError naming the transport, the actors and their hosts for pairs it cannot

@@ -119,7 +119,8 @@ class InferenceMixin(DeltaRankMixin):
                     else self._wt_adapter.region_buffers(),
                     nic_names=self._wt_nic_names, node=self.wt_node_id(),
                     address=self.wt_host().address, replica=self._wt_replica,
-                    rank=self._wt_rank, shard=self._wt_shard)
+                    rank=self._wt_rank, shard=self._wt_shard,
+                    apply="shadow" if shadow.enabled else "in_place")
                 if shadow.enabled:
                     shadow.bind()
             return self._wt_mem.meta

@@ -248,9 +248,15 @@ class EngineTensorMeta(TensorSpec):
     offset: int = 0
 
 
+# How an engine rank's registered memory takes an update: "in_place", the memory it
+# computes with (written while it is paused); "shadow", a second copy it flips in.
+APPLY_MODES = ("in_place", "shadow")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRankMeta:
-    """One inference rank: replica, shard, NIC and the tensors it exposes."""
+    """One inference rank: replica, shard, NIC and the tensors it exposes (``apply``: what
+    those tensors are, :data:`APPLY_MODES`: a controller of the other mode refuses it)."""
 
     replica: str
     rank: int
@@ -258,6 +264,7 @@ class EngineRankMeta:
     nic: str
     shard: ShardSpec
     tensors: tuple[EngineTensorMeta, ...]
+    apply: str = "in_place"
     # The layout recorded from the engine itself (vLLM: its own load_weights), source
     # names as in the engine's checkpoint; None: the planner uses our rule tables.
     pieces: tuple[Piece, ...] | None = field(default=None, hash=False, compare=False)

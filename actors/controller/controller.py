@@ -131,7 +131,7 @@ class WeightTransferController:
         self.state = ControllerState(
             trainers=list(trainers),
             connector=Connector(config.transport_spec, call=self.ledger.call,
-                                gather=self.calls.gather))
+                                gather=self.calls.gather, apply=config.apply))
         self._engine_handles = flat_actors(engines)
         self._replicas = ReplicaOps(self.state, self.calls, config, metrics=self.metrics,
                                     audit=self.audit)

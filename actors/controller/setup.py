@@ -132,6 +132,8 @@ def refresh_engines(state: ControllerState, calls: ControlCalls,
     for name in fresh:
         actors = state.replicas[name]
         ranks = [next(metas) for _ in actors]
+        for meta in ranks:  # a rank set up again by another controller meanwhile
+            state.connector.check_apply(meta, f"{name}/tp{meta.rank}")
         state.drop_replica_entry(name, keep_links=True)
         state.add_replica_entry(name, actors, ranks)
 

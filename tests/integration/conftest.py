@@ -31,17 +31,17 @@ every worker's log file took about a fifth of the CPU Ray's own processes used i
 run.
 
 The modules of the ``reference-fleet`` group (``tests/xdist_order.py`` GROUPS: actors,
-integrity faults, replica groups, served integrity, the tcp fleet, shadow) share one set of actors instead of each starting
-its own (a start costs about 15 CPU-s and 8 s here): :func:`reference_fleet` gives each the
-same trainers and engines (tiny_llama, 2 FSDP2 trainer ranks -> 2 replicas x TP2 of the
-reference engine, simnic, the fault-hook classes), on the shared cluster through a driver
-of its own that stays connected from the group's first module to its last (they run one
-after the other, on one worker). Each module builds its own controllers over them, with its
-own options, and shuts them down; between modules every rank's NICs are closed (the
-next controller registers and connects anew, with its own transport options), paused
-engines resumed, and a fleet with a dead actor, or whose engines hold a shadow
-(:meth:`ReferenceFleet.spend`), replaced. After the group's last module the driver
-disconnects and the actors end with its job.
+integrity faults, replica groups, served integrity, the tcp fleet, shadow) share one set of
+actors instead of each starting its own (a start costs about 15 CPU-s and 8 s here):
+:func:`reference_fleet` gives each the same trainers and engines (tiny_llama, 2 FSDP2
+trainer ranks -> 2 replicas x TP2 of the reference engine, simnic, the fault-hook classes),
+on the shared cluster through a driver of its own that stays connected from the group's
+first module to its last (they run one after the other, on one worker). Each module builds
+its own controllers over them, with its own options, and shuts them down; between modules
+every rank's NICs are closed (the next controller registers and connects anew, with its own
+transport options), paused engines resumed, and a fleet with a dead actor, or whose engines
+hold a shadow (:meth:`ReferenceFleet.spend`), replaced. After the group's last module the
+driver disconnects and the actors end with its job.
 
 The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
 (config, trainers, engines, controller, the byte oracle) and :func:`vllm_trainers`

@@ -16,7 +16,9 @@ differ or hold none), so the tests pass alone and in any order:
    reporting the version it had; the other flips; the next update heals both;
 3. ``rollback()`` after the new version served: every replica's bytes equal the previous
    version's exactly, versions go back, one audit line; a second rollback, a rollback
-   with an update in flight: ValueError naming why, nothing changed.
+   with an update in flight: ValueError naming why, nothing changed;
+4. an in-place controller over these engines (which keep their shadow): refused at setup,
+   naming the rank (its writes would land in the shadow, never served), nothing changed.
 """
 
 from __future__ import annotations
@@ -177,3 +179,25 @@ def test_rollback_restores_the_previous_bytes_exactly(env, base, tmp_path):
     report = ctl.update(bad + 1, trace=trace)  # and updates go on from there, traced as in place
     assert engine_mismatches(cfg.model, trainers, replicas) == []
     assert report.trace is not None and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_an_in_place_controller_over_engines_holding_a_shadow_is_refused(env, base):
+    """The engines keep the shadow this module's set-up gave them: an in-place update would
+    write that copy, never flipped, and report success while the engines serve the old
+    weights. Its setup is refused naming the rank and the remedy; nothing changes."""
+    cfg, trainers, replicas, ctl = env
+    served = [live(rep) for rep in replicas]
+    versions = ctl.weights_version()
+    other = WeightTransferController(trainers=trainers, engines=replicas,
+                                     config=cfg.replace(apply="in_place"))
+    try:
+        with pytest.raises(ValueError, match=r"engine0/tp0\).*shadow copy.*apply='shadow'"):
+            other.setup()
+    finally:
+        other.shutdown()
+    assert all(same(live(rep), b) for rep, b in zip(replicas, served, strict=True))
+    assert ctl.weights_version() == versions
+    v = next_version(ctl)
+    train(trainers, v)
+    ctl.update(v)  # the shadow-mode controller goes on
+    assert engine_mismatches(cfg.model, trainers, replicas) == []

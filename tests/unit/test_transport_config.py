@@ -8,6 +8,7 @@ direct calls instead of Ray).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,21 @@ def test_an_actor_without_a_host_is_named():
         conn.check_engines([0], [_engine("engine0", 0)])
     with pytest.raises(ValueError, match=r"no host known for \['x'\]"):
         unreachable_links(DEFAULT_TRANSPORT, {}, [("x", "x")])
+
+
+def test_engines_registered_for_the_other_apply_mode_are_refused_naming_the_rank():
+    """An engine rank keeps the shadow a shadow-mode set-up gave it: an in-place controller
+    would write a copy that never serves, so it refuses the rank at setup (and the other
+    way round); the same mode passes."""
+    spec = parse_transport("simnic", {}, where="t")
+    shadow = dataclasses.replace(_engine("engine0", 1), apply="shadow")
+    in_place = Connector(spec, call=None, gather=None)
+    with pytest.raises(ValueError, match=r"^engine0/tp1: its registered memory is a shadow "
+                                         r"copy .* set TransferConfig.apply='shadow'"):
+        in_place.check_apply(shadow, "engine0/tp1")
+    in_place.check_apply(_engine("engine0", 0), "engine0/tp0")
+    shadowed = Connector(spec, call=None, gather=None, apply="shadow")
+    shadowed.check_apply(shadow, "engine0/tp1")
+    with pytest.raises(ValueError, match=r"registered for apply='in_place', this controller "
+                                         r"updates with apply='shadow'"):
+        shadowed.check_apply(_engine("engine0", 0), "engine0/tp0")

@@ -59,9 +59,11 @@ class RegisteredMemory:
 
     def register(self, spec: Any, buffers: Iterable[tuple[Any, Sequence[tuple]]], *,
                  nic_names: Sequence[str], node: str, address: str, replica: str, rank: int,
-                 shard: ShardSpec, pieces: tuple[Piece, ...] | None = None) -> EngineRankMeta:
+                 shard: ShardSpec, pieces: tuple[Piece, ...] | None = None,
+                 apply: str = "in_place") -> EngineRankMeta:
         """Register every buffer (NICs opened on first use, kept after a revocation) and
-        describe them; the result is also :attr:`meta`."""
+        describe them; the result is also :attr:`meta` (``apply``: "shadow" when the buffers
+        are a shadow copy the engine flips in, not the memory it computes with)."""
         if not nic_names:
             raise ValueError(f"{self.owner}: needs at least one NIC name")
         self.spec = spec
@@ -79,7 +81,8 @@ class RegisteredMemory:
         log.info("%s registered %d tensors in %d regions", self.owner, len(tensors),
                  len(self.buffers))
         self.meta = EngineRankMeta(replica=replica, rank=rank, node=node, nic=nic_names[0],
-                                   shard=shard, tensors=tuple(tensors), pieces=pieces)
+                                   shard=shard, tensors=tuple(tensors), pieces=pieces,
+                                   apply=apply)
         return self.meta
 
     def require(self) -> EngineRankMeta:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from weight_transfer.types import (
+    APPLY_MODES,
     DTYPE_SIZES,
     PLACEMENT_KINDS,
     EngineRankMeta,
@@ -211,6 +212,8 @@ def check_engine_meta(meta: Any, where: str | None = None) -> EngineRankMeta:
     check_str(meta.node, f"{where}: node", empty=True)
     check_str(meta.nic, f"{where}: nic")
     check_shard(meta.shard, where)
+    if meta.apply not in APPLY_MODES:
+        raise ValueError(f"{where}: apply must be one of {APPLY_MODES}, not {meta.apply!r}")
     if not isinstance(meta.tensors, tuple) or not meta.tensors:
         raise ValueError(f"{where}: tensors must be a non-empty tuple")
     seen: set[str] = set()

@@ -50,7 +50,6 @@ import torch
 from weight_transfer.errors import WeightTransferError
 
 Apply = Literal["in_place", "shadow"]
-APPLY_MODES: tuple[str, ...] = ("in_place", "shadow")
 
 FLIP_CHUNK_BYTES = 8 << 20  # scratch of one swap chunk: fits a server CPU's L3 / a GPU's L2
 

@@ -63,11 +63,9 @@ from weight_transfer.engines.vllm.memory import Arena, reprocess, reprocessed, s
 from weight_transfer.engines.vllm.recording import exposed_shapes, record_load
 from weight_transfer.engines.vllm.shadow import DirectShadow, Standby
 from weight_transfer.layout.recording import checkpoint as ckpt
-from weight_transfer.types import EngineRankId, EngineRankMeta, ShardSpec
+from weight_transfer.types import APPLY_MODES, EngineRankId, EngineRankMeta, ShardSpec
 
 log = logging.getLogger(__name__)
-
-APPLY_MODES = ("in_place", "shadow")
 
 
 @dataclass
@@ -155,7 +153,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         meta = self.mem.register(req.transport, buffers, nic_names=req.nics[self.shard.tp_rank],
                                  node=req.node, address=req.address, replica=req.replica,
                                  rank=self.shard.tp_rank, shard=self.shard,
-                                 pieces=layout.pieces)
+                                 pieces=layout.pieces, apply=apply)
         if apply == "shadow":
             self._standby = Standby([buf for buf, _ in buffers])
             self._standby.bind(list(self.mem.buffers))
