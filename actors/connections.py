@@ -104,7 +104,7 @@ class Connector:
     def __init__(self, spec: TransportSpec, *, call: Callable[..., Any],
                  gather: Callable[..., list], apply: str = "in_place") -> None:
         self.spec, self._call, self._gather = spec, call, gather
-        self.apply = apply  # what every engine rank's registered memory must be
+        self.apply = apply  # the controller's TransferConfig.apply
         self.owners: dict[str, Any] = {}
         self.hosts: dict[str, HostId] = {}
         self.links: set[Link] = set()
@@ -159,19 +159,16 @@ class Connector:
         return out[:n]
 
     def check_apply(self, meta: EngineRankMeta, where: str) -> None:
-        """ValueError unless ``meta`` registers what this controller's updates write: an
-        engine rank keeps the shadow a shadow-mode set-up gave it, and an in-place update
-        into that shadow would never serve (every update would report success)."""
-        if meta.apply == self.apply:
-            return
-        if meta.apply == "shadow":
+        """ValueError if this controller updates in place and ``meta`` registers a copy
+        served only after a flip (``EngineRankMeta.served_by_flip``: an engine rank keeps
+        the shadow a shadow-mode set-up gave it): every update would report success while
+        the engine served the old weights."""
+        if self.apply == "in_place" and meta.served_by_flip:
             raise ValueError(
-                f"{where}: its registered memory is a shadow copy (an earlier controller set it "
-                "up with apply='shadow'; the engine keeps it), so an in-place update would write "
-                "memory that never serves: set TransferConfig.apply='shadow' for these engines, "
-                "or start new engine actors")
-        raise ValueError(f"{where}: registered for apply={meta.apply!r}, this controller "
-                         f"updates with apply={self.apply!r}")
+                f"{where}: its registered memory is a shadow copy served only after a flip (an "
+                "earlier controller set it up with apply='shadow'; the engine keeps it), so an "
+                "in-place update would write memory that never serves: set "
+                "TransferConfig.apply='shadow' for these engines, or start new engine actors")
 
     def check(self, pairs: Iterable[tuple[str, str]], *, what: str) -> None:
         """ValueError naming the transport, the actors and their hosts for pairs it cannot

@@ -120,7 +120,7 @@ class InferenceMixin(DeltaRankMixin):
                     nic_names=self._wt_nic_names, node=self.wt_node_id(),
                     address=self.wt_host().address, replica=self._wt_replica,
                     rank=self._wt_rank, shard=self._wt_shard,
-                    apply="shadow" if shadow.enabled else "in_place")
+                    served_by_flip=shadow.enabled)
                 if shadow.enabled:
                     shadow.bind()
             return self._wt_mem.meta

@@ -255,8 +255,13 @@ APPLY_MODES = ("in_place", "shadow")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRankMeta:
-    """One inference rank: replica, shard, NIC and the tensors it exposes (``apply``: what
-    those tensors are, :data:`APPLY_MODES`: a controller of the other mode refuses it)."""
+    """One inference rank: replica, shard, NIC and the tensors it exposes.
+
+    ``served_by_flip``: the tensors are a copy the engine serves only after a flip
+    (``wt_flip``; the reference engine's shadow, which it keeps once a shadow-mode set-up
+    gave it one): an in-place update (pause, writes, resume) into them would never be
+    served, and an in-place controller refuses the rank. vLLM's shadow registration is not
+    (its resume reprocesses the registered memory, so in-place updates serve)."""
 
     replica: str
     rank: int
@@ -264,7 +269,7 @@ class EngineRankMeta:
     nic: str
     shard: ShardSpec
     tensors: tuple[EngineTensorMeta, ...]
-    apply: str = "in_place"
+    served_by_flip: bool = False
     # The layout recorded from the engine itself (vLLM: its own load_weights), source
     # names as in the engine's checkpoint; None: the planner uses our rule tables.
     pieces: tuple[Piece, ...] | None = field(default=None, hash=False, compare=False)

@@ -58,7 +58,7 @@ def engine():
     (lambda m: _set(m, shard=_set(m.shard, tp_rank=5)), r"shard tp_rank must be .*\[0, 1\]"),
     (lambda m: _set(m, rank=-1), r"engine0: rank must be an integer"),
     (lambda m: _set(m, tensors=()), r"tensors must be a non-empty tuple"),
-    (lambda m: _set(m, apply="flip"), r"engine0/tp0: apply must be one of .*not 'flip'"),
+    (lambda m: _set(m, served_by_flip="yes"), r"engine0/tp0: served_by_flip must be a bool"),
 ])
 def test_engine_metadata_fields(change, match):
     check_engine_meta(engine())  # the real one passes

@@ -60,10 +60,10 @@ class RegisteredMemory:
     def register(self, spec: Any, buffers: Iterable[tuple[Any, Sequence[tuple]]], *,
                  nic_names: Sequence[str], node: str, address: str, replica: str, rank: int,
                  shard: ShardSpec, pieces: tuple[Piece, ...] | None = None,
-                 apply: str = "in_place") -> EngineRankMeta:
+                 served_by_flip: bool = False) -> EngineRankMeta:
         """Register every buffer (NICs opened on first use, kept after a revocation) and
-        describe them; the result is also :attr:`meta` (``apply``: "shadow" when the buffers
-        are a shadow copy the engine flips in, not the memory it computes with)."""
+        describe them; the result is also :attr:`meta` (``served_by_flip``: the buffers are
+        a copy served only after a flip, :class:`~weight_transfer.types.EngineRankMeta`)."""
         if not nic_names:
             raise ValueError(f"{self.owner}: needs at least one NIC name")
         self.spec = spec
@@ -82,7 +82,7 @@ class RegisteredMemory:
                  len(self.buffers))
         self.meta = EngineRankMeta(replica=replica, rank=rank, node=node, nic=nic_names[0],
                                    shard=shard, tensors=tuple(tensors), pieces=pieces,
-                                   apply=apply)
+                                   served_by_flip=served_by_flip)
         return self.meta
 
     def require(self) -> EngineRankMeta:

@@ -26,7 +26,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from weight_transfer.types import (
-    APPLY_MODES,
     DTYPE_SIZES,
     PLACEMENT_KINDS,
     EngineRankMeta,
@@ -212,8 +211,8 @@ def check_engine_meta(meta: Any, where: str | None = None) -> EngineRankMeta:
     check_str(meta.node, f"{where}: node", empty=True)
     check_str(meta.nic, f"{where}: nic")
     check_shard(meta.shard, where)
-    if meta.apply not in APPLY_MODES:
-        raise ValueError(f"{where}: apply must be one of {APPLY_MODES}, not {meta.apply!r}")
+    if not isinstance(meta.served_by_flip, bool):
+        raise ValueError(f"{where}: served_by_flip must be a bool, not {meta.served_by_flip!r}")
     if not isinstance(meta.tensors, tuple) or not meta.tensors:
         raise ValueError(f"{where}: tensors must be a non-empty tuple")
     seen: set[str] = set()

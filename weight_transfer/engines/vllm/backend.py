@@ -153,7 +153,7 @@ class OneSidedBackend(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]
         meta = self.mem.register(req.transport, buffers, nic_names=req.nics[self.shard.tp_rank],
                                  node=req.node, address=req.address, replica=req.replica,
                                  rank=self.shard.tp_rank, shard=self.shard,
-                                 pieces=layout.pieces, apply=apply)
+                                 pieces=layout.pieces)
         if apply == "shadow":
             self._standby = Standby([buf for buf, _ in buffers])
             self._standby.bind(list(self.mem.buffers))
