@@ -31,17 +31,18 @@ every worker's log file took about a fifth of the CPU Ray's own processes used i
 run.
 
 The modules of the ``reference-fleet`` group (``tests/xdist_order.py`` GROUPS: actors,
-integrity faults, replica groups, served integrity, the tcp fleet, shadow) share one set of
-actors instead of each starting its own (a start costs about 15 CPU-s and 8 s here):
+integrity faults, replica groups, served integrity, the tcp fleet, delta, shadow) share one
+set of actors instead of each starting its own (a start costs about 15 CPU-s and 8 s here):
 :func:`reference_fleet` gives each the same trainers and engines (tiny_llama, 2 FSDP2
 trainer ranks -> 2 replicas x TP2 of the reference engine, simnic, the fault-hook classes),
 on the shared cluster through a driver of its own that stays connected from the group's
 first module to its last (they run one after the other, on one worker). Each module builds
 its own controllers over them, with its own options, and shuts them down; between modules
 every rank's NICs are closed (the next controller registers and connects anew, with its own
-transport options), paused engines resumed, and a fleet with a dead actor, or whose engines
-hold a shadow (:meth:`ReferenceFleet.spend`), replaced. After the group's last module the
-driver disconnects and the actors end with its job.
+transport options), paused engines resumed, and a fleet with a dead actor replaced, as is
+one whose engines hold a shadow (:meth:`ReferenceFleet.hold_shadow`) for a module that
+updates in place (one without ``FLEET_SHADOW_ONLY = True``). After the group's last module
+the driver disconnects and the actors end with its job.
 
 The vLLM modules share their set-up through ``vllm_fleet.py`` beside this file
 (config, trainers, engines, controller, the byte oracle) and :func:`vllm_trainers`
@@ -162,11 +163,16 @@ class ReferenceFleet:
         self.trainers: Any = None
         self.replicas: Any = None
         self._cluster_file: Path | None = None
-        self._spent = False
+        self._shadow = False
 
     @property
     def is_open(self) -> bool:
         return self.trainers is not None
+
+    @property
+    def cluster_file(self) -> Path | None:
+        """The cluster YAML the fleet was launched with (2 trainers -> 2 replicas x TP2)."""
+        return self._cluster_file
 
     def config(self, **options: Any) -> Any:
         """A :class:`~actors.TransferConfig` of the fleet's model and cluster with a module's
@@ -175,16 +181,18 @@ class ReferenceFleet:
 
         return TransferConfig.from_files(REFERENCE_MODEL, self._cluster_file, **options)
 
-    def open(self, shared: SharedCluster, cluster_file: Path) -> ReferenceFleet:
-        """The fleet for the next module: the running one if every actor answers and none
-        holds a shadow, else a new one (with its driver)."""
-        if self.is_open and (self._spent or not self._alive()):
+    def open(self, shared: SharedCluster, cluster_file: Path, *,
+             shadow_only: bool = False) -> ReferenceFleet:
+        """The fleet for the next module: the running one if every actor answers and, for a
+        module that updates in place (not ``shadow_only``), none holds a shadow; else a new
+        one (with its driver)."""
+        if self.is_open and ((self._shadow and not shadow_only) or not self._alive()):
             self.close()
         if not self.is_open:
             from actors import launch_engines, launch_trainers
             from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 
-            self._cluster_file, self._spent = cluster_file, False
+            self._cluster_file, self._shadow = cluster_file, False
             _connect(shared)
             try:
                 cfg = self.config()
@@ -195,9 +203,10 @@ class ReferenceFleet:
                 raise
         return self
 
-    def spend(self) -> None:
-        """This module's engines hold a shadow from now on: the next module gets new actors."""
-        self._spent = True
+    def hold_shadow(self) -> None:
+        """The engines hold a shadow from now on (a shadow-mode set-up gave them one, and
+        they keep it): a later module that updates in place gets new actors."""
+        self._shadow = True
 
     def _ranks(self) -> list[Any]:
         return [*self.trainers, *(a for replica in self.replicas for a in replica)]
@@ -212,7 +221,7 @@ class ReferenceFleet:
     def reset(self) -> None:
         """After a module: every rank's NICs closed (fault hooks with them), every paused
         engine resumed (its version kept); a fleet that fails that is closed."""
-        if not self.is_open or self._spent:
+        if not self.is_open:
             return
         from actors.controller.engine_control import next_epoch
 
@@ -244,9 +253,11 @@ _FLEET = ReferenceFleet()
 
 
 @pytest.fixture(scope="module")
-def reference_fleet(shared_ray_cluster: SharedCluster, cluster_file: Any) -> Iterator[Any]:
+def reference_fleet(request: pytest.FixtureRequest, shared_ray_cluster: SharedCluster,
+                    cluster_file: Any) -> Iterator[Any]:
     """The ``reference-fleet`` group's actors for this module (module docstring)."""
-    fleet = _FLEET.open(shared_ray_cluster, cluster_file(trainers=2, replicas=2, tp=2))
+    fleet = _FLEET.open(shared_ray_cluster, cluster_file(trainers=2, replicas=2, tp=2),
+                        shadow_only=getattr(request.module, "FLEET_SHADOW_ONLY", False))
     try:
         yield fleet
     finally:

@@ -1,8 +1,10 @@
 """Sparse delta updates end to end on the shared Ray cluster: tiny_llama, 2 FSDP2 trainer
-actors -> 2 replicas x TP2 over simnic, real AdamW steps. One set of actors serves the
-module, first under an in-place controller, then under a second controller in shadow mode
-(``apply="shadow"``, integrity ``full``) over the same actors: the engines register their
-memory again, as the shadow, and their delta arenas with it.
+actors -> 2 replicas x TP2 over simnic, real AdamW steps (at a learning rate of 1e-5, set on
+the trainers for this module). The ``reference-fleet`` group's actors
+(``tests/integration/conftest.py``) serve the module, first under an in-place controller,
+then under a second controller in shadow mode (``apply="shadow"``, integrity ``full``) over
+the same actors: the engines register their memory again, as the shadow, and their delta
+arenas with it (and keep the shadow: only the shadow module follows in the group).
 
 In place (after every update every engine byte equals the reference layout of the
 trainers' weights, the demo's byte check :func:`actors.tools.demo.verify.check_bytes`):
@@ -36,40 +38,59 @@ import ray
 import torch
 
 from actors import WeightTransferController
-from actors.tools.demo.fleet import start_fleet, token_batch
+from actors.tools.demo.fleet import token_batch, transfer_config
+from actors.tools.demo.fleet_handle import Fleet
 from actors.tools.demo.run_config import load_run_config, parse_run_config
 from actors.tools.demo.verify import _flip_byte as flip_live_byte
 from actors.tools.demo.verify import check_bytes
-from actors.tools.testkit.hooks import FaultyInferenceActor, FaultyTrainerActor
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 
 
+LR = 1e-5  # bf16 AdamW steps that leave most elements as they were: sparse deltas
+
+
 @pytest.fixture(scope="module")
-def fleet(ray_job, cluster_file):  # a Ray job of its own on the shared cluster
+def fleet(reference_fleet):
+    def set_lr(trainer, lr: float) -> float:  # in the trainer actor; nested: shipped by value
+        """Every parameter group's learning rate to ``lr``; the one it had."""
+        before = trainer.optimizer.param_groups[0]["lr"]
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr
+        return before
+
     # 2 trainer ranks (one node, a NIC each) -> the demo's 2 replicas x TP2.
-    cluster = cluster_file(trainers=2, replicas=2, tp=2)
     data = load_run_config("configs/runs/demo.yaml").model_dump(by_alias=True)
-    data["cluster"] = str(cluster)
-    data["train"]["lr"] = 1e-5
+    data["cluster"] = str(reference_fleet.cluster_file)
+    data["train"]["lr"] = LR
     # The time rule off: an uncapped simulated NIC beats any diff, so the rule would
     # write dense; these tests are about the chain (tests/unit/test_delta_policy.py: the rule).
     data["transfer"].update(delta=True, delta_anchor_every=3, update_timeout_s=60,
                             barrier_timeout_s=20, delta_fallback="off")
     run = parse_run_config(data, source="test_delta")
-    f = start_fleet(run, actor_classes={"trainer": FaultyTrainerActor,
-                                        "engine": FaultyInferenceActor})
-    yield f
-    f.close()
+    cfg = transfer_config(run)
+    trainers, replicas = list(reference_fleet.trainers), list(reference_fleet.replicas)
+    lrs = ray.get([t.__ray_call__.remote(set_lr, LR) for t in trainers])
+    try:
+        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+        names = [cfg.cluster.replica_name(i) for i in range(len(replicas))]
+        f = Fleet(run=run, config=cfg, trainers=trainers, controller=ctl, setup_seconds=0.0,
+                  replicas=dict(zip(names, replicas, strict=True)))
+        ctl.setup()
+        yield f
+        f.controller.shutdown()
+    finally:
+        ray.get([t.__ray_call__.remote(set_lr, lr) for t, lr in zip(trainers, lrs, strict=True)])
 
 
 @pytest.fixture(scope="module")
-def shadow(fleet):
+def shadow(fleet, reference_fleet):
     """The same actors under a second controller, in shadow mode (the in-place one shut
     down): the fleet's controller and config from then on."""
     fleet.controller.shutdown()
+    reference_fleet.hold_shadow()
     cfg = fleet.config.replace(apply="shadow", integrity={"mode": "full"})
     ctl = WeightTransferController(trainers=fleet.trainers, config=cfg,
                                    engines=list(fleet.replicas.values()))

@@ -1,11 +1,12 @@
 """Shadow mode on the reference engine: the engines serve throughout, flip, and roll back.
 
 2 FSDP2 trainer ranks -> 2 replicas x TP2 (tiny_llama), ``apply="shadow"``, integrity
-``full``, an audit log, on the ``reference-fleet`` group's actors (``tests/integration/
-conftest.py``): the group's last module, since its engines hold a shadow from the set-up
-on. Each test works from the version the fleet holds when it
-starts (the ``base`` fixture first brings every replica to one version, where they
-differ or hold none), so the tests pass alone and in any order:
+``full``, an audit log, on the ``reference-fleet`` group's actors
+(``tests/integration/conftest.py``): the group's last module (its engines hold a shadow
+from the set-up on; so may they already, from the delta module's shadow controller).
+Each test works from the version the fleet holds when it starts (the ``base`` fixture
+first brings every replica to one version, where they differ or hold none), so the tests
+pass alone and in any order:
 
 1. an update: while the writes land and are checked, every engine still serves (a
    generation runs from the ``after_transfer`` hook) and its live bytes are the old
@@ -35,6 +36,7 @@ from actors.tools.testkit.engine_bytes import engine_mismatches
 from weight_transfer.errors import UpdateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+FLEET_SHADOW_ONLY = True  # reference_fleet: engines holding a shadow already will do
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
@@ -44,7 +46,7 @@ def env(tmp_path_factory, reference_fleet):  # the group's last module: see the 
     cfg = reference_fleet.config(apply="shadow", integrity={"mode": "full"},
                                  audit_path=tmp / "audit.jsonl")
     trainers, replicas = reference_fleet.trainers, reference_fleet.replicas
-    reference_fleet.spend()  # its engines hold a shadow from the setup on
+    reference_fleet.hold_shadow()  # its engines hold a shadow from the setup on
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     ctl.setup()
     yield cfg, trainers, replicas, ctl
