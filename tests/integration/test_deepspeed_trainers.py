@@ -10,8 +10,9 @@ the plan):
 * bf16 ZeRO-3 on 2 ranks into reference engines at TP=1 and TP=2 and an FP8 one at TP=2
   (scales included): every rank's partition of each matrix goes straight from
   ``ds_tensor``, only the norms are gathered (their bytes reported apart); the
-  checkpoint the mixin writes from the partitions; ZeRO-2 as a replicated source whose
-  writes both ranks share.
+  checkpoint the mixin writes from the partitions; then ZeRO-2 as a replicated source
+  whose writes both ranks share (the same two actors, switched to a ZeRO-2 engine of a
+  new model: two DeepSpeed processes fewer to start).
 * float32 ZeRO-3 on 4 ranks with ``offload_param: cpu`` into a real vLLM at TP=2, on a
   vocabulary of 1001, so that the partitions of the embedding and the head start and end
   inside rows: the plan writes whole rows and the partial rows at the edges direct into
@@ -25,9 +26,9 @@ the plan):
 * ``wt demo --trainer deepspeed`` and ``wt bench designs --trainer deepspeed`` (p2p
   beside OpenRLHF's native) as smoke runs on one fleet of the demo's smallest shape.
 
-One fleet for the module: the two bf16 ZeRO-3 trainer actors, one TP=1 replica and one
-TP=2 replica, each with its own controller over the same trainers (the ZeRO-2 pair, the
-vLLM fleet and the demo's fleet start in their tests).
+One fleet for the module: the two bf16 ZeRO-3 trainer actors (ZeRO-2 in its last test),
+one TP=1 replica and one TP=2 replica, each with its own controller over the same trainers
+(the vLLM fleet and the demo's fleet start in their tests).
 """
 
 from __future__ import annotations
@@ -138,6 +139,22 @@ def trainer_class():
                 full = {n: p.data.detach().clone() for n, p in params.items()}
             return full if self.engine.global_rank == 0 else None
 
+        def to_zero2(self) -> int:
+            """This rank trains a new model of the same shape under ZeRO-2 (full bf16
+            parameters on every rank: a replicated source) from now on, its NICs closed
+            and the new engine attached: the module's ZeRO-2 case without starting two more
+            DeepSpeed processes. Returns the new engine's ZeRO stage."""
+            import deepspeed
+
+            self.wt_close()
+            config = {**DS_CONFIG, "zero_optimization": {"stage": 2}}
+            model = make_model()
+            self.engine, *_ = deepspeed.initialize(model=model, config=config,
+                                                   model_parameters=model.parameters())
+            self.wt_attach(model=self.engine, rank=self.engine.global_rank,
+                           world=self.engine.world_size)
+            return self.engine.zero_optimization_stage()
+
     class Float32Trainer(TestTrainer):
         """ZeRO-3 in float32 with its partitions offloaded to the host (offload_param cpu),
         on the vLLM fleet's vocabulary."""
@@ -152,36 +169,17 @@ def trainer_class():
             super(TestTrainer, self).__init__(rank, world, make_model32, config,
                                               backend="gloo")
 
-    class Zero2Trainer(TestTrainer):
-        """ZeRO-2 (full bf16 parameters on every rank): a replicated source."""
-
-        def __init__(self, rank, world, port):
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            import deepspeed
-
-            deepspeed.init_distributed("gloo")
-            config = {**DS_CONFIG, "zero_optimization": {"stage": 2}}
-            model = make_model()
-            self.engine, *_ = deepspeed.initialize(model=model, config=config,
-                                                   model_parameters=model.parameters())
-            self.wt_attach(model=self.engine, rank=rank, world=world)
-
-        def full_state_dict(self):
-            return ({n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
-                    if self.engine.global_rank == 0 else None)
-
-    return ray.remote(TestTrainer), ray.remote(Zero2Trainer), ray.remote(Float32Trainer)
+    return ray.remote(TestTrainer), ray.remote(Float32Trainer)
 
 
 @pytest.fixture(scope="module")
 def fleet(ray_job):
-    zero3, zero2, _ = trainer_class()
+    zero3, _ = trainer_class()
     with reference_engines(CONFIGS / "models" / "tiny_llama.yaml", update_timeout_s=120,
                            barrier_timeout_s=60) as (configs, engines):
         trainers = start(zero3)
         try:
-            yield configs, trainers, engines, zero2
+            yield configs, trainers, engines
         finally:
             kill(trainers)
 
@@ -193,7 +191,7 @@ def start(cls, world: int = 2):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engines_hold_the_weights_deepspeed_consolidates(fleet, tp):
-    configs, trainers, engines, _ = fleet
+    configs, trainers, engines = fleet
     cfg, replicas = configs[tp], engines[tp]
     ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
     summary = ctl.setup()
@@ -213,7 +211,7 @@ def test_engines_hold_the_weights_deepspeed_consolidates(fleet, tp):
 
 
 def test_checkpoint_holds_the_weights_deepspeed_consolidates(fleet, tmp_path):
-    _, trainers, _, _ = fleet
+    _, trainers, _ = fleet
     from safetensors.torch import load_file
 
     assert ray.get([t.wt_save_checkpoint.remote(str(tmp_path)) for t in trainers]) == [True,
@@ -224,24 +222,6 @@ def test_checkpoint_holds_the_weights_deepspeed_consolidates(fleet, tmp_path):
     assert all(torch.equal(saved[n], want[n]) for n in want)
 
 
-def test_zero2_engine_is_a_replicated_source(fleet):
-    configs, _, engines, zero2 = fleet
-    cfg, replicas = configs[1], engines[1]
-    trainers = start(zero2)
-    try:
-        assert ray.get(trainers[0].zero_stage.remote()) == 2
-        ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
-        summary = ctl.setup()
-        assert summary.gathered_bytes == 0 and summary.direct_bytes == summary.bytes_total
-        sent = list(summary.bytes_by_rank.values())
-        assert min(sent) > 0.8 * max(sent)  # the writes spread over both ranks
-        ray.get([t.train_step.remote(7) for t in trainers])
-        ctl.update(version=10)
-        assert engine_mismatches(cfg.model, trainers, replicas) == []
-    finally:
-        kill(trainers)
-
-
 def test_fp8_engines_hold_the_reference_quantization_of_deepspeed_weights(fleet):
     """An FP8 replica at TP=2 (128x128 blocks, one scale per block) fed by the ZeRO-3 ranks:
     every engine byte, weights and scales, equals the reference quantization of what
@@ -249,11 +229,27 @@ def test_fp8_engines_hold_the_reference_quantization_of_deepspeed_weights(fleet)
     holds: tiny_llama's 2 partitions split every matrix at a block edge, so every block
     goes direct and only the norms are gathered (a partition that cuts a block gathers it:
     tests/unit/test_flat_partitions.py, 3 ranks)."""
-    configs, trainers, _, _ = fleet
+    configs, trainers, _ = fleet
     with fp8_update(configs[2], trainers, version=20) as (summary, replicas):
         assert summary.gathered_bytes == NORM_BYTES * 2 and summary.gathered_params == 5
         assert summary.direct_bytes == summary.bytes_total - summary.gathered_bytes > 0
         assert engine_mismatches(configs[2].model, trainers, replicas, fp8=True) == []
+
+
+def test_zero2_engine_is_a_replicated_source(fleet):
+    """The fleet's ranks switched to ZeRO-2 (``to_zero2``: the module's last use of them,
+    its ZeRO-3 tests ran before): every rank holds every parameter, the writes spread."""
+    configs, trainers, engines = fleet
+    cfg, replicas = configs[1], engines[1]
+    assert ray.get([t.to_zero2.remote() for t in trainers]) == [2, 2]
+    ctl = WeightTransferController(trainers=trainers, engines=replicas, config=cfg)
+    summary = ctl.setup()
+    assert summary.gathered_bytes == 0 and summary.direct_bytes == summary.bytes_total
+    sent = list(summary.bytes_by_rank.values())
+    assert min(sent) > 0.8 * max(sent)  # the writes spread over both ranks
+    ray.get([t.train_step.remote(7) for t in trainers])
+    ctl.update(version=10)
+    assert engine_mismatches(cfg.model, trainers, replicas) == []
 
 
 # ------------------------------------------------------------------------ a real vLLM
@@ -283,7 +279,7 @@ def vllm_replica(ray_job, tmp_path_factory, cluster_file):
     cfg = TransferConfig.from_files(model_file, cluster_file(trainers=4, replicas=1, tp=2),
                                     update_timeout_s=120, barrier_timeout_s=60)
     _, start_path = save_checkpoint(model_file, seed=11, root=root)  # not the trainers'
-    trainers = start(trainer_class()[2], world=4)
+    trainers = start(trainer_class()[1], world=4)
     try:
         with launch_vllm_engines(cfg, str(start_path), env=ORACLE_ENV,
                                  trainers=trainers) as replicas:
