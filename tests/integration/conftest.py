@@ -59,7 +59,7 @@ from typing import Any
 
 import pytest
 import ray
-from xdist_order import group_of  # tests/
+from xdist_order import group_of, module_of  # tests/
 
 from actors.tools.demo.fleet import LOCAL_NODE_IP
 
@@ -272,7 +272,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         if _FLEET.is_open and (nextitem is None
-                               or group_of(nextitem.nodeid.split("::")[0]) != FLEET_GROUP):
+                               or group_of(module_of(nextitem.nodeid)) != FLEET_GROUP):
             _FLEET.close()
 
 
